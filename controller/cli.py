@@ -1,0 +1,51 @@
+"""`sandkeep`: one console script, one subcommand per concept, each implemented in the module named here.
+
+A command's module is imported only when that command runs, so `sandkeep ls` does not pay for kopf.
+Each module provides `add_arguments(command, parser)` and `run(command, args) -> exit code`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from controller import __version__, logs
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "retain": ("controller.standalone", "retain a finished job's directory under a root (rename, never copy)"),
+    "pin": ("controller.standalone", "pin a retained sandbox in a standalone root"),
+    "ls": ("controller.standalone", "list the sandboxes of a root with their deadlines"),
+    "sweep": ("controller.standalone", "the standalone sweep: delete expired sandboxes of one root safely"),
+    "controller": ("controller.controller", "run the cluster controller (kopf): decide keep or delete"),
+    "agent": ("controller.agent", "run the node agent: observe the node's root, delete behind the finalizer"),
+    "exec": ("controller.commands", "run a command inside a sandbox's workspace, recording its processes"),
+    "doctor": ("controller.doctor", "report what needs a person: stuck tombstones, holds, lapsing pins"),
+}
+
+
+def _parser(only: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sandkeep", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"sandkeep {__version__}")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if only is None or only == name:
+            importlib.import_module(module).add_arguments(name, p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = _parser(command if command in COMMANDS else None).parse_args(argv)
+    logs.setup(args.log_level)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    code: int = module.run(args.command, args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Names other systems depend on: the API group, annotation keys, the finalizer, reason codes, metric names.
+
+Each is defined here once and imported everywhere else; the tests check the CRDs, the chart, the alert
+rules, the dashboard and the docs against these values, so renaming one is a visible, deliberate change.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+# --- The API -------------------------------------------------------------------------------------------
+GROUP = "sandkeep.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+SANDBOX_KIND = "RetainedSandbox"
+SANDBOX_PLURAL = "retainedsandboxes"
+SANDBOX_SINGULAR = "retainedsandbox"
+SANDBOX_SHORT = "rsb"
+POLICY_KIND = "SandboxPolicy"
+POLICY_PLURAL = "sandboxpolicies"
+POLICY_SINGULAR = "sandboxpolicy"
+CATEGORY = "sandkeep"
+
+# --- Annotations, labels, finalizer, leases ------------------------------------------------------------
+ANN_PIN_UNTIL = f"{GROUP}/pin-until"  # RFC 3339 instant; a valid one wins over every other deadline
+ANN_PIN_FOR = f"{GROUP}/pin-for"  # a duration; the controller turns it into pin-until once and removes it
+ANN_PINNED_AT = f"{GROUP}/pinned-at"  # when the pin was set: the reference the maxPin cap counts from
+
+LABEL_NODE = f"{GROUP}/node"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "sandkeep"
+
+FINALIZER = f"{GROUP}/disk"  # owned by the node agent alone; the controller never adds one
+
+CONTROLLER_LEASE = "sandkeep-controller"
+AGENT_LEASE_PREFIX = "sandkeep-agent-"  # + node name: the per-node heartbeat
+
+# --- On disk -------------------------------------------------------------------------------------------
+MANIFEST_NAME = "manifest.json"
+WORKSPACE_DIR = "workspace"
+COMMANDS_DIR = ".commands"
+LOCK_NAME = ".sandkeep.lock"
+TOMBSTONE_PREFIX = ".reap-"
+
+
+class Phase(StrEnum):
+    """`status.phase` of a RetainedSandbox (the CRD's enum is generated from this)."""
+
+    RETAINED = "Retained"
+    PINNED = "Pinned"
+    HELD = "Held"
+    EXPIRED = "Expired"
+    DELETING = "Deleting"
+    STUCK = "Stuck"
+    LOST = "Lost"
+
+
+class DeadlineSource(StrEnum):
+    """Which input decided a sandbox's deadline."""
+
+    PIN = "pin"
+    RETAIN = "retain"
+    WINDOW = "window"
+    NONE = "none"  # no usable createdAt: expired
+
+
+class Reason(StrEnum):
+    """Stable reason codes: the same string in logs, Events, status conditions and metric labels.
+
+    CamelCase because Kubernetes condition reasons must match `^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$`.
+    One grep for a code finds every place a decision of that family was taken.
+    """
+
+    # decisions of the one rule
+    RETAINED = "Retained"
+    PINNED = "Pinned"
+    UNPINNED = "Unpinned"
+    PIN_CAPPED = "PinCapped"
+    PIN_EXPIRED = "PinExpired"
+    INVALID_PIN = "InvalidPin"
+    WINDOW = "Window"
+    RETAIN_UNTIL = "RetainUntil"
+    NO_CREATED_AT = "NoCreatedAt"
+    EXPIRED = "Expired"
+    DELETE_REQUESTED = "DeleteRequested"
+    WOULD_DELETE = "WouldDelete"
+    CONFLICT = "Conflict"
+    HELD = "Held"
+    LOST = "Lost"
+    NODE_GONE = "NodeGone"
+    POLICY_CEILING = "PolicyCeiling"
+    # what disk reads can say
+    MANIFEST_UNREAD = "ManifestUnread"  # transient: EMFILE, EIO, ... held this pass
+    MANIFEST_UNPARSED = "ManifestUnparsed"
+    MANIFEST_UNREADABLE = "ManifestUnreadable"
+    MANIFEST_ABSENT = "ManifestAbsent"
+    MANIFEST_CHANGED = "ManifestChanged"
+    MANIFEST_MISMATCH = "ManifestMismatch"  # names a namespace/name other than the path it sits under
+    NOT_A_DIRECTORY = "NotADirectory"
+    SYMLINK = "Symlink"
+    BAD_NAME = "BadName"
+    NAMESPACE_MISSING = "NamespaceMissing"
+    PATH_OUTSIDE_ROOT = "PathOutsideRoot"
+    ROOT_FOREIGN_OWNER = "RootForeignOwner"
+    ROOT_LOCKED = "RootLocked"
+    # the delete path
+    TOMBSTONED = "Tombstoned"
+    RESTORED = "Restored"
+    DELETED = "Deleted"
+    RENAME_FAILED = "RenameFailed"
+    DELETE_FAILED = "DeleteFailed"
+    TOMBSTONE_STUCK = "TombstoneStuck"
+    TOMBSTONE_LEFTOVER = "TombstoneLeftover"
+    TOMBSTONE_FOREIGN = "TombstoneForeign"
+    TOMBSTONE_PINNED = "TombstonePinned"
+    CROSS_DEVICE = "CrossDevice"
+    # processes
+    IN_USE = "InUse"
+    IN_USE_UNKNOWN = "InUseUnknown"
+    POD_MOUNT = "PodMount"
+    ORPHAN_REAPED = "OrphanReaped"
+    ORPHAN_SURVIVOR = "OrphanSurvivor"
+    # agent bookkeeping
+    ADOPTED = "Adopted"
+    AGENT_STALE = "AgentStale"
+
+
+# --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------
+# controller
+M_SANDBOXES = "sandkeep_sandboxes"  # gauge {phase, node}
+M_DELETIONS_REQUESTED = "sandkeep_deletions_requested_total"  # counter {reason}
+M_EXPIRY_LAG = "sandkeep_expiry_lag_seconds"  # histogram: deadline -> delete request
+M_RECONCILE_ERRORS = "sandkeep_reconcile_errors_total"  # counter {component}
+M_PINS_ACTIVE = "sandkeep_pins_active"  # gauge
+M_LEADER = "sandkeep_controller_leader"  # gauge 1 on the acting replica
+# agent (every series carries {node})
+M_AGENT_SANDBOXES = "sandkeep_agent_sandboxes"  # gauge {node, phase}
+M_RETAINED_BYTES = "sandkeep_retained_bytes"  # gauge {node, phase}
+M_TOMBSTONES = "sandkeep_tombstones"  # gauge {node}
+M_TOMBSTONES_STUCK = "sandkeep_tombstones_stuck"  # gauge {node}
+M_TOMBSTONE_STUCK_OLDEST = "sandkeep_tombstone_stuck_oldest_seconds"  # gauge {node}
+M_DELETIONS = "sandkeep_deletions_total"  # counter {node, reason}
+M_DELETION_FAILURES = "sandkeep_deletion_failures_total"  # counter {node, reason}
+M_DELETION_DURATION = "sandkeep_deletion_duration_seconds"  # histogram {node}
+M_SCAN_DURATION = "sandkeep_scan_duration_seconds"  # histogram {node}
+M_IN_USE_HOLDS = "sandkeep_in_use_holds"  # gauge {node}
+M_INVALID_ENTRIES = "sandkeep_invalid_entries"  # gauge {node, reason}
+M_ROOT_SIZE = "sandkeep_root_filesystem_size_bytes"  # gauge {node}
+M_ROOT_AVAIL = "sandkeep_root_filesystem_avail_bytes"  # gauge {node}
+M_HEARTBEAT = "sandkeep_agent_heartbeat_timestamp_seconds"  # gauge {node}

@@ -1,0 +1,82 @@
+"""Parsing of human input: durations (`90m`, `72h`, `3d`, `2w`, `1h30m`) and RFC 3339 instants.
+
+Neither parser raises: each returns the value or an `Invalid` that says what was wrong, so bad input
+from an annotation, a manifest or a flag becomes a condition or a message, never a crash.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+_UNITS = {"w": timedelta(weeks=1), "d": timedelta(days=1), "h": timedelta(hours=1),
+          "m": timedelta(minutes=1), "s": timedelta(seconds=1)}  # fmt: skip
+_DURATION = re.compile(r"^(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+# A bound well inside datetime's range, so `now + duration` can never overflow.
+MAX_DURATION = timedelta(days=100 * 365)
+# RFC 3339 date-time: a 'T' (or space), seconds present, optional fraction, and an explicit zone.
+_INSTANT = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:[Zz]|[+-]\d{2}:\d{2})$")
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """Input that could not be parsed: the text as given and why, in words a person can act on."""
+
+    text: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.text!r}: {self.why}"
+
+
+def parse_duration(text: object) -> timedelta | Invalid:
+    """`90m`, `72h`, `3d`, `2w`, `1h30m`, `45s` or `0` -> timedelta; anything else -> Invalid."""
+    raw = str(text).strip() if text is not None else ""
+    if raw == "0":
+        return timedelta(0)
+    match = _DURATION.match(raw.lower())
+    if not raw or not match or not any(match.groups()):
+        return Invalid(raw, "not a duration; use a number with a unit: 90m, 72h, 3d, 2w (or 1h30m)")
+    total = timedelta(0)
+    for amount, unit in zip(match.groups(), "wdhms", strict=True):
+        if amount is not None:
+            if len(amount) > 9:
+                return Invalid(raw, f"too large; at most {MAX_DURATION.days}d")
+            total += int(amount) * _UNITS[unit]
+    if total > MAX_DURATION:
+        return Invalid(raw, f"too large; at most {MAX_DURATION.days}d")
+    return total
+
+
+def parse_instant(text: object) -> datetime | Invalid:
+    """An RFC 3339 date-time with an explicit zone (`2026-12-01T10:00:00Z`) -> aware UTC datetime."""
+    raw = str(text).strip() if text is not None else ""
+    if not _INSTANT.match(raw):
+        return Invalid(raw, "not an RFC 3339 time with a zone, e.g. 2026-12-01T10:00:00Z")
+    body = raw.replace("z", "Z").replace("t", "T")
+    # Python takes at most 6 fractional digits; RFC 3339 allows more (Kubernetes writes up to 9).
+    body = re.sub(r"(\.\d{6})\d+", r"\1", body)
+    try:
+        return datetime.fromisoformat(body).astimezone(UTC)
+    except ValueError as err:
+        return Invalid(raw, f"not a real date or time ({err})")
+
+
+def format_instant(when: datetime) -> str:
+    """The canonical form sandkeep writes: UTC, whole seconds, `Z`."""
+    return when.astimezone(UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def format_duration(delta: timedelta) -> str:
+    """A short human form (`3d4h`, `12m`, `-5s`) for tables and messages."""
+    seconds = int(delta.total_seconds())
+    sign, seconds = ("-", -seconds) if seconds < 0 else ("", seconds)
+    parts: list[str] = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size or (unit == "s" and not parts):
+            amount, seconds = divmod(seconds, size)
+            parts.append(f"{amount}{unit}")
+        if len(parts) == 2:
+            break
+    return sign + "".join(parts)
