@@ -1,0 +1,119 @@
+"""Prometheus metrics of both components, and the small HTTP server that exposes them with health.
+
+Each component gets its own registry (`ControllerMetrics`, `AgentMetrics`), so a test can run a
+controller and two agents in one process and read each one's numbers apart. Names come from
+`contracts`; the alert rules and the dashboard are checked against them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from controller import contracts as c
+
+# Deletions of a real tree take from milliseconds to minutes; lag is seconds unless something is wrong.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+LAG_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 900)
+
+
+class ControllerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.sandboxes = Gauge(c.M_SANDBOXES, "RetainedSandboxes by phase and node.", ["phase", "node"], registry=r)
+        self.deletions_requested = Counter(
+            c.M_DELETIONS_REQUESTED, "DELETE requests issued for expired sandboxes, by reason.", ["reason"], registry=r
+        )
+        self.expiry_lag = Histogram(
+            c.M_EXPIRY_LAG, "Seconds from a sandbox's deadline to its delete request.", buckets=LAG_BUCKETS, registry=r
+        )
+        self.reconcile_errors = Counter(
+            c.M_RECONCILE_ERRORS, "Reconcile attempts that failed, by component.", ["component"], registry=r
+        )
+        self.pins_active = Gauge(c.M_PINS_ACTIVE, "Sandboxes with a valid, unexpired pin.", registry=r)
+        self.leader = Gauge(c.M_LEADER, "1 while this replica holds the leader lease and acts.", registry=r)
+
+
+class AgentMetrics:
+    """Every series carries the node's name, so one dashboard and one rule set cover every node."""
+
+    def __init__(self, node: str, registry: CollectorRegistry | None = None) -> None:
+        self.node = node
+        self.registry = registry or CollectorRegistry()
+        gauge = partial(Gauge, registry=self.registry)
+        counter = partial(Counter, registry=self.registry)
+        node_, by_phase, by_reason = ["node"], ["node", "phase"], ["node", "reason"]
+        self.sandboxes = gauge(c.M_AGENT_SANDBOXES, "Sandboxes on this node's disk by phase.", by_phase)
+        self.retained_bytes = gauge(c.M_RETAINED_BYTES, "Bytes retained on this node by phase.", by_phase)
+        self.tombstones = gauge(c.M_TOMBSTONES, "Tombstones in this node's root.", node_)
+        self.tombstones_stuck = gauge(c.M_TOMBSTONES_STUCK, "Tombstones past the stuck threshold.", node_)
+        self.tombstone_stuck_oldest = gauge(
+            c.M_TOMBSTONE_STUCK_OLDEST, "Age in seconds of the oldest stuck tombstone (0 when none).", node_
+        )
+        self.deletions = counter(c.M_DELETIONS, "Directories deleted from disk, by reason.", by_reason)
+        self.deletion_failures = counter(c.M_DELETION_FAILURES, "Deletion attempts that failed, by reason.", by_reason)
+        self.deletion_duration = Histogram(
+            c.M_DELETION_DURATION, "Seconds to delete one tombstone.", node_, buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )  # fmt: skip
+        self.scan_duration = Histogram(
+            c.M_SCAN_DURATION, "Seconds for one scan of the root (without sizes).", node_, buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )  # fmt: skip
+        self.in_use_holds = gauge(c.M_IN_USE_HOLDS, "Sandboxes held because something uses them.", node_)
+        self.invalid_entries = gauge(c.M_INVALID_ENTRIES, "Root entries that are not valid sandboxes.", by_reason)
+        self.root_size = gauge(c.M_ROOT_SIZE, "Size of the filesystem holding the root.", node_)
+        self.root_avail = gauge(c.M_ROOT_AVAIL, "Bytes available on the filesystem holding the root.", node_)
+        self.heartbeat = gauge(c.M_HEARTBEAT, "Unix time of the agent's last completed pass.", node_)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    registry: CollectorRegistry
+    healthy: Callable[[], bool]
+    ready: Callable[[], bool]
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._send(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+        elif path in ("/healthz", "/livez"):
+            ok = type(self).healthy()
+            self._send(200 if ok else 503, b"ok\n" if ok else b"unhealthy\n")
+        elif path == "/readyz":
+            ok = type(self).ready()
+            self._send(200 if ok else 503, b"ok\n" if ok else b"not ready\n")
+        else:
+            self._send(404, b"not found\n")
+
+    def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes every 15 s would drown the log
+        return
+
+
+def serve(
+    registry: CollectorRegistry,
+    port: int,
+    host: str = "127.0.0.1",
+    healthy: Callable[[], bool] = lambda: True,
+    ready: Callable[[], bool] = lambda: True,
+) -> ThreadingHTTPServer:
+    """Serve /metrics, /healthz and /readyz on host:port (0 = any free port; read `server_port`)."""
+    handler = type(
+        "Handler", (_Handler,), {"registry": registry, "healthy": staticmethod(healthy), "ready": staticmethod(ready)}
+    )
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
