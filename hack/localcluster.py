@@ -1,0 +1,592 @@
+"""A real local control plane: etcd and kube-apiserver on loopback, built from the pinned Go tools.
+
+One implementation used by the tests (`tests/conftest.py`), the demo (`hack/demo.py`) and people
+(`make cluster`, which runs this file). It starts etcd and kube-apiserver on free 127.0.0.1 ports with
+certificates made on the fly by the `openssl` CLI, RBAC authorization and a service-account issuer (so
+TokenRequest and impersonation work), waits for `/readyz`, keeps each component's log in a file, and
+stops every process it started by pid. No kube-controller-manager runs: namespaces that are deleted stay
+Terminating, no Pod is created for a Deployment, no `default` ServiceAccount appears in a namespace.
+
+    from localcluster import LocalCluster, tools_bin
+    with LocalCluster() as cluster:
+        cluster.kubectl("get", "namespaces")
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import base64
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = ("kube-apiserver", "kubectl", "etcd", "helm", "promtool")
+CLUSTER_TOOLS = ("kube-apiserver", "etcd", "kubectl")
+KEEP_DIR_ENV = "SANDKEEP_KEEP_CLUSTER_DIR"
+# Allocation only: no kube-proxy runs, so nothing ever routes to a Service IP from this range.
+SERVICE_CIDR = "10.0.0.0/24"
+SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+LOG_TAIL_LINES = 60
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+class ClusterError(RuntimeError):
+    """The control plane could not be started or used; the message says why and carries component logs."""
+
+
+class ToolsMissingError(ClusterError):
+    """A Go tool is not built: the message names it and says to run `make tools`."""
+
+
+class KubectlError(subprocess.CalledProcessError):
+    """`kubectl` exited non-zero; str() shows the command and what kubectl printed on stderr."""
+
+    def __str__(self) -> str:
+        return f"kubectl {' '.join(self.cmd[1:])} exited {self.returncode}: {(self.stderr or '').strip()}"
+
+
+def tools_dir() -> Path:
+    """Where `hack/tools/build.sh` puts the tools: `$SANDKEEP_TOOLS_DIR/bin`, default `<repo>/.cache/tools/bin`."""
+    return Path(os.environ.get("SANDKEEP_TOOLS_DIR") or REPO / ".cache" / "tools") / "bin"
+
+
+def tools_bin(required: Sequence[str] = TOOLS) -> Path:
+    """The tools bin dir, after checking every required tool is there and executable.
+
+    Raises instead of returning a partial directory, so a test that needs the control plane fails
+    with the reason (never skips) on a machine where the tools were not built.
+    """
+    bin_dir = tools_dir()
+    missing = [t for t in required if not os.access(bin_dir / t, os.X_OK)]
+    if missing:
+        raise ToolsMissingError(
+            f"tools not built: {', '.join(missing)} missing from {bin_dir}; "
+            "run `make tools` (hack/tools/build.sh) or set SANDKEEP_TOOLS_DIR to a built cache"
+        )
+    return bin_dir
+
+
+def kube_version() -> str:
+    """The Kubernetes version the tools are pinned to (and stamped with), read from the kube wrapper's go.mod."""
+    for line in (REPO / "hack" / "tools" / "kube" / "go.mod").read_text().splitlines():
+        words = line.split()
+        if len(words) >= 3 and words[0] == "require" and words[1] == "k8s.io/kubernetes":
+            return words[2]
+        if len(words) >= 2 and words[0] == "k8s.io/kubernetes" and words[1].startswith("v"):
+            return words[1]
+    raise ClusterError("k8s.io/kubernetes is not required in hack/tools/kube/go.mod")
+
+
+def free_port() -> int:
+    """A port that is free on 127.0.0.1 right now (the start retries if another process takes it first)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: if the launching thread dies (SIGKILL of pytest, a crash)
+    # the kernel sends the component SIGKILL, so no etcd or apiserver outlives a killed test run.
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 200 * lines))
+            data = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return "(no log yet)"
+    return "\n".join(data.splitlines()[-lines:])
+
+
+@dataclass
+class Component:
+    """One process the cluster started: its name, Popen handle and log file."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    _log_file: IO[bytes] | None = field(default=None, repr=False)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group this component leads, wait, then SIGKILL it.
+
+        Only a group we created (start_new_session=True makes pgid == pid) and only while the leader is
+        unreaped: once waited for, the pid could be reused by an unrelated process.
+        """
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+class LocalCluster:
+    """etcd + kube-apiserver on 127.0.0.1, with an admin kubeconfig, as a context manager.
+
+    `workdir` is the parent of the cluster's own temporary directory (default: the system temp dir);
+    everything the cluster writes (certificates, kubeconfigs, etcd data, logs) lands in that directory,
+    which `stop()` removes unless the cluster failed and SANDKEEP_KEEP_CLUSTER_DIR is set.
+    """
+
+    def __init__(self, workdir: Path | str | None = None, tools_bin: Path | str | None = None) -> None:
+        self._parent = Path(workdir) if workdir is not None else None
+        self._tools_bin = Path(tools_bin) if tools_bin is not None else None
+        self.dir: Path | None = None
+        self.components: list[Component] = []
+        self.server = ""
+        self.etcd_url = ""
+        self.startup_seconds: float | None = None
+        self.failed = False
+        self._lock = threading.Lock()
+
+    # --- paths ----------------------------------------------------------------------------------------
+    def _path(self, name: str) -> Path:
+        if self.dir is None:
+            raise ClusterError("the cluster is not started")
+        return self.dir / name
+
+    @property
+    def bin(self) -> Path:
+        """The tools bin dir this cluster runs kube-apiserver, etcd and kubectl from."""
+        if self._tools_bin is None:
+            self._tools_bin = tools_bin(CLUSTER_TOOLS)
+        return self._tools_bin
+
+    @property
+    def kubeconfig(self) -> Path:
+        """The admin kubeconfig (client certificate in group system:masters)."""
+        return self._path("admin.kubeconfig")
+
+    @property
+    def ca_file(self) -> Path:
+        """The CA that signed the serving and client certificates."""
+        return self._path("pki/ca.crt")
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is not None:
+            self.failed = True
+        self.stop()
+
+    def start(self, timeout: float = 90.0, attempts: int = 3) -> None:
+        """Start etcd and kube-apiserver and return once `/readyz` says ready.
+
+        Free ports are picked before the processes bind them, so another process can take one first;
+        a start that fails on a port already in use is retried with new ports, anything else raises
+        ClusterError with the component logs. On any failure every started process is stopped.
+        """
+        if self.components:
+            raise ClusterError("the cluster is already started")
+        began = time.monotonic()
+        tools = self.bin
+        for name in CLUSTER_TOOLS:
+            if not os.access(tools / name, os.X_OK):
+                raise ToolsMissingError(f"{tools / name} is not an executable; run `make tools`")
+        if self._parent is not None:
+            self._parent.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="sandkeep-cluster-", dir=self._parent))
+        atexit.register(self.stop)
+        try:
+            self._make_pki()
+            for attempt in range(1, attempts + 1):
+                try:
+                    self._start_once(timeout)
+                    break
+                except ClusterError as e:
+                    if attempt == attempts or "address already in use" not in str(e):
+                        raise
+                    self._stop_components()
+        except BaseException:
+            self.failed = True
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - began
+
+    def _start_once(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        data = self._path("etcd-data")
+        shutil.rmtree(data, ignore_errors=True)
+        client, peer, secure = free_port(), free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        self._spawn(
+            "etcd",
+            [
+                "--name=sandkeep",
+                f"--data-dir={data}",
+                f"--listen-client-urls={self.etcd_url}",
+                f"--advertise-client-urls={self.etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=sandkeep={peer_url}",
+                "--initial-cluster-state=new",
+                # Test data is thrown away: skipping fsync makes every write (and the start) much faster.
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )
+        self._await("etcd", f"{self.etcd_url}/health", deadline, tls=False)
+        pki = self._path("pki")
+        self.server = f"https://127.0.0.1:{secure}"
+        self._spawn(
+            "kube-apiserver",
+            [
+                f"--etcd-servers={self.etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={secure}",
+                f"--tls-cert-file={pki / 'server.crt'}",
+                f"--tls-private-key-file={pki / 'server.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                "--authorization-mode=Node,RBAC",
+                "--anonymous-auth=false",
+                f"--service-account-issuer={SA_ISSUER}",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                f"--api-audiences={SA_ISSUER}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                # ServiceAccount admission rejects every Pod whose ServiceAccount does not exist, and
+                # without kube-controller-manager no namespace ever gets its `default` one.
+                "--disable-admission-plugins=ServiceAccount",
+                "--allow-privileged=true",
+                # The `kubernetes` Service's Endpoints may not hold a loopback address: the default lease
+                # reconciler would log a validation error every few seconds, so it is off.
+                "--endpoint-reconciler-type=none",
+                f"--cert-dir={pki}",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        self._await("kube-apiserver", f"{self.server}/readyz", deadline, tls=True)
+        self._write_kubeconfig(self.kubeconfig, {"client-certificate": "admin.crt", "client-key": "admin.key"})
+
+    def stop(self) -> None:
+        """Stop every process this cluster started (apiserver first) and remove its directory.
+
+        Safe to call more than once and from atexit. The directory is kept when the cluster failed and
+        SANDKEEP_KEEP_CLUSTER_DIR is set, so the logs and etcd data can be read afterwards.
+        """
+        with self._lock:
+            self._stop_components()
+            atexit.unregister(self.stop)
+            if self.dir is not None and self.dir.exists():
+                if self.failed and os.environ.get(KEEP_DIR_ENV):
+                    print(f"localcluster: kept {self.dir} ({KEEP_DIR_ENV} is set)", file=sys.stderr)
+                else:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _stop_components(self) -> None:
+        for component in reversed(self.components):
+            component.stop()
+        self.components.clear()
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = self._path(f"{name}.log")
+        log_file = log.open("ab")
+        preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
+        proc = subprocess.Popen(
+            [str(self.bin / name), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec,
+            cwd=self.dir,
+        )
+        self.components.append(Component(name, proc, log, log_file))
+
+    def _await(self, name: str, url: str, deadline: float, *, tls: bool) -> None:
+        """Poll a health URL until it answers 200; fail fast with the logs if the component exits."""
+        context = self._ssl_context(client_cert=True) if tls else None
+        last = ""
+        while True:
+            component = next(c for c in self.components if c.name == name)
+            if component.proc.poll() is not None:
+                raise ClusterError(f"{name} exited with {component.proc.returncode}\n{self.logs()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2, context=context) as response:
+                    if response.status == 200:
+                        return
+            except urllib.error.HTTPError as e:
+                last = f"{e.code} {e.read().decode(errors='replace')[-2000:]}"
+            except (urllib.error.URLError, OSError) as e:
+                last = str(e)
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{name} not ready at {url} in time (last answer: {last})\n{self.logs()}")
+            time.sleep(0.1)
+
+    # --- certificates and kubeconfigs ------------------------------------------------------------------
+    def _make_pki(self) -> None:
+        """A CA, the apiserver's serving cert (127.0.0.1, localhost), an admin client cert, the SA key pair.
+
+        EC P-256 keys: generated in milliseconds, where RSA would add about a second to every start.
+        The extensions satisfy strict X.509 verification (key usage, AKI/SKI), which Python's ssl and
+        Go's crypto/tls both apply.
+        """
+        pki = self._path("pki")
+        pki.mkdir(mode=0o700)
+
+        def openssl(*args: str) -> None:
+            result = subprocess.run(["openssl", *args], cwd=pki, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise ClusterError(f"openssl {' '.join(args)} failed: {result.stderr.strip()}")
+
+        for key in ("ca", "server", "admin", "sa"):
+            openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", f"{key}.key")
+        openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub")
+        (pki / "ext.cnf").write_text(
+            "[req]\ndistinguished_name=dn\n[dn]\n"
+            "[ca]\nbasicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign,cRLSign,digitalSignature\n"
+            "subjectKeyIdentifier=hash\n"
+            "[server]\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+            "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n"
+            "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
+            "[client]\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+            "extendedKeyUsage=clientAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
+        )
+        openssl(
+            "req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=sandkeep-local-ca", "-days", "3650",
+            "-config", "ext.cnf", "-extensions", "ca", "-out", "ca.crt",
+        )  # fmt: skip
+        for name, subject, section in (
+            ("server", "/CN=kube-apiserver", "server"),
+            ("admin", "/O=system:masters/CN=sandkeep-admin", "client"),
+        ):
+            openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-config", "ext.cnf", "-out", f"{name}.csr")
+            openssl(
+                "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-set_serial", str(int.from_bytes(os.urandom(8), "big") | 1), "-days", "365",
+                "-extfile", "ext.cnf", "-extensions", section, "-out", f"{name}.crt",
+            )  # fmt: skip
+
+    def _ssl_context(self, *, client_cert: bool) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        if client_cert:
+            pki = self._path("pki")
+            context.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+        return context
+
+    def _write_kubeconfig(self, path: Path, user: dict[str, str]) -> Path:
+        """Write a kubeconfig for this server; certificate files named in `user` are embedded as data.
+
+        Self-contained (no paths into the cluster dir), so it still works when copied or read from
+        another working directory, and JSON, which every kubeconfig reader accepts as YAML.
+        """
+        pki = self._path("pki")
+        embedded = {}
+        for key, value in user.items():
+            if key in ("client-certificate", "client-key"):
+                embedded[f"{key}-data"] = base64.b64encode((pki / value).read_bytes()).decode()
+            else:
+                embedded[key] = value
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "sandkeep-local",
+                    "cluster": {
+                        "server": self.server,
+                        "certificate-authority-data": base64.b64encode(self.ca_file.read_bytes()).decode(),
+                    },
+                }
+            ],
+            "users": [{"name": "user", "user": embedded}],
+            "contexts": [{"name": "sandkeep-local", "context": {"cluster": "sandkeep-local", "user": "user"}}],
+            "current-context": "sandkeep-local",
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f, indent=2)
+        return path
+
+    def kubeconfig_for_token(self, token: str, path: Path | str) -> Path:
+        """Write a kubeconfig at `path` that authenticates with a bearer token (e.g. a ServiceAccount's)."""
+        return self._write_kubeconfig(Path(path), {"token": token})
+
+    # --- using it -------------------------------------------------------------------------------------
+    def kubectl(
+        self,
+        *args: str,
+        check: bool = True,
+        input: str | None = None,
+        as_user: str | None = None,
+        kubeconfig: Path | str | None = None,
+        timeout: float = 60.0,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the built kubectl against this cluster (as admin unless `kubeconfig` is given).
+
+        `as_user` impersonates (`--as`), e.g. `system:serviceaccount:NS:NAME`; the apiserver then adds
+        the ServiceAccount's groups itself, as the real token would. Raises KubectlError (with kubectl's
+        stderr) on a non-zero exit when `check` is true.
+        """
+        cmd = [str(self.bin / "kubectl"), f"--kubeconfig={kubeconfig or self.kubeconfig}"]
+        if as_user is not None:
+            cmd.append(f"--as={as_user}")
+        cmd.extend(args)
+        result = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise KubectlError(result.returncode, cmd, result.stdout, result.stderr)
+        return result
+
+    def kubectl_json(self, *args: str, **kwargs: Any) -> Any:
+        """`kubectl ... -o json`, parsed."""
+        return json.loads(self.kubectl(*args, "-o", "json", **kwargs).stdout)
+
+    def apply(self, manifest: str | dict[str, Any] | list[dict[str, Any]], *args: str) -> str:
+        """`kubectl apply -f -` of a YAML/JSON string or of objects; returns kubectl's output."""
+        if not isinstance(manifest, str):
+            items = manifest if isinstance(manifest, list) else [manifest]
+            manifest = json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+        return self.kubectl("apply", "-f", "-", *args, input=manifest).stdout
+
+    def token_for(self, namespace: str, serviceaccount: str, audience: str | None = None, duration: str = "1h") -> str:
+        """A real, signed token for an existing ServiceAccount, from the TokenRequest API."""
+        args = ["create", "token", serviceaccount, "-n", namespace, f"--duration={duration}"]
+        if audience is not None:
+            args.append(f"--audience={audience}")
+        return self.kubectl(*args).stdout.strip()
+
+    def create_node(self, name: str, *, ready: bool = False, labels: dict[str, str] | None = None) -> dict[str, Any]:
+        """Create a real Node object (no kubelet behind it), optionally with a Ready=True condition.
+
+        Agents need real node names: field selectors on spec.nodeName, owner references and the
+        Node authorizer all look the Node up. Ready is written through the status subresource, as a
+        kubelet would; nothing keeps it fresh, and nothing marks it NotReady either.
+        """
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+        }
+        self.kubectl("create", "-f", "-", input=json.dumps(node))
+        if ready:
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            condition = {
+                "type": "Ready",
+                "status": "True",
+                "reason": "KubeletReady",
+                "message": "sandkeep localcluster: no kubelet, marked ready by hand",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+            patch = {"status": {"conditions": [condition]}}
+            self.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
+        result: dict[str, Any] = self.kubectl_json("get", "node", name)
+        return result
+
+    def api_client(self) -> Any:
+        """A `kubernetes.client.ApiClient` authenticated as admin (the caller closes it)."""
+        from kubernetes import config  # imported here: the CLI and tools_bin() do not need the client
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def metrics_text(self) -> str:
+        """kube-apiserver's Prometheus /metrics, read as admin."""
+        return self.kubectl("get", "--raw", "/metrics").stdout
+
+    def logs(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last `lines` lines of each component's log, one headed block per component."""
+        if self.dir is None:
+            return "(cluster not started: no logs)"
+        blocks = []
+        for name in ("etcd", "kube-apiserver"):
+            path = self.dir / f"{name}.log"
+            blocks.append(f"----- {name} ({path}), last {lines} lines -----\n{_tail(path, lines)}")
+        return "\n".join(blocks)
+
+    def pids(self) -> list[int]:
+        """The pids of the processes this cluster started and has not stopped."""
+        return [c.proc.pid for c in self.components if c.proc.poll() is None]
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Turn SIGTERM (and SIGHUP) into SystemExit so `with LocalCluster()` stops everything on them too."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`make cluster`: start a control plane, print how to use it, wait for Ctrl-C, stop it."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--workdir", type=Path, help="parent of the cluster's temp dir (default: system temp)")
+    parser.add_argument("--node", action="append", default=[], help="create a Ready Node of this name (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        bin_dir = tools_bin()
+    except ToolsMissingError as e:
+        print(f"localcluster: {e}", file=sys.stderr)
+        return 2
+    with _signals_raise():
+        try:
+            with LocalCluster(args.workdir, bin_dir) as cluster:
+                for node in args.node:
+                    cluster.create_node(node, ready=True)
+                print(f"# local control plane ready in {cluster.startup_seconds:.1f}s: {cluster.server}")
+                print(f"# etcd {cluster.etcd_url}, pids {' '.join(map(str, cluster.pids()))}, dir {cluster.dir}")
+                print(f"export KUBECONFIG={cluster.kubeconfig}")
+                print(f'export PATH="{bin_dir}:$PATH"   # the built kubectl, helm and promtool')
+                print("# then e.g.: kubectl get --raw /version; kubectl get namespaces")
+                print("# Ctrl-C stops etcd and kube-apiserver and removes the directory.", flush=True)
+                while all(c.proc.poll() is None for c in cluster.components):
+                    time.sleep(0.5)
+                cluster.failed = True
+                print(f"localcluster: a component exited\n{cluster.logs()}", file=sys.stderr)
+                return 1
+        except KeyboardInterrupt:
+            print("\nlocalcluster: stopped", file=sys.stderr)
+            return 130
+        except ClusterError as e:
+            print(f"localcluster: {e}", file=sys.stderr)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

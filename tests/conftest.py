@@ -1,0 +1,101 @@
+"""pytest integration of the real local control plane (hack/localcluster.py).
+
+- `cluster`: one LocalCluster per xdist worker, started the first time a test asks for it and stopped
+  at the end of the session; a test that uses it is marked `cluster` automatically, and when it fails
+  the components' log tails are attached to its report.
+- `namespace`: a fresh namespace per test (isolation on the shared cluster), deleted without waiting.
+- `kubectl`: the cluster's `kubectl(*args, check=True, input=None, as_user=None, kubeconfig=None)`.
+- `tools`: the built tools' bin dir; fails (never skips) with the reason when they are not built.
+
+The tools' bin dir is put first on PATH for the whole session, so subprocesses find the real kubectl,
+helm and promtool rather than whatever else is installed (/usr/bin/kubectl here is a stub).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import sys
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+from subprocess import CompletedProcess
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hack"))
+
+from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin, tools_dir
+
+_CLUSTER_KEY = pytest.StashKey[LocalCluster]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Only the path is put on PATH here: whether the tools exist is checked by the fixtures, so the
+    # unit tests still run (and the cluster tests fail with the reason) on a machine without them.
+    os.environ["PATH"] = f"{tools_dir()}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # `fixturenames` is the transitive closure, so a test that only asks for `namespace` is marked too.
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    # A failing test that used the control plane gets its components' log tails in its report (shown
+    # with the failure, carried back from xdist workers), and the cluster dir is kept at the end of the
+    # session when SANDKEEP_KEEP_CLUSTER_DIR is set.
+    report: pytest.TestReport = yield
+    cluster = item.session.stash.get(_CLUSTER_KEY, None)
+    if report.failed and cluster is not None and "cluster" in getattr(item, "fixturenames", ()):
+        cluster.failed = True
+        report.sections.append(("local control plane logs", cluster.logs()))
+    return report
+
+
+@pytest.fixture(scope="session")
+def tools() -> Path:
+    """The bin dir of the built Go tools (kube-apiserver, kubectl, etcd, helm, promtool)."""
+    return tools_bin()
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A running etcd + kube-apiserver for this worker; stopped (by pid) at the end of the session."""
+    local = LocalCluster(tmp_path_factory.mktemp("cluster"), tools_bin(CLUSTER_TOOLS))
+    local.start()
+    request.session.stash[_CLUSTER_KEY] = local
+    print(f"\nlocal control plane {local.server} ready in {local.startup_seconds:.1f}s", file=sys.stderr)
+    try:
+        yield local
+    finally:
+        del request.session.stash[_CLUSTER_KEY]
+        local.stop()
+
+
+def _namespace_name(test_name: str) -> str:
+    short = re.sub(r"[^a-z0-9]+", "-", test_name.lower().removeprefix("test_"))[:40].strip("-")
+    return f"t-{short}-{secrets.token_hex(3)}"
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator[str]:
+    """A new namespace `t-<test name>-<random>`, deleted (without waiting) after the test.
+
+    Without kube-controller-manager a deleted namespace stays Terminating: the name is unique per
+    test, so nothing ever waits for it.
+    """
+    name = _namespace_name(request.node.name)
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture
+def kubectl(cluster: LocalCluster) -> Callable[..., CompletedProcess[str]]:
+    """The cluster's kubectl runner: `kubectl("get", "pods", "-n", ns)` as admin."""
+    return cluster.kubectl
