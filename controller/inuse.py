@@ -1,0 +1,256 @@
+"""Whether anything on the node uses a sandbox: one pass over `/proc` for every sandbox asked about.
+
+A sandbox is in use when a process has its cwd, root, executable, an open file, a mapped file or a
+mount inside it, or a Pod on the node mounts it through a hostPath volume. The answer has three
+values: a process the agent cannot inspect (EACCES/EPERM on a live process) makes every sandbox not
+already known to be in use UNKNOWN, and unknown holds, because deleting a directory someone still
+uses is the one mistake that cannot be undone. A process that exits mid-scan is simply gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from controller.contracts import Reason
+
+K = TypeVar("K")
+
+# A readlink/listdir that fails with these means the process (or that fd) ended under us: not an error.
+_GONE = {errno.ENOENT, errno.ESRCH, errno.ENOTDIR}
+_DELETED = " (deleted)"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One sandbox's answer: `in_use` is True, False, or None (unknown: holds like True)."""
+
+    in_use: bool | None
+    holders: tuple[str, ...] = ()
+    reason: Reason | None = None
+
+    @property
+    def holds(self) -> bool:
+        """Whether this answer must keep the sandbox from being renamed or deleted."""
+        return self.in_use is not False
+
+
+@dataclass
+class _Found(Generic[K]):
+    procs: dict[K, list[str]] = field(default_factory=dict)
+    pods: dict[K, list[str]] = field(default_factory=dict)
+    unknown: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Mount:
+    dev: str  # major:minor
+    root: str  # the mounted path inside its filesystem
+    point: str  # where it is mounted, in the reading namespace
+
+
+class _Index(Generic[K]):
+    """Canonical sandbox paths, looked up by walking a target's ancestors (depth, not sandbox count)."""
+
+    def __init__(self, paths: Mapping[K, Path]) -> None:
+        self.by_path: dict[str, list[K]] = {}
+        for key, path in paths.items():
+            self.by_path.setdefault(os.path.realpath(path), []).append(key)
+
+    def owners(self, target: str) -> list[K]:
+        if target.endswith(_DELETED):
+            target = target[: -len(_DELETED)]
+        if not target.startswith("/"):
+            return []  # socket:[..], pipe:[..], anon_inode:..: not a path
+        found: list[K] = []
+        probe = target.rstrip("/") or "/"
+        while True:
+            found.extend(self.by_path.get(probe, ()))
+            if probe == "/":
+                return found
+            probe = probe.rsplit("/", 1)[0] or "/"
+
+
+def _unescape(text: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (`\\040`)."""
+    if "\\" not in text:
+        return text
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 3 < len(text) and text[i + 1 : i + 4].isdigit():
+            out.append(chr(int(text[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _mounts(text: str) -> list[_Mount]:
+    mounts = []
+    for line in text.splitlines():
+        parts = line.split(" ")
+        if len(parts) >= 5:
+            mounts.append(_Mount(parts[2], _unescape(parts[3]), _unescape(parts[4])))
+    return mounts
+
+
+def _inside(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _fs_location(path: str, mounts: list[_Mount]) -> tuple[str, str] | None:
+    """(device, path inside that filesystem) of `path`, from the mount that holds it in our namespace."""
+    best = max((m for m in mounts if _inside(path, m.point)), key=lambda m: len(m.point), default=None)
+    if best is None:
+        return None
+    rel = path[len(best.point.rstrip("/")) :].lstrip("/")
+    return best.dev, f"{best.root.rstrip('/')}/{rel}" if rel else best.root
+
+
+def _comm(pid_dir: Path) -> str:
+    try:
+        return (pid_dir / "comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+class _Scan(Generic[K]):
+    """The state of one pass: the index, what was found, and the namespaces already read."""
+
+    def __init__(self, paths: Mapping[K, Path], proc: Path) -> None:
+        self.index = _Index(paths)
+        self.found: _Found[K] = _Found()
+        self.proc = proc
+        self.seen_ns: set[str] = set()
+        own = self._read(proc / "self" / "mountinfo") or ""
+        self.own_mounts = _mounts(own)
+        self.locations: dict[str, tuple[str, str]] = {}
+        for path in self.index.by_path:
+            loc = _fs_location(path, self.own_mounts)
+            if loc is not None:
+                self.locations[path] = loc
+        own_ns = self._link(proc / "self" / "ns" / "mnt")
+        if own_ns is not None:
+            self.seen_ns.add(own_ns)
+        self._check_mounts(self.own_mounts, "the agent's mount namespace", own_namespace=True)
+
+    @staticmethod
+    def _read(path: Path) -> str | None:
+        try:
+            return path.read_text()
+        except OSError:
+            return None
+
+    @staticmethod
+    def _link(path: Path) -> str | None:
+        try:
+            return str(path.readlink())
+        except OSError:
+            return None
+
+    def hold(self, target: str, holder: str) -> None:
+        for key in self.index.owners(target):
+            self.found.procs.setdefault(key, []).append(holder)
+
+    def _check_mounts(self, mounts: list[_Mount], whose: str, *, own_namespace: bool) -> None:
+        """A bind of a sandbox (or of anything inside one) anywhere, or a mount on a directory inside one."""
+        for path, (dev, fs_path) in self.locations.items():
+            for m in mounts:
+                if m.dev == dev and _inside(m.root, fs_path) and not (own_namespace and _inside(path, m.point)):
+                    for key in self.index.by_path[path]:
+                        self.found.procs.setdefault(key, []).append(f"{whose} mounts {m.root} at {m.point}")
+        if own_namespace:
+            for m in mounts:
+                self.hold(m.point, f"mount at {m.point}")
+
+    def process(self, pid: int) -> None:
+        pid_dir = self.proc / str(pid)
+        try:
+            self._process(pid, pid_dir)
+        except OSError as e:
+            if e.errno in _GONE or not pid_dir.exists():
+                return
+            # Denied (or any other failure) on a live process: what it holds is unknown, which holds.
+            code = errno.errorcode.get(e.errno or 0, str(e))
+            self.found.unknown.append(f"pid {pid} ({_comm(pid_dir)}) cannot be inspected: {code}")
+
+    def _process(self, pid: int, pid_dir: Path) -> None:
+        comm = _comm(pid_dir)
+        who = f"pid {pid} ({comm})"
+        for what in ("cwd", "root", "exe"):
+            try:
+                target = str((pid_dir / what).readlink())
+            except OSError as e:
+                # a kernel thread has no exe, a zombie no cwd: nothing to hold
+                if e.errno in _GONE:
+                    continue
+                raise
+            self.hold(target, f"{who} {what}")
+        with os.scandir(pid_dir / "fd") as fds:
+            for fd in fds:
+                try:
+                    target = os.readlink(fd.path)  # noqa: PTH115 (thousands per pass: no Path objects)
+                except OSError as e:
+                    if e.errno in _GONE:
+                        continue  # closed between the listing and the readlink
+                    raise
+                self.hold(target, f"{who} fd {fd.name}")
+        maps = (pid_dir / "maps").read_text()
+        for line in maps.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith("/"):
+                self.hold(parts[5], f"{who} maps a file")
+        ns = self._link(pid_dir / "ns" / "mnt")
+        if ns is not None and ns not in self.seen_ns:
+            self.seen_ns.add(ns)
+            text = (pid_dir / "mountinfo").read_text()
+            self._check_mounts(_mounts(text), f"{who} (mount namespace {ns})", own_namespace=False)
+
+
+def scan_usage(
+    paths: Mapping[K, Path],
+    pod_paths: Iterable[tuple[str, Path]] = (),
+    proc: Path = Path("/proc"),
+    ignore: Collection[int] = (),
+) -> dict[K, Usage]:
+    """Answer, for every sandbox in `paths`, whether it is in use: one walk of `/proc` for all of them.
+
+    `pod_paths` are (`namespace/name`, hostPath) of the Pods on this node. `ignore` lists pids that do
+    not count as users (the agent itself, whose own size walk opens files inside sandboxes).
+    """
+    scan: _Scan[K] = _Scan(paths, proc)
+    for pod, host_path in pod_paths:
+        # Only a hostPath AT or BELOW a sandbox: the agent's own pod mounts the whole root above them.
+        for key in scan.index.owners(os.path.realpath(host_path)):
+            scan.found.pods.setdefault(key, []).append(f"pod {pod} hostPath {host_path}")
+    skip = set(ignore)
+    for entry in os.scandir(proc):
+        if entry.name.isdigit() and int(entry.name) not in skip:
+            scan.process(int(entry.name))
+    return {key: _answer(key, scan.found) for key in paths}
+
+
+def _answer(key: K, found: _Found[K]) -> Usage:
+    procs, pods = found.procs.get(key, []), found.pods.get(key, [])
+    if procs or pods:
+        reason = Reason.IN_USE if procs else Reason.POD_MOUNT
+        return Usage(True, _bounded(procs + pods), reason)
+    if found.unknown:
+        return Usage(None, _bounded(found.unknown), Reason.IN_USE_UNKNOWN)
+    return Usage(False)
+
+
+MAX_HOLDERS = 32  # status.heldBy's maxItems; the rest are summarised in the last entry
+
+
+def _bounded(holders: list[str]) -> tuple[str, ...]:
+    """Distinct holders, each short enough for a status field, at most MAX_HOLDERS of them."""
+    distinct = [h[:256] for h in dict.fromkeys(holders)]
+    if len(distinct) <= MAX_HOLDERS:
+        return tuple(distinct)
+    return (*distinct[: MAX_HOLDERS - 1], f"... and {len(distinct) - MAX_HOLDERS + 1} more")

@@ -1,0 +1,188 @@
+"""In-use detection against real processes, real mounts and the real /proc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controller.contracts import Reason
+from controller.inuse import scan_usage
+
+
+@pytest.fixture
+def sandboxes(tmp_path: Path) -> dict[str, Path]:
+    paths = {}
+    for name in ("a", "b"):
+        p = tmp_path / "root" / "ns" / name
+        (p / "workspace" / "sub").mkdir(parents=True)
+        (p / "workspace" / "file.txt").write_text("x")
+        paths[name] = p
+    return paths
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+
+
+def uninspectable_here() -> set[int]:
+    """Processes of this machine the tests cannot inspect (its own supervisor, outside our control).
+
+    They make every answer unknown by design; the tests vouch for them explicitly, as an operator
+    would with `--ignore-pid`, and the unknown answer itself is tested below as another user.
+    """
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                (entry / "cwd").readlink()
+            except PermissionError:
+                out.add(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
+IGNORE = uninspectable_here()
+
+
+def _wait_ready(p: subprocess.Popen[bytes]) -> None:
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == b"ready"
+
+
+def test_a_process_with_its_cwd_inside_holds_only_that_sandbox(sandboxes, procs):
+    p = subprocess.Popen(["sleep", "60"], cwd=sandboxes["a"] / "workspace" / "sub")
+    procs.append(p)
+    usage = scan_usage(sandboxes, ignore=IGNORE)
+    assert usage["a"].in_use is True
+    assert usage["a"].reason is Reason.IN_USE
+    assert f"pid {p.pid} (sleep) cwd" in usage["a"].holders
+    assert usage["b"].in_use is False and not usage["b"].holds
+    p.kill()
+    p.wait()
+    assert scan_usage(sandboxes, ignore=IGNORE)["a"].in_use is False
+
+
+def test_an_open_file_descriptor_holds(sandboxes, procs):
+    code = "import sys,time; f=open(sys.argv[1]); print('ready', flush=True); time.sleep(60)"
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(sandboxes["b"] / "workspace" / "file.txt")],
+        cwd="/",
+        stdout=subprocess.PIPE,
+    )
+    procs.append(p)
+    _wait_ready(p)
+    usage = scan_usage(sandboxes, ignore=IGNORE)
+    assert usage["b"].in_use is True
+    assert any(h.startswith(f"pid {p.pid} (python") and " fd " in h for h in usage["b"].holders)
+    assert usage["a"].in_use is False
+
+
+def test_an_open_file_that_was_deleted_still_holds(sandboxes, procs):
+    target = sandboxes["a"] / "workspace" / "gone.txt"
+    target.write_text("y")
+    code = "import os,sys,time; f=open(sys.argv[1]); os.unlink(sys.argv[1]); print('ready', flush=True); time.sleep(60)"
+    p = subprocess.Popen([sys.executable, "-c", code, str(target)], cwd="/", stdout=subprocess.PIPE)
+    procs.append(p)
+    _wait_ready(p)
+    assert scan_usage(sandboxes, ignore=IGNORE)["a"].in_use is True
+
+
+def test_the_scanning_process_itself_can_be_ignored(sandboxes):
+    with (sandboxes["a"] / "workspace" / "file.txt").open():
+        assert scan_usage(sandboxes, ignore=IGNORE)["a"].in_use is True
+        assert scan_usage(sandboxes, ignore=IGNORE | {os.getpid()})["a"].in_use is False
+
+
+def test_a_pod_hostpath_at_or_below_a_sandbox_holds_but_one_above_does_not(sandboxes):
+    root = sandboxes["a"].parent.parent
+    usage = scan_usage(
+        sandboxes,
+        ignore=IGNORE,
+        pod_paths=[("ci/runner-1", sandboxes["a"] / "workspace"), ("kube-system/sandkeep-agent-x", root)],
+    )
+    assert usage["a"].in_use is True
+    assert usage["a"].reason is Reason.POD_MOUNT
+    assert usage["a"].holders == (f"pod ci/runner-1 hostPath {sandboxes['a'] / 'workspace'}",)
+    assert usage["b"].in_use is False
+
+
+def test_a_mount_on_a_directory_inside_a_sandbox_holds(sandboxes, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    point = sandboxes["a"] / "workspace" / "sub"
+    subprocess.run(["mount", "--bind", str(elsewhere), str(point)], check=True)
+    try:
+        usage = scan_usage(sandboxes, ignore=IGNORE)
+        assert usage["a"].in_use is True
+        assert f"mount at {point}" in usage["a"].holders
+        assert usage["b"].in_use is False
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_a_bind_of_a_sandbox_in_another_mount_namespace_holds(sandboxes, tmp_path, procs):
+    # The process neither has its cwd nor a file inside: only its private mount namespace binds the sandbox.
+    target = tmp_path / "target"
+    target.mkdir()
+    script = f"mount --bind {sandboxes['b']} {target} && echo ready && exec sleep 60"
+    p = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd="/", stdout=subprocess.PIPE)
+    procs.append(p)
+    _wait_ready(p)
+    assert str(target) not in Path("/proc/self/mountinfo").read_text()
+    usage = scan_usage(sandboxes, ignore=IGNORE)
+    assert usage["b"].in_use is True
+    assert any("mount namespace" in h for h in usage["b"].holders)
+    assert usage["a"].in_use is False
+
+
+def test_a_process_the_scan_cannot_inspect_makes_the_answer_unknown(sandboxes):
+    # A scan with no capabilities cannot read the processes that have some: "unknown", never "free".
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom controller.inuse import scan_usage\n"
+        "u = scan_usage({'a': Path(sys.argv[1])})['a']\n"
+        "print(u.in_use, u.reason, u.holds)"
+    )
+    out = subprocess.run(
+        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code, str(sandboxes["a"])],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert out.stdout.split() == ["None", "InUseUnknown", "True"]
+
+
+def test_a_process_that_vanishes_mid_scan_is_not_an_error(sandboxes, tmp_path):
+    # A /proc snapshot where pid 4242 left between the listing and the readlinks: its entries are gone.
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "mountinfo").write_text("")
+    (proc / "4242").mkdir()
+    (proc / "4243" / "fd").mkdir(parents=True)
+    (proc / "4243" / "cwd").symlink_to(sandboxes["a"])
+    (proc / "4243" / "maps").write_text("")
+    usage = scan_usage(sandboxes, proc=proc)
+    assert usage["a"].in_use is True
+    assert usage["b"].in_use is False
+
+
+def test_one_pass_answers_many_sandboxes(tmp_path):
+    paths = {i: tmp_path / "root" / "ns" / f"s{i}" for i in range(2000)}
+    for p in paths.values():
+        p.mkdir(parents=True)
+    usage = scan_usage(paths, ignore=IGNORE)
+    assert len(usage) == 2000
+    assert all(u.in_use is False for u in usage.values())
