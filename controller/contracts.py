@@ -124,6 +124,9 @@ class Reason(StrEnum):
     # agent bookkeeping
     ADOPTED = "Adopted"
     AGENT_STALE = "AgentStale"
+    # controller bookkeeping (issue 4)
+    INVALID_POLICY = "InvalidPolicy"  # a SandboxPolicy field that does not parse: the default applies
+    FINALIZER_REMOVED = "FinalizerRemoved"  # the node is gone, so the disk finalizer can never be honoured
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------

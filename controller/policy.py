@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from controller.contracts import DeadlineSource, Reason
+from controller.contracts import DeadlineSource, Phase, Reason
 from controller.durations import Invalid, parse_instant
 
 
@@ -114,3 +114,27 @@ def effective_policy(
         reasons = (Reason.POLICY_CEILING,)
         retention, max_pin = min(retention, ceiling.retention), min(max_pin, ceiling.max_pin)
     return Policy(retention, max_pin, default.dry_run or chosen.dry_run), reasons
+
+
+# --- The phase of a sandbox (issue 4: the controller and the agent both call this) -----------------------
+def phase_of(
+    verdict: Verdict,
+    *,
+    in_use: bool = False,
+    disk_present: bool | None = None,
+    deleting: bool = False,
+    node_gone: bool = False,
+) -> Phase:
+    """`status.phase` from the verdict and what the agent observed. Pure, like `deadline()`.
+
+    A deleting object is `Deleting` (only the agent can refine it to Held or Stuck, since only it sees
+    the disk's progress). A sandbox whose node is gone, or whose directory the agent reports absent, is
+    `Lost` whatever its deadline. An expired sandbox something still uses is `Held`, never deleted.
+    """
+    if deleting:
+        return Phase.DELETING
+    if node_gone or disk_present is False:
+        return Phase.LOST
+    if verdict.expired:
+        return Phase.HELD if in_use else Phase.EXPIRED
+    return Phase.PINNED if verdict.pinned else Phase.RETAINED

@@ -1,0 +1,439 @@
+"""Kubernetes client helpers shared by the controller and the node agent.
+
+One small JSON-over-HTTP adapter (`Kube.request`) on top of the official client's authentication and
+connection pool, so every call reads and writes plain dicts exactly as the API server sends them, and
+the few operations sandkeep needs: sandboxes, policies, nodes, Events, status by server-side apply,
+annotation patches and deletes guarded by uid + resourceVersion.
+
+Status ownership (both components follow it): each writes `status` by SERVER-SIDE APPLY on the status
+subresource with its own field manager (`CONTROLLER_MANAGER`, `AGENT_MANAGER`). An apply always carries
+every field that manager owns, so a field it stops sending is removed, and the other manager's fields
+and condition types (conditions are a map-list keyed by `type`) are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from controller import __version__, logs
+from controller import contracts as c
+from controller.durations import Invalid, format_instant, parse_duration, parse_instant
+from controller.policy import Facts, Policy
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_MANAGER = "sandkeep-controller"
+AGENT_MANAGER = "sandkeep-agent"
+WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE"})
+
+Obj = dict[str, Any]
+
+
+class KubeError(Exception):
+    """A request the API server refused (or could not be sent): the status code and the server's words."""
+
+    def __init__(self, status: int, message: str, method: str = "", path: str = "") -> None:
+        super().__init__(f"{method} {path}: {status} {message}".strip())
+        self.status = status
+        self.message = message
+
+    @property
+    def conflict(self) -> bool:
+        """409: a precondition (uid, resourceVersion) failed or someone else changed the object first."""
+        return self.status == 409
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+
+# --- configuration ---------------------------------------------------------------------------------------
+def load_config(kubeconfig: str | os.PathLike[str] | None = None) -> k8s.Configuration:
+    """The client configuration: an explicit kubeconfig, else in-cluster, else $KUBECONFIG / ~/.kube/config.
+
+    An explicit path always wins, so a test or a person can point a process at a cluster even when it
+    happens to run inside another one.
+    """
+    configuration = k8s.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    else:
+        path = str(kubeconfig) if kubeconfig is not None else os.environ.get("KUBECONFIG") or None
+        k8s_config.load_kube_config(config_file=path, client_configuration=configuration)  # type: ignore[no-untyped-call]
+    # Workers issue requests from a thread pool: one connection per thread, never a pool-full warning.
+    configuration.connection_pool_maxsize = 32
+    return configuration
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)
+
+
+def micro_time(when: datetime) -> str:
+    """A Kubernetes MicroTime (`2026-01-02T03:04:05.123456Z`), as Leases and Events carry."""
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def sandbox_path(namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+    """The REST path of the RetainedSandbox collection (all namespaces, or one) or of one object."""
+    base = f"/apis/{c.GROUP}/{c.VERSION}"
+    path = f"{base}/namespaces/{quote(namespace)}/{c.SANDBOX_PLURAL}" if namespace else f"{base}/{c.SANDBOX_PLURAL}"
+    if name is not None:
+        path += f"/{quote(name)}"
+    if subresource is not None:
+        path += f"/{subresource}"
+    return path
+
+
+def policy_path(namespace: str | None = None, name: str | None = None) -> str:
+    base = f"/apis/{c.GROUP}/{c.VERSION}"
+    path = f"{base}/namespaces/{quote(namespace)}/{c.POLICY_PLURAL}" if namespace else f"{base}/{c.POLICY_PLURAL}"
+    return path if name is None else f"{path}/{quote(name)}"
+
+
+class Kube:
+    """A thin, thread-safe JSON client: plain dicts in and out, KubeError for every refusal.
+
+    Synchronous on purpose (the official client is); async callers run it with `asyncio.to_thread`.
+    `user_agent` names the component, so the API server's audit and request logs say who wrote what.
+    """
+
+    def __init__(self, configuration: k8s.Configuration, component: str = "sandkeep", timeout: float = 30.0) -> None:
+        self.configuration = configuration
+        self.api = k8s.ApiClient(configuration)
+        self.api.user_agent = f"{component}/{__version__}"
+        self.component = component
+        self.timeout = timeout
+
+    def close(self) -> None:
+        self.api.close()  # type: ignore[no-untyped-call]
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+        timeout: float | None = None,
+    ) -> Any:
+        """One API request; returns the decoded JSON body (None when empty), raises KubeError otherwise."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        params = [(k, v) for k, v in (query or {}).items() if v is not None]
+        try:
+            _method, url, headers_out, body_out, _post = self.api.param_serialize(
+                method, path, query_params=params, header_params=headers, body=body, auth_settings=["BearerToken"]
+            )
+            response = self.api.call_api(
+                method, url, header_params=headers_out, body=body_out, _request_timeout=timeout or self.timeout
+            )
+            data = response.read()  # type: ignore[no-untyped-call]
+        except Exception as err:  # connection refused, TLS, timeout: the caller decides whether to retry
+            raise KubeError(0, f"request failed: {err}", method, path) from err
+        text = data.decode("utf-8", "replace") if data else ""
+        if not 200 <= response.status < 300:
+            message = text
+            with contextlib.suppress(ValueError, AttributeError):
+                message = json.loads(text).get("message", text)
+            raise KubeError(response.status, message, method, path)
+        return json.loads(text) if text else None
+
+    # --- RetainedSandboxes --------------------------------------------------------------------------------
+    def get_sandbox(self, namespace: str, name: str) -> Obj | None:
+        """The object as the API server has it now (a quorum read), or None when it does not exist."""
+        try:
+            result: Obj = self.request("GET", sandbox_path(namespace, name))
+        except KubeError as err:
+            if err.not_found:
+                return None
+            raise
+        return result
+
+    def list_sandboxes(self, namespace: str | None = None, node: str | None = None) -> list[Obj]:
+        """Every sandbox (of one namespace, of one node via the `spec.nodeName` selectable field)."""
+        query = {"fieldSelector": f"spec.nodeName={node}" if node else None}
+        result = self.request("GET", sandbox_path(namespace), query=query)
+        items: list[Obj] = result.get("items", [])
+        for item in items:  # lists drop each item's apiVersion/kind; callers re-post them in applies
+            item.setdefault("apiVersion", c.API_VERSION)
+            item.setdefault("kind", c.SANDBOX_KIND)
+        return items
+
+    def create_sandbox(self, namespace: str, body: Obj) -> Obj:
+        body = {"apiVersion": c.API_VERSION, "kind": c.SANDBOX_KIND, **body}
+        result: Obj = self.request("POST", sandbox_path(namespace), body=body)
+        return result
+
+    def apply_status(self, obj: Obj, status: Obj, manager: str) -> Obj:
+        """Server-side apply of `status` as `manager`: exactly the fields this manager owns, nothing else.
+
+        Forced, because `phase` moves between the two managers by design (the agent's on deleting
+        objects); without force the API server would refuse the hand-over with a conflict.
+        """
+        meta = obj["metadata"]
+        body = {
+            "apiVersion": c.API_VERSION,
+            "kind": c.SANDBOX_KIND,
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            "status": status,
+        }
+        result: Obj = self.request(
+            "PATCH",
+            sandbox_path(meta["namespace"], meta["name"], "status"),
+            body=body,
+            query={"fieldManager": manager, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+        return result
+
+    def patch_annotations(self, obj: Obj, changes: Mapping[str, str | None]) -> Obj:
+        """Set (or, for None, remove) annotations, only if the object is still at the version read.
+
+        The resourceVersion in a merge patch is a precondition: a change in between makes this a 409 and
+        the caller decides again on the fresh object instead of overwriting what it did not see.
+        """
+        meta = obj["metadata"]
+        body = {"metadata": {"resourceVersion": meta["resourceVersion"], "annotations": dict(changes)}}
+        result: Obj = self.request(
+            "PATCH",
+            sandbox_path(meta["namespace"], meta["name"]),
+            body=body,
+            content_type="application/merge-patch+json",
+        )
+        return result
+
+    def delete_sandbox(self, obj: Obj, *, dry_run: bool = False) -> Obj | None:
+        """DELETE with preconditions on uid AND resourceVersion: any change since the read makes it a 409."""
+        meta = obj["metadata"]
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]},
+        }
+        if dry_run:
+            body["dryRun"] = ["All"]
+        result: Obj | None = self.request("DELETE", sandbox_path(meta["namespace"], meta["name"]), body=body)
+        return result
+
+    def remove_finalizer(self, obj: Obj, finalizer: str = c.FINALIZER) -> Obj:
+        """Drop one finalizer, guarded by resourceVersion (a JSON patch `test` keeps others' finalizers)."""
+        meta = obj["metadata"]
+        finalizers = list(meta.get("finalizers") or [])
+        index = finalizers.index(finalizer)
+        ops = [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]},
+            {"op": "test", "path": f"/metadata/finalizers/{index}", "value": finalizer},
+            {"op": "remove", "path": f"/metadata/finalizers/{index}"},
+        ]
+        try:
+            result: Obj = self.request(
+                "PATCH",
+                sandbox_path(meta["namespace"], meta["name"]),
+                body=ops,
+                content_type="application/json-patch+json",
+            )
+        except KubeError as err:
+            if err.status == 422:  # a failed JSON-patch `test` is the same thing as a stale read
+                raise KubeError(409, err.message) from err
+            raise
+        return result
+
+    # --- policies and nodes --------------------------------------------------------------------------------
+    def list_policies(self, namespace: str | None = None) -> list[Obj]:
+        items: list[Obj] = self.request("GET", policy_path(namespace)).get("items", [])
+        return items
+
+    def get_node(self, name: str) -> Obj | None:
+        try:
+            result: Obj = self.request("GET", f"/api/v1/nodes/{quote(name)}")
+        except KubeError as err:
+            if err.not_found:
+                return None
+            raise
+        return result
+
+    # --- Events --------------------------------------------------------------------------------------------
+    def post_event(
+        self,
+        obj: Obj,
+        reason: c.Reason,
+        message: str,
+        type: str = "Normal",
+        component: str | None = None,
+    ) -> None:
+        """Post a core/v1 Event about `obj`; never raises (an Event is a report, not a decision).
+
+        The involvedObject carries uid and resourceVersion, so `kubectl describe` shows the Event on
+        this object and not on a later one of the same name.
+        """
+        meta = obj.get("metadata", {})
+        namespace = meta.get("namespace") or "default"
+        stamp = now_utc()
+        source = component or self.component
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta.get('name', 'unknown')}.{secrets.token_hex(8)}", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": obj.get("apiVersion", c.API_VERSION),
+                "kind": obj.get("kind", c.SANDBOX_KIND),
+                "name": meta.get("name"),
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "reason": str(reason),
+            "message": message[:1024],
+            "type": type,
+            "source": {"component": source},
+            "reportingComponent": f"{c.GROUP}/{source}",
+            "reportingInstance": os.environ.get("HOSTNAME", source)[:128],
+            "firstTimestamp": format_instant(stamp),
+            "lastTimestamp": format_instant(stamp),
+            "count": 1,
+        }
+        try:
+            self.request("POST", f"/api/v1/namespaces/{quote(namespace)}/events", body=event)
+        except Exception as err:  # an unreachable API server must not turn a decision into a crash
+            logs.say(
+                log, "event_not_posted", level=logging.WARNING, reason=reason, object=_ref(obj), error=str(err)[:300]
+            )
+
+
+def _ref(obj: Obj) -> str:
+    meta = obj.get("metadata", {})
+    return f"{meta.get('namespace')}/{meta.get('name')}"
+
+
+# --- reading sandboxes -----------------------------------------------------------------------------------
+def key_of(obj: Obj) -> tuple[str, str]:
+    """(namespace, name): how both components index sandboxes."""
+    meta = obj["metadata"]
+    return meta["namespace"], meta["name"]
+
+
+def annotations_of(obj: Obj) -> dict[str, str]:
+    return dict(obj.get("metadata", {}).get("annotations") or {})
+
+
+def is_deleting(obj: Obj) -> bool:
+    return bool(obj.get("metadata", {}).get("deletionTimestamp"))
+
+
+def _instant(value: Any) -> datetime | None:
+    parsed = parse_instant(value) if isinstance(value, str) else None
+    return None if parsed is None or isinstance(parsed, Invalid) else parsed
+
+
+def sandbox_facts(obj: Obj) -> Facts:
+    """What the one rule reads from a RetainedSandbox: spec times and the pin annotations (raw text)."""
+    spec = obj.get("spec") or {}
+    ann = annotations_of(obj)
+    return Facts(
+        created_at=_instant(spec.get("createdAt")),
+        retain_until=_instant(spec.get("retainUntil")),
+        pin_until=ann.get(c.ANN_PIN_UNTIL),
+        pinned_at=ann.get(c.ANN_PINNED_AT),
+    )
+
+
+def condition_of(obj: Obj, type_: str) -> Obj | None:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            found: Obj = cond
+            return found
+    return None
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the agent last reported about the disk (the controller reads it to derive the phase)."""
+
+    in_use: bool = False
+    disk_present: bool | None = None  # None: the agent has not said
+
+
+def observed_of(obj: Obj) -> Observed:
+    status = obj.get("status") or {}
+    present = condition_of(obj, "DiskPresent")
+    disk = None if present is None else present.get("status") != "False"
+    return Observed(in_use=bool(status.get("inUse")), disk_present=disk)
+
+
+def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
+    """A SandboxPolicy's spec as a Policy; missing or unparseable fields fall back to the default.
+
+    Returns the problems in words (the schema's pattern already refuses most bad input; this is the
+    second line for values like `99999999999d` the pattern allows).
+    """
+    spec = obj.get("spec") or {}
+    problems: list[str] = []
+
+    def duration(field: str, fallback: Any) -> Any:
+        if field not in spec:
+            return fallback
+        parsed = parse_duration(spec[field])
+        if isinstance(parsed, Invalid):
+            problems.append(f"spec.{field} {parsed}")
+            return fallback
+        return parsed
+
+    retention = duration("retention", default.retention)
+    max_pin = duration("maxPin", default.max_pin)
+    return Policy(retention, max_pin, bool(spec.get("dryRun", False))), problems
+
+
+# --- conditions ------------------------------------------------------------------------------------------
+def condition(
+    type_: str,
+    status: bool | str,
+    reason: c.Reason,
+    message: str,
+    *,
+    observed_generation: int | None = None,
+    previous: Iterable[Obj] = (),
+    now: datetime | None = None,
+) -> Obj:
+    """A standard condition; lastTransitionTime is kept from `previous` when the status did not change.
+
+    Keeping the time is what makes a re-applied, unchanged condition a no-op for the API server.
+    """
+    text = ("True" if status else "False") if isinstance(status, bool) else status
+    when = format_instant(now or now_utc())
+    for old in previous:
+        if old.get("type") == type_ and old.get("status") == text and old.get("lastTransitionTime"):
+            when = old["lastTransitionTime"]
+            break
+    result: Obj = {
+        "type": type_,
+        "status": text,
+        "reason": str(reason),
+        "message": message[:32768],
+        "lastTransitionTime": when,
+    }
+    if observed_generation is not None:
+        result["observedGeneration"] = observed_generation
+    return result
+
+
+def same_condition(a: Obj | None, b: Obj | None) -> bool:
+    """Equal in every field that matters (the transition time is derived, so it is not compared)."""
+    if a is None or b is None:
+        return a is b
+    keys = ("type", "status", "reason", "message", "observedGeneration")
+    return all(a.get(k) == b.get(k) for k in keys)

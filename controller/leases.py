@@ -1,0 +1,260 @@
+"""coordination.k8s.io/v1 Leases: the controller's leader election and each node agent's heartbeat.
+
+Every write is a resourceVersion-guarded update (or a create that fails if the Lease exists), so when
+two replicas race for the same Lease exactly one wins and the other sees 409 and stays a standby.
+Times are MicroTime, as client-go writes them, so `kubectl get lease -o yaml` reads the same for
+sandkeep as for any Kubernetes component.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import quote
+
+from controller import contracts as c
+from controller import logs
+from controller.durations import Invalid, parse_instant
+from controller.kube import Kube, KubeError, micro_time, now_utc
+
+log = logging.getLogger(__name__)
+
+LEASE_DURATION = 15  # seconds: a standby takes over within 15 s (+ one retry period) of a SIGKILLed leader
+RETRY_PERIOD = 2.0  # seconds between attempts to acquire or renew
+
+
+def lease_path(namespace: str, name: str | None = None) -> str:
+    path = f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace)}/leases"
+    return path if name is None else f"{path}/{quote(name)}"
+
+
+def default_identity() -> str:
+    """`<hostname>_<pid>`: unique per process, readable in `kubectl get lease`."""
+    return f"{os.environ.get('HOSTNAME') or socket.gethostname()}_{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """A Lease as read: who holds it, until when it counts, and the version to guard an update with."""
+
+    holder: str | None
+    renew_time: datetime | None
+    acquire_time: datetime | None
+    duration: timedelta
+    transitions: int
+    resource_version: str
+    raw: dict[str, Any]
+
+    def expired(self, now: datetime) -> bool:
+        """Free to take: nobody holds it, or the holder has not renewed within its duration."""
+        if not self.holder or self.renew_time is None:
+            return True
+        return self.renew_time + self.duration <= now
+
+    def age(self, now: datetime) -> timedelta | None:
+        """Time since the last renewal (None when never renewed)."""
+        return None if self.renew_time is None else now - self.renew_time
+
+
+def _time(value: Any) -> datetime | None:
+    parsed = parse_instant(value) if isinstance(value, str) else None
+    return None if parsed is None or isinstance(parsed, Invalid) else parsed.astimezone(UTC)
+
+
+def _state(raw: dict[str, Any]) -> LeaseState:
+    spec = raw.get("spec") or {}
+    return LeaseState(
+        holder=spec.get("holderIdentity"),
+        renew_time=_time(spec.get("renewTime")),
+        acquire_time=_time(spec.get("acquireTime")),
+        duration=timedelta(seconds=int(spec.get("leaseDurationSeconds") or LEASE_DURATION)),
+        transitions=int(spec.get("leaseTransitions") or 0),
+        resource_version=raw["metadata"]["resourceVersion"],
+        raw=raw,
+    )
+
+
+def read_lease(kube: Kube, namespace: str, name: str) -> LeaseState | None:
+    """The Lease, or None when it does not exist."""
+    try:
+        return _state(kube.request("GET", lease_path(namespace, name)))
+    except KubeError as err:
+        if err.not_found:
+            return None
+        raise
+
+
+def try_acquire_or_renew(
+    kube: Kube, namespace: str, name: str, identity: str, duration_s: int = LEASE_DURATION
+) -> bool:
+    """One round of leader election: True when `identity` holds the Lease afterwards.
+
+    Acquire when the Lease is absent, free or expired; renew when we hold it. Any write races with the
+    other replicas: a 409 means someone else won this round, which is an answer (False), not an error.
+    """
+    now = now_utc()
+    current = read_lease(kube, namespace, name)
+    spec: dict[str, Any] = {
+        "holderIdentity": identity,
+        "leaseDurationSeconds": duration_s,
+        "renewTime": micro_time(now),
+    }
+    try:
+        if current is None:
+            spec |= {"acquireTime": micro_time(now), "leaseTransitions": 0}
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name}, "spec": spec}
+            kube.request("POST", lease_path(namespace), body=body)
+            return True
+        if current.holder != identity and not current.expired(now):
+            return False
+        if current.holder == identity:
+            spec |= {
+                "acquireTime": micro_time(current.acquire_time or now),
+                "leaseTransitions": current.transitions,
+            }
+        else:
+            spec |= {"acquireTime": micro_time(now), "leaseTransitions": current.transitions + 1}
+        body = dict(current.raw)
+        body["metadata"] = dict(current.raw["metadata"])  # carries resourceVersion: the update's guard
+        body["spec"] = spec
+        kube.request("PUT", lease_path(namespace, name), body=body)
+        return True
+    except KubeError as err:
+        if err.conflict:  # 409 on create (exists) or on update (stale version): another replica won
+            return False
+        raise
+
+
+def release(kube: Kube, namespace: str, name: str, identity: str) -> None:
+    """Give the Lease up on a clean shutdown, so the standby takes over at once instead of after expiry."""
+    try:
+        current = read_lease(kube, namespace, name)
+        if current is None or current.holder != identity:
+            return
+        body = dict(current.raw)
+        body["spec"] = dict(current.raw.get("spec") or {}) | {"holderIdentity": None, "leaseDurationSeconds": 1}
+        kube.request("PUT", lease_path(namespace, name), body=body)
+    except KubeError as err:
+        logs.say(log, "lease_release_failed", level=logging.WARNING, lease=name, error=str(err)[:300])
+
+
+class LeaderElector:
+    """Holds the controller's Lease: `is_leader` is True only while the last renewal is recent enough.
+
+    A renewal that fails (API down, lost the race) steps down at once rather than acting on a Lease
+    that may already belong to the other replica; the deadline-based check also steps down if renewals
+    stall, before the Lease could expire for the others.
+    """
+
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        name: str = c.CONTROLLER_LEASE,
+        identity: str | None = None,
+        duration_s: int = LEASE_DURATION,
+        retry_period: float = RETRY_PERIOD,
+        on_change: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.name = name
+        self.identity = identity or default_identity()
+        self.duration_s = duration_s
+        self.retry_period = retry_period
+        self.on_change = on_change
+        self._renewed_at: float | None = None
+        self._leading = False
+
+    @property
+    def is_leader(self) -> bool:
+        loop_now = asyncio.get_running_loop().time() if self._renewed_at is not None else 0.0
+        # Act only while well inside the Lease: stop at 2/3 of its duration without a renewal.
+        return self._leading and self._renewed_at is not None and loop_now - self._renewed_at < self.duration_s * 2 / 3
+
+    async def run(self) -> None:
+        """Acquire-or-renew every retry period until cancelled; releases the Lease when cancelled."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    won = await asyncio.to_thread(
+                        try_acquire_or_renew, self.kube, self.namespace, self.name, self.identity, self.duration_s
+                    )
+                except KubeError as err:
+                    logs.say(log, "lease_renew_failed", level=logging.WARNING, lease=self.name, error=str(err)[:300])
+                    won = False
+                if won:
+                    self._renewed_at = loop.time()
+                await self._set(won)
+                await asyncio.sleep(self.retry_period)
+        finally:
+            if self._leading:
+                self._leading = False
+                await asyncio.to_thread(release, self.kube, self.namespace, self.name, self.identity)
+
+    async def _set(self, leading: bool) -> None:
+        if leading == self._leading:
+            return
+        self._leading = leading
+        logs.say(log, "leader_elected" if leading else "leader_lost", lease=self.name, identity=self.identity)
+        if self.on_change is not None:
+            await self.on_change(leading)
+
+
+# --- the agent's per-node heartbeat ----------------------------------------------------------------------
+def heartbeat_name(node: str) -> str:
+    return f"{c.AGENT_LEASE_PREFIX}{node}"
+
+
+def renew_heartbeat(kube: Kube, namespace: str, node: str, identity: str, duration_s: int = 60) -> None:
+    """The agent's "still here": create or renew `sandkeep-agent-<node>`, held by the agent's identity.
+
+    The heartbeat is not an election (one agent per node), so a 409 is simply retried once on a fresh
+    read; anything else propagates to the caller, which logs it and tries again next pass.
+    """
+    for _attempt in range(2):
+        now = now_utc()
+        current = read_lease(kube, namespace, heartbeat_name(node))
+        spec: dict[str, Any] = {
+            "holderIdentity": identity,
+            "leaseDurationSeconds": duration_s,
+            "renewTime": micro_time(now),
+        }
+        try:
+            if current is None:
+                spec["acquireTime"] = micro_time(now)
+                meta = {"name": heartbeat_name(node), "labels": {c.LABEL_NODE: node, c.LABEL_MANAGED_BY: c.MANAGED_BY}}
+                body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
+                kube.request("POST", lease_path(namespace), body=body)
+            else:
+                spec["acquireTime"] = micro_time(current.acquire_time or now)
+                body = dict(current.raw) | {"spec": spec}
+                kube.request("PUT", lease_path(namespace, heartbeat_name(node)), body=body)
+            return
+        except KubeError as err:
+            if not err.conflict:
+                raise
+    raise KubeError(409, f"heartbeat lease {heartbeat_name(node)} kept changing under us", "PUT")
+
+
+def agent_heartbeats(kube: Kube, namespace: str) -> dict[str, LeaseState]:
+    """node -> its agent's heartbeat Lease, for `doctor` and the controller to tell stale agents."""
+    items = kube.request("GET", lease_path(namespace)).get("items", [])
+    result: dict[str, LeaseState] = {}
+    for raw in items:
+        name = raw["metadata"]["name"]
+        if name.startswith(c.AGENT_LEASE_PREFIX):
+            result[name.removeprefix(c.AGENT_LEASE_PREFIX)] = _state(raw)
+    return result
+
+
+def agent_stale(state: LeaseState | None, now: datetime) -> bool:
+    """An agent is stale when its heartbeat is missing or older than its own declared duration."""
+    return state is None or state.expired(now)
