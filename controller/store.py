@@ -1,0 +1,897 @@
+"""The node-side disk store: one root of retained sandboxes, its lock, its manifests and its tombstones.
+
+Layout (DESIGN.md "On disk"):
+
+    <root>/                       owned by this process's uid, mode 0700
+      .sandkeep.lock              flock: one process works on a root at a time (`Root.lock`)
+      .reap-<id>-<unix-ms>        tombstones: a sandbox renamed aside before it is deleted
+      <namespace>/<name>/         one sandbox
+        manifest.json             0600, always written atomically
+        workspace/                the job's files (moved here by rename, never copied)
+        .commands/                records of processes started in the sandbox
+
+Public API (names are stable; the node agent builds on them):
+
+- `RootRefused(StoreError)`: a refusal with `.reason` (a `Reason`), `.errno`, `.path`, and a message naming
+  the path, what was refused, why and what to do next. `StoreError` is the base of every store failure.
+- `Root(path, *, create=True)`: `.path`, `.lock(wait=None)` (context manager; `wait` seconds, None =
+  forever, 0 = once), `.sandbox_path(ns, name)`, `.retain(source, ns, name, *, job_id, created_at,
+  retention, node=None, exclude=()) -> Manifest`, `.read(ns, name) -> Read`, `.scan() -> Scan`,
+  `.pin(ns, name, until, *, now) -> Manifest` (`until=None` removes the pin), `.tombstone(ns, name, *, id,
+  now) -> Tombstone`, `.read_tombstone(t) -> Read`, `.restore(t, ns, name) -> bool`, `.tombstones()`,
+  `.remove_stray(stray) -> bool`, `.remove_empty_namespace(ns) -> bool`, `.size(ns, name) -> int`.
+- Reads: `Present(manifest, text)`, `Absent(reason)`, `Unparsed(text)`, `Unreadable(errno)`,
+  `Transient(errno)`, `Mismatch(manifest, text)`; each has `.reason`. `same_read(a, b)` is the
+  byte-for-byte "nothing changed" test the sweep uses before acting.
+- Scan: `Scan(sandboxes: list[Entry], strays: list[Stray], tombstones: list[Tombstone], empty_namespaces)`.
+- Tombstones: `Tombstone(name, id, made_at, path)` (`.pid`, `.age(now)`), `tombstone_name(id, now)`,
+  `parse_tombstone(name)`, `standalone_id()` (`p<pid>-<hex>`: names the process that made it).
+
+Everything below the root is reached fd-relative with O_NOFOLLOW: a symlink planted anywhere in the tree is
+never followed to read, write, rename or delete a file elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno as E
+import fcntl
+import fnmatch
+import json
+import os
+import re
+import secrets
+import stat
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from controller import fsdelete
+from controller.contracts import (
+    COMMANDS_DIR,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    TOMBSTONE_PREFIX,
+    WORKSPACE_DIR,
+    Reason,
+)
+from controller.durations import format_instant
+from controller.models import Manifest, is_namespace_name, is_object_name
+
+# A read that failed for a moment: held this pass and read again next pass, never acted on.
+TRANSIENT_ERRNOS = frozenset(
+    {E.EMFILE, E.ENFILE, E.EIO, E.EAGAIN, E.EINTR, E.ENOMEM, E.EBUSY, E.ESTALE, E.ETIMEDOUT, E.ENOBUFS}
+)
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few hundred bytes; anything this large is not ours
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+_TOMBSTONE = re.compile(r"^" + re.escape(TOMBSTONE_PREFIX) + r"([A-Za-z0-9][A-Za-z0-9-]{0,63})-(\d{1,15})$")
+_STANDALONE_ID = re.compile(r"^p(\d{1,10})-[0-9a-f]{4,32}(?:-[a-z]{1,8})?$")
+_STAGE_SUFFIX = "stage"  # staging directories are tombstone-named: a crash mid-retain leaves a plain leftover
+
+
+class StoreError(Exception):
+    """A store operation that did not happen: `.reason`, `.errno` (when a syscall said why), `.path`."""
+
+    def __init__(self, reason: Reason, message: str, *, errno: int | None = None, path: Path | str | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.errno = errno
+        self.path = None if path is None else str(path)
+
+
+class RootRefused(StoreError):
+    """The root itself was refused: owned by another uid, not a directory, or locked by another process."""
+
+
+# --- reads ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Present:
+    manifest: Manifest
+    text: str
+    reason: Reason = field(default=Reason.RETAINED, compare=False)
+
+
+@dataclass(frozen=True)
+class Absent:
+    """No manifest: no file, or the sandbox path is not a directory (a symlink is never followed)."""
+
+    reason: Reason = Reason.MANIFEST_ABSENT
+
+
+@dataclass(frozen=True)
+class Unparsed:
+    text: str
+    why: str = field(default="", compare=False)
+    reason: Reason = field(default=Reason.MANIFEST_UNPARSED, compare=False)
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    errno: int
+    reason: Reason = field(default=Reason.MANIFEST_UNREADABLE, compare=False)
+
+
+@dataclass(frozen=True)
+class Transient:
+    errno: int
+    reason: Reason = field(default=Reason.MANIFEST_UNREAD, compare=False)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A manifest that names another namespace/name than the path it sits under: refused, never acted on."""
+
+    manifest: Manifest
+    text: str
+    reason: Reason = field(default=Reason.MANIFEST_MISMATCH, compare=False)
+
+
+Read = Present | Absent | Unparsed | Unreadable | Transient | Mismatch
+
+
+def same_read(a: Read, b: Read) -> bool:
+    """Whether two reads of one sandbox say the same thing: same kind and, for a file, the same bytes.
+
+    The sweep acts only when a fresh read right before the rename (and one through the tombstone right after
+    it) is the same as the read it decided on, so a pin or a replacement in between holds the sandbox.
+    Two failures with the same errno are the same; a transient read is never the same as anything.
+    """
+    if isinstance(a, Transient) or isinstance(b, Transient):
+        return False
+    if isinstance(a, Absent) or isinstance(b, Absent):
+        return isinstance(a, Absent) and isinstance(b, Absent)
+    if isinstance(a, Unreadable) or isinstance(b, Unreadable):
+        return isinstance(a, Unreadable) and isinstance(b, Unreadable) and a.errno == b.errno
+    return type(a) is type(b) and a.text == b.text
+
+
+# --- tombstones ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """`<root>/.reap-<id>-<unix-ms>`: a sandbox renamed aside, decided for deletion."""
+
+    name: str
+    id: str
+    made_at: datetime
+    path: Path
+
+    @property
+    def pid(self) -> int | None:
+        """The pid that made it, when the id is a standalone one (`p<pid>-<hex>`); None for an object uid."""
+        m = _STANDALONE_ID.match(self.id)
+        return int(m.group(1)) if m else None
+
+    def age(self, now: datetime) -> timedelta:
+        return now - self.made_at
+
+
+def standalone_id() -> str:
+    """A tombstone id for a process without an object uid: `p<pid>-<8 hex>`, so a sweep can tell whose it is."""
+    return f"p{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _ms(now: datetime) -> int:
+    return int(now.timestamp() * 1000)
+
+
+def tombstone_name(id: str, now: datetime) -> str:
+    """`.reap-<id>-<unix-ms>`: at most 86 bytes whatever the sandbox is called (well inside NAME_MAX)."""
+    if not _ID.match(id):
+        raise ValueError(f"tombstone id {id!r} must be 1-64 letters, digits or '-' (an object uid or a short hex)")
+    return f"{TOMBSTONE_PREFIX}{id}-{max(_ms(now), 0)}"
+
+
+def parse_tombstone(name: str, root: Path | None = None) -> Tombstone | None:
+    """The tombstone a root entry's name describes, or None when it is not a name this module writes."""
+    m = _TOMBSTONE.match(name)
+    if not m:
+        return None
+    try:
+        made = datetime.fromtimestamp(int(m.group(2)) / 1000, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+    return Tombstone(name, m.group(1), made, (root or Path()) / name)
+
+
+# --- scan ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A sandbox directory found by a scan; its manifest is read separately (`Root.read`), once."""
+
+    namespace: str
+    name: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class Stray:
+    """An entry of the root or a namespace directory that is not a sandbox; never followed.
+
+    `rel` is relative to the root (`ns` or `ns/name`); `is_dir` tells whether `remove_stray` may unlink it
+    (only non-directories are removed, as the reference does; a directory with a bad name is only reported).
+    """
+
+    rel: str
+    path: Path
+    reason: Reason
+    is_dir: bool
+
+
+@dataclass
+class Scan:
+    sandboxes: list[Entry] = field(default_factory=list)
+    strays: list[Stray] = field(default_factory=list)
+    tombstones: list[Tombstone] = field(default_factory=list)
+    empty_namespaces: list[str] = field(default_factory=list)
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+
+def _errno_of(err: OSError) -> int:
+    return err.errno if err.errno is not None else E.EIO
+
+
+def _open_dir(name: str | Path, dir_fd: int | None = None) -> int:
+    return os.open(name, _DIR, dir_fd=dir_fd)
+
+
+@contextlib.contextmanager
+def _fd(fd: int) -> Iterator[int]:
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+_RENAME_NOREPLACE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)
+
+
+def _rename_noreplace(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+    """rename(2) that fails with EEXIST instead of replacing whatever is at `dst` (renameat2 NOREPLACE).
+
+    A tombstone must never land on an existing name: a plain rename would silently replace an empty
+    directory there. Where renameat2 is missing, an lstat first is the (racy, lock-covered) fallback.
+    """
+    if _renameat2 is not None:
+        rc = _renameat2(src_fd, os.fsencode(src), dst_fd, os.fsencode(dst), _RENAME_NOREPLACE)
+        if rc == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (E.ENOSYS, E.EINVAL):
+            raise OSError(err, os.strerror(err), dst)
+    try:
+        os.lstat(dst, dir_fd=dst_fd)
+    except FileNotFoundError:
+        os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        return
+    raise OSError(E.EEXIST, os.strerror(E.EEXIST), dst)
+
+
+def _write_atomic(dir_fd: int, name: str, data: bytes, *, mode: int, owner: tuple[int, int] | None = None) -> None:
+    """Write `name` in `dir_fd` all or nothing: an exclusive temp file beside it, fsync, rename, fsync the dir.
+
+    The temp file is created O_EXCL|O_NOFOLLOW so a planted path is never written through, gets `owner` and
+    `mode` before the rename (so a pin by root keeps a manifest the agent's uid can read), and is removed on
+    every failure path.
+    """
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    try:
+        try:
+            if owner is not None:
+                try:
+                    os.fchown(fd, *owner)
+                except PermissionError:
+                    if owner[0] != os.geteuid():
+                        raise
+            os.fchmod(fd, mode)  # explicit: the mode given to open() is filtered through the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.fsync(dir_fd)
+
+
+def _read_manifest_at(parent_fd: int, name: str) -> Read:
+    """Read `<parent>/<name>/manifest.json` without following a link anywhere; the namespace is not checked."""
+    try:
+        st = os.lstat(name, dir_fd=parent_fd)
+    except OSError as err:
+        code = _errno_of(err)
+        if code in TRANSIENT_ERRNOS:
+            return Transient(code)
+        return Absent() if code in (E.ENOENT, E.ENOTDIR) else Unreadable(code)
+    if stat.S_ISLNK(st.st_mode):
+        return Absent(Reason.SYMLINK)
+    if not stat.S_ISDIR(st.st_mode):
+        return Absent(Reason.NOT_A_DIRECTORY)
+    try:
+        with _fd(_open_dir(name, parent_fd)) as dir_fd:
+            fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            with _fd(fd):
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return Unreadable(E.EINVAL)
+                chunks: list[bytes] = []
+                size = 0
+                while size <= MAX_MANIFEST_BYTES:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+    except OSError as err:
+        code = _errno_of(err)
+        if code in TRANSIENT_ERRNOS:
+            return Transient(code)
+        return Absent() if code in (E.ENOENT, E.ENOTDIR) else Unreadable(code)
+    raw = b"".join(chunks)
+    text = raw.decode("utf-8", errors="surrogateescape")
+    if size > MAX_MANIFEST_BYTES:
+        return Unparsed(text[:200], f"larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        return Present(Manifest.model_validate(json.loads(raw)), text)
+    except (ValueError, ValidationError) as err:
+        return Unparsed(text, str(err).splitlines()[0])
+
+
+def _check_names(namespace: str, name: str) -> None:
+    if not is_namespace_name(namespace):
+        raise ValueError(
+            f"namespace {namespace!r} is not a DNS-1123 label (lowercase letters, digits and '-', at most 63); "
+            "use a Kubernetes namespace name"
+        )
+    if not is_object_name(name):
+        raise ValueError(
+            f"name {name!r} is not a DNS-1123 subdomain (lowercase letters, digits, '-' and '.', at most 253); "
+            "use a Kubernetes object name"
+        )
+
+
+def _relpath_matches(rel: str, base: str, patterns: Sequence[str]) -> bool:
+    """A glob matches a path relative to the source, or (without a '/') any entry's own name at any depth."""
+    return any(fnmatch.fnmatchcase(rel, p) or ("/" not in p and fnmatch.fnmatchcase(base, p)) for p in patterns)
+
+
+# --- the root ------------------------------------------------------------------------------------------
+
+
+class Root:
+    """One root of retained sandboxes. Every method is safe to call from a process that does not hold the lock
+    (the sweep's re-reads and tombstone read-backs are what make a concurrent pin or retain safe), but only one
+    process at a time should sweep a root (`lock`)."""
+
+    def __init__(self, path: Path | str, *, create: bool = True) -> None:
+        given = Path(path)
+        if create:
+            try:
+                given.mkdir(mode=0o700, parents=True)
+                given.chmod(0o700)  # mkdir's mode passes through the umask
+            except FileExistsError:
+                pass
+            except OSError as err:
+                raise RootRefused(
+                    Reason.NOT_A_DIRECTORY,
+                    f"root {given}: could not create it ({os.strerror(_errno_of(err))}); "
+                    "create it as this process's user with mode 0700, or pick another --root",
+                    errno=_errno_of(err),
+                    path=given,
+                ) from err
+        self.path = Path(os.path.realpath(given))
+        self._check_owner()
+
+    def _check_owner(self) -> None:
+        """Refuse a root this uid does not own: whoever owns it could swap a sandbox for a link of their own."""
+        try:
+            st = os.lstat(self.path)
+        except OSError as err:
+            raise RootRefused(
+                Reason.NOT_A_DIRECTORY,
+                f"root {self.path}: cannot use it ({os.strerror(_errno_of(err))}); create it or pick another --root",
+                errno=_errno_of(err),
+                path=self.path,
+            ) from err
+        if not stat.S_ISDIR(st.st_mode):
+            raise RootRefused(
+                Reason.NOT_A_DIRECTORY,
+                f"root {self.path}: refused, it is not a directory; pick a directory for --root",
+                path=self.path,
+            )
+        if st.st_uid != os.geteuid():
+            raise RootRefused(
+                Reason.ROOT_FOREIGN_OWNER,
+                f"root {self.path}: refused, it is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}); "
+                "another account could swap sandboxes for links of its own. Run as its owner, or chown it to "
+                f"uid {os.geteuid()} if it is yours",
+                path=self.path,
+            )
+
+    def _open(self) -> int:
+        return _open_dir(self.path)
+
+    # --- the lock ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self, wait: float | None = None) -> Iterator[None]:
+        """Hold `<root>/.sandkeep.lock` (flock) for the block; wait up to `wait` s (None: forever, 0: once).
+
+        Raises RootRefused(ROOT_LOCKED) naming the holder's pid when the wait runs out. The lock file records
+        the holder's pid for that message; the lock itself is the flock, released when the fd closes (also
+        when the holder dies), so a stale pid in the file never blocks anyone.
+        """
+        with _fd(self._open()) as root_fd:
+            fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=root_fd)
+        try:
+            deadline = None if wait is None else time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise self._locked(fd, wait) from None
+                    time.sleep(0.05 if deadline is None else min(0.05, max(deadline - time.monotonic(), 0.001)))
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)
+
+    def _locked(self, fd: int, wait: float | None) -> RootRefused:
+        try:
+            holder = os.pread(fd, 32, 0).decode().strip()
+        except OSError:
+            holder = ""
+        who = f"process {holder}" if holder.isdigit() else "another process"
+        waited = f" after waiting {wait:g}s" if wait else ""
+        return RootRefused(
+            Reason.ROOT_LOCKED,
+            f"root {self.path}: {who} holds {LOCK_NAME}{waited}; only one sandkeep process may work on a root at "
+            "a time. Wait for it to finish (or stop it), or pass a longer wait",
+            path=self.path / LOCK_NAME,
+        )
+
+    # --- names -------------------------------------------------------------------------------------
+
+    def sandbox_path(self, namespace: str, name: str) -> Path:
+        """`<root>/<ns>/<name>`; ValueError when either is not a Kubernetes name (so never a dot name)."""
+        _check_names(namespace, name)
+        return self.path / namespace / name
+
+    # --- read --------------------------------------------------------------------------------------
+
+    def read(self, namespace: str, name: str) -> Read:
+        """Read one sandbox's manifest (lstat first, never following a link); a foreign manifest is Mismatch."""
+        _check_names(namespace, name)
+        try:
+            with _fd(self._open()) as root_fd, _fd(_open_dir(namespace, root_fd)) as ns_fd:
+                result = _read_manifest_at(ns_fd, name)
+        except OSError as err:
+            code = _errno_of(err)
+            if code in TRANSIENT_ERRNOS:
+                return Transient(code)
+            return Absent(Reason.SYMLINK if code == E.ELOOP else Reason.MANIFEST_ABSENT)
+        if isinstance(result, Present) and (result.manifest.namespace, result.manifest.name) != (namespace, name):
+            return Mismatch(result.manifest, result.text)
+        return result
+
+    def read_tombstone(self, t: Tombstone) -> Read:
+        """Read the manifest inside a tombstone (it keeps the namespace/name of the sandbox it was)."""
+        try:
+            with _fd(self._open()) as root_fd:
+                return _read_manifest_at(root_fd, t.name)
+        except OSError as err:
+            code = _errno_of(err)
+            return Transient(code) if code in TRANSIENT_ERRNOS else Unreadable(code)
+
+    # --- scan --------------------------------------------------------------------------------------
+
+    def scan(self) -> Scan:
+        """One listing of the root and its namespace directories; reads no manifest and follows no link."""
+        out = Scan()
+        with _fd(self._open()) as root_fd:
+            for entry in os.scandir(root_fd):
+                self._scan_root_entry(root_fd, entry, out)
+        out.sandboxes.sort(key=lambda e: (e.namespace, e.name))
+        out.tombstones.sort(key=lambda t: (t.made_at, t.name))
+        return out
+
+    def _scan_root_entry(self, root_fd: int, entry: os.DirEntry[str], out: Scan) -> None:
+        name = entry.name
+        if name == LOCK_NAME:
+            return
+        if name.startswith("."):
+            t = parse_tombstone(name, self.path)
+            if t is not None:
+                out.tombstones.append(t)
+            else:
+                out.strays.append(Stray(name, self.path / name, Reason.BAD_NAME, entry.is_dir(follow_symlinks=False)))
+            return
+        stray = _stray_reason(entry, is_namespace_name(name))
+        if stray is not None:
+            out.strays.append(Stray(name, self.path / name, stray, entry.is_dir(follow_symlinks=False)))
+            return
+        try:
+            ns_fd = _open_dir(name, root_fd)
+        except OSError:
+            return  # gone (or replaced) since the listing: the next scan sees what it is now
+        count = 0
+        with _fd(ns_fd):
+            for sub in os.scandir(ns_fd):
+                count += 1
+                rel = f"{name}/{sub.name}"
+                reason = _stray_reason(sub, is_object_name(sub.name))
+                if reason is not None:
+                    is_dir = sub.is_dir(follow_symlinks=False)
+                    out.strays.append(Stray(rel, self.path / name / sub.name, reason, is_dir))
+                else:
+                    out.sandboxes.append(Entry(name, sub.name, self.path / name / sub.name))
+        if count == 0:
+            out.empty_namespaces.append(name)
+
+    def tombstones(self) -> list[Tombstone]:
+        return self.scan().tombstones
+
+    def remove_stray(self, stray: Stray) -> bool:
+        """Unlink a non-directory stray (a symlink or a file) without following it; directories are kept."""
+        if stray.is_dir:
+            return False
+        parent, _, base = stray.rel.rpartition("/")
+        try:
+            with _fd(self._open()) as root_fd:
+                if not parent:
+                    os.unlink(base, dir_fd=root_fd)
+                else:
+                    with _fd(_open_dir(parent, root_fd)) as p_fd:
+                        os.unlink(base, dir_fd=p_fd)
+        except FileNotFoundError:
+            return True
+        except IsADirectoryError:
+            return False
+        return True
+
+    def remove_empty_namespace(self, namespace: str) -> bool:
+        """rmdir a namespace directory that holds nothing (rmdir never removes anything else)."""
+        if not is_namespace_name(namespace):
+            return False
+        try:
+            with _fd(self._open()) as root_fd:
+                os.rmdir(namespace, dir_fd=root_fd)
+        except OSError:
+            return False
+        return True
+
+    # --- tombstones --------------------------------------------------------------------------------
+
+    def tombstone(self, namespace: str, name: str, *, id: str, now: datetime) -> Tombstone:
+        """Rename `<root>/<ns>/<name>` to `<root>/.reap-<id>-<ms>` in one rename (never onto an existing name).
+
+        From the rename on, every open, pin and read of the sandbox finds nothing, which is the truth; the
+        slow delete then works on the tombstone. Raises StoreError(RENAME_FAILED) with the errno.
+        """
+        _check_names(namespace, name)
+        tname = tombstone_name(id, now)
+        try:
+            with _fd(self._open()) as root_fd, _fd(_open_dir(namespace, root_fd)) as ns_fd:
+                st = os.lstat(name, dir_fd=ns_fd)
+                if not stat.S_ISDIR(st.st_mode):
+                    raise StoreError(
+                        Reason.RENAME_FAILED,
+                        f"sandbox {namespace}/{name}: refused to tombstone it, it is not a directory",
+                        errno=E.ENOTDIR,
+                        path=self.path / namespace / name,
+                    )
+                _rename_noreplace(ns_fd, name, root_fd, tname)
+                os.fsync(root_fd)
+        except OSError as err:
+            raise StoreError(
+                Reason.RENAME_FAILED,
+                f"sandbox {namespace}/{name}: could not rename it to tombstone {tname} "
+                f"({os.strerror(_errno_of(err))}); it stays under its own name and is retried next pass",
+                errno=_errno_of(err),
+                path=self.path / namespace / name,
+            ) from err
+        parsed = parse_tombstone(tname, self.path)
+        assert parsed is not None
+        return parsed
+
+    def restore(self, t: Tombstone, namespace: str, name: str) -> bool:
+        """Put a tombstone back under `<ns>/<name>`. Only a free name or an EMPTY directory is displaced.
+
+        rename(2) of a directory replaces an empty directory atomically and fails on anything else (a file,
+        a link, a non-empty directory), which is exactly the rule: nothing but an empty directory is lost.
+        """
+        _check_names(namespace, name)
+        try:
+            with _fd(self._open()) as root_fd:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(namespace, 0o700, dir_fd=root_fd)
+                with _fd(_open_dir(namespace, root_fd)) as ns_fd:
+                    os.rename(t.name, name, src_dir_fd=root_fd, dst_dir_fd=ns_fd)
+                    os.fsync(ns_fd)
+        except OSError:
+            return False
+        return True
+
+    def delete_tombstone(self, t: Tombstone) -> fsdelete.DeleteResult:
+        """Delete a tombstone's tree safely (fsdelete: never follows a link, never crosses a mount)."""
+        return fsdelete.delete_tree(self.path, t.name)
+
+    # --- pin ---------------------------------------------------------------------------------------
+
+    def pin(self, namespace: str, name: str, until: datetime | None, *, now: datetime) -> Manifest:
+        """Set (or with `until=None` remove) a standalone pin: `keepUntil` + `pinnedAt`, rewritten atomically.
+
+        The rewrite keeps every key already in the manifest and the file's owner and mode, so a pin taken by
+        root leaves a manifest the sweeping uid can still read. Raises StoreError when there is no readable
+        manifest of this sandbox to pin.
+        """
+        read = self.read(namespace, name)
+        where = self.path / namespace / name / MANIFEST_NAME
+        if not isinstance(read, Present):
+            raise StoreError(
+                read.reason,
+                f"sandbox {namespace}/{name}: cannot pin it, its manifest is {type(read).__name__.lower()} "
+                f"({read.reason}); check `sandkeep ls` for what is there",
+                errno=getattr(read, "errno", None),
+                path=where,
+            )
+        body = json.loads(read.text)
+        if until is None:
+            body["keepUntil"], body["pinnedAt"] = None, None
+        else:
+            body["keepUntil"], body["pinnedAt"] = format_instant(until), format_instant(now)
+        data = (json.dumps(body, indent=2) + "\n").encode()
+        try:
+            with (
+                _fd(self._open()) as root_fd,
+                _fd(_open_dir(namespace, root_fd)) as ns_fd,
+                _fd(_open_dir(name, ns_fd)) as dir_fd,
+            ):
+                st = os.stat(MANIFEST_NAME, dir_fd=dir_fd, follow_symlinks=False)
+                _write_atomic(dir_fd, MANIFEST_NAME, data, mode=stat.S_IMODE(st.st_mode), owner=(st.st_uid, st.st_gid))
+        except OSError as err:
+            raise StoreError(
+                Reason.MANIFEST_UNREADABLE,
+                f"sandbox {namespace}/{name}: could not rewrite {MANIFEST_NAME} ({os.strerror(_errno_of(err))}); "
+                "nothing was changed",
+                errno=_errno_of(err),
+                path=where,
+            ) from err
+        return Manifest.model_validate(body)
+
+    # --- retain ------------------------------------------------------------------------------------
+
+    def retain(
+        self,
+        source: Path,
+        namespace: str,
+        name: str,
+        *,
+        job_id: str,
+        created_at: datetime,
+        retention: timedelta | None,
+        node: str | None = None,
+        exclude: Sequence[str] = (),
+        now: datetime | None = None,
+    ) -> Manifest:
+        """Move a finished job directory into `<root>/<ns>/<name>/workspace` by rename and write its manifest.
+
+        The sandbox is built complete (workspace + manifest) in a tombstone-named staging directory of the root
+        and then renamed into place, so no reader ever sees a sandbox without its manifest, and a crash leaves
+        a plain leftover tombstone the next sweep clears. A previous attempt at the same name is replaced (last
+        attempt wins) through a tombstone and a safe delete. Exclude globs are removed from `source` first.
+        On any failure nothing is left in the root and the source is where it was (minus excluded files).
+        """
+        _check_names(namespace, name)
+        now = now or datetime.now(UTC)
+        src = Path(os.path.abspath(source))  # noqa: PTH100 (lexical: the last component is not resolved)
+        self._check_source(src)
+        if exclude:
+            _remove_excluded(src, exclude)
+        manifest = Manifest.model_validate(
+            {
+                "namespace": namespace,
+                "name": name,
+                "jobId": job_id,
+                "createdAt": _instant_ms(created_at),
+                "retainUntil": None if retention is None else _instant_ms(created_at + retention),
+                "keepUntil": None,
+                "pinnedAt": None,
+                "node": node,
+                "workspace": WORKSPACE_DIR,
+            }
+        )
+        with _fd(self._open()) as root_fd:
+            stage = tombstone_name(f"{standalone_id()}-{_STAGE_SUFFIX}"[:64], now)
+            os.mkdir(stage, 0o700, dir_fd=root_fd)
+            try:
+                self._fill_stage(root_fd, stage, src, manifest)
+                self._place(root_fd, stage, namespace, name, now)
+            except BaseException:
+                self._undo_stage(root_fd, stage, src)
+                raise
+        return manifest
+
+    def _check_source(self, src: Path) -> None:
+        try:
+            st = os.lstat(src)
+        except OSError as err:
+            raise StoreError(
+                Reason.MANIFEST_ABSENT,
+                f"source {src}: cannot retain it ({os.strerror(_errno_of(err))}); pass the finished job's directory",
+                errno=_errno_of(err),
+                path=src,
+            ) from err
+        if not stat.S_ISDIR(st.st_mode):
+            reason = Reason.SYMLINK if stat.S_ISLNK(st.st_mode) else Reason.NOT_A_DIRECTORY
+            raise StoreError(
+                reason,
+                f"source {src}: refused, it is {'a symlink' if reason is Reason.SYMLINK else 'not a directory'}; "
+                "pass the job's directory itself",
+                path=src,
+            )
+        if src == self.path or self.path in src.parents or src in self.path.parents:
+            raise StoreError(
+                Reason.PATH_OUTSIDE_ROOT,
+                f"source {src}: refused, it is the root {self.path}, inside it or above it; "
+                "pass a finished job's directory outside the root",
+                path=src,
+            )
+        if st.st_dev != self.path.stat().st_dev:
+            raise StoreError(
+                Reason.CROSS_DEVICE,
+                f"source {src}: refused, it is on another filesystem than the root {self.path}, and sandkeep "
+                "retains by rename, never by copy; put job directories on the root's filesystem",
+                errno=E.EXDEV,
+                path=src,
+            )
+
+    def _fill_stage(self, root_fd: int, stage: str, src: Path, manifest: Manifest) -> None:
+        with _fd(_open_dir(stage, root_fd)) as stage_fd:
+            try:
+                os.rename(src, WORKSPACE_DIR, dst_dir_fd=stage_fd)
+            except OSError as err:
+                code = _errno_of(err)
+                raise StoreError(
+                    Reason.CROSS_DEVICE if code == E.EXDEV else Reason.RENAME_FAILED,
+                    f"source {src}: could not move it into the root {self.path} ({os.strerror(code)}); "
+                    + (
+                        "sandkeep retains by rename, never by copy: put job directories on the root's filesystem"
+                        if code == E.EXDEV
+                        else "nothing was retained; fix the cause and retain again"
+                    ),
+                    errno=code,
+                    path=src,
+                ) from err
+            os.mkdir(COMMANDS_DIR, 0o700, dir_fd=stage_fd)
+            _write_atomic(stage_fd, MANIFEST_NAME, manifest.to_json().encode(), mode=0o600)
+
+    def _place(self, root_fd: int, stage: str, namespace: str, name: str, now: datetime) -> None:
+        """Rename the staged sandbox to `<ns>/<name>`, tombstoning (and deleting) a previous attempt first."""
+        for _ in range(8):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(namespace, 0o700, dir_fd=root_fd)
+            try:
+                with _fd(_open_dir(namespace, root_fd)) as ns_fd:
+                    os.rename(stage, name, src_dir_fd=root_fd, dst_dir_fd=ns_fd)
+                    os.fsync(ns_fd)
+                    return
+            except FileNotFoundError:
+                continue  # the namespace directory was removed as empty meanwhile: make it again
+            except OSError as err:
+                if err.errno not in (E.ENOTEMPTY, E.EEXIST, E.ENOTDIR, E.EISDIR):
+                    raise
+            self._replace_previous(namespace, name, now)
+        raise StoreError(
+            Reason.RENAME_FAILED,
+            f"sandbox {namespace}/{name}: the name kept being taken while retaining; nothing was retained",
+            path=self.path / namespace / name,
+        )
+
+    def _replace_previous(self, namespace: str, name: str, now: datetime) -> None:
+        """Last attempt wins: the previous one goes through a tombstone and the safe delete, never rm -rf."""
+        with _fd(self._open()) as root_fd, _fd(_open_dir(namespace, root_fd)) as ns_fd:
+            try:
+                st = os.lstat(name, dir_fd=ns_fd)
+            except FileNotFoundError:
+                return
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=ns_fd)  # a link or file at the name: unlinked, never followed
+                return
+        t = self.tombstone(namespace, name, id=standalone_id(), now=now)
+        result = self.delete_tombstone(t)
+        if not result.ok:
+            # The previous attempt is out of the way (the name is free); its tombstone is the sweep's to retry.
+            return
+
+    def _undo_stage(self, root_fd: int, stage: str, src: Path) -> None:
+        """Put the source back where it was and remove the staging directory: no debris in the root."""
+        with contextlib.suppress(OSError), _fd(_open_dir(stage, root_fd)) as stage_fd:
+            os.rename(WORKSPACE_DIR, src, src_dir_fd=stage_fd)
+        fsdelete.delete_tree(self.path, stage)
+
+    # --- size --------------------------------------------------------------------------------------
+
+    def size(self, namespace: str, name: str) -> int:
+        """Bytes on disk under a sandbox (allocated blocks), walked fd-relative without following links."""
+        _check_names(namespace, name)
+        try:
+            with _fd(self._open()) as root_fd, _fd(_open_dir(namespace, root_fd)) as ns_fd:
+                return fsdelete.disk_usage(ns_fd, name)
+        except OSError:
+            return 0
+
+
+def _instant_ms(when: datetime) -> str:
+    """RFC 3339 UTC with milliseconds: two retentions of one job a moment apart never write the same bytes."""
+    return when.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _remove_excluded(src: Path, patterns: Sequence[str]) -> None:
+    """Delete what the exclude globs match under `src` (e.g. transcripts) before anything is retained.
+
+    Walks fd-relative without following links; a matched directory is deleted whole with the safe delete.
+    """
+    stack: list[tuple[int, str]] = [(_open_dir(src), "")]
+    try:
+        while stack:
+            fd, rel = stack.pop()
+            with _fd(fd):
+                for entry in list(os.scandir(fd)):
+                    path = f"{rel}{entry.name}"
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    if _relpath_matches(path, entry.name, patterns):
+                        if is_dir:
+                            result = fsdelete.delete_tree_at(fd, entry.name)
+                            if not result.ok:
+                                raise StoreError(
+                                    Reason.DELETE_FAILED,
+                                    f"source {src}: could not remove excluded {path} ({result.describe()}); "
+                                    "nothing was retained",
+                                    errno=result.errno,
+                                    path=src / path,
+                                )
+                        else:
+                            os.unlink(entry.name, dir_fd=fd)
+                    elif is_dir:
+                        stack.append((_open_dir(entry.name, fd), path + "/"))
+    finally:
+        for fd, _ in stack:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _stray_reason(entry: os.DirEntry[str], good_name: bool) -> Reason | None:
+    if entry.is_symlink():
+        return Reason.SYMLINK
+    if not entry.is_dir(follow_symlinks=False):
+        return Reason.NOT_A_DIRECTORY
+    if not good_name:
+        return Reason.BAD_NAME
+    return None
