@@ -1,0 +1,225 @@
+"""`sandkeep exec` and the orphan reaper with real processes, real signals and real /proc."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from controller.commands import Mark, boot_id, reap_orphans
+from controller.store import Root
+
+SANDKEEP = [sys.executable, "-m", "controller.cli"]
+
+
+def _start_ticks(pid: int) -> int:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return int(text[text.rfind(")") + 2 :].split()[19])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rfind(")") + 2] not in "ZX"
+
+
+def _wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> tuple[Path, Path]:
+    src = tmp_path / "job"
+    src.mkdir()
+    root = Root(tmp_path / "root")
+    root.retain(src, "ns", "box", job_id="j1", created_at=datetime.now(UTC), retention=timedelta(hours=1))
+    return root.path, root.path / "ns" / "box"
+
+
+@pytest.fixture
+def pids() -> Iterator[list[int]]:
+    """Pids a test saw started; any still alive at the end are SIGKILLed by pid."""
+    seen: list[int] = []
+    yield seen
+    for pid in seen:
+        if pid > 1 and pid != os.getpid() and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _exec(root: Path, *cmd: str, **kw: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*SANDKEEP, "exec", "ns/box", "--root", str(root), "--", *cmd],
+        cwd=Path(__file__).parent.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,  # type: ignore[call-overload]
+    )
+
+
+def _records(sandbox_dir: Path) -> list[dict[str, object]]:
+    return [json.loads(p.read_text()) for p in sorted((sandbox_dir / ".commands").glob("*.json"))]
+
+
+def _write_record(sandbox_dir: Path, name: str, body: object) -> None:
+    d = sandbox_dir / ".commands"
+    d.mkdir(mode=0o700, exist_ok=True)
+    (d / name).write_text(body if isinstance(body, str) else json.dumps(body))
+
+
+def test_exec_runs_in_the_workspace_exits_with_the_code_and_leaves_no_record(sandbox):
+    root, box = sandbox
+    p = _exec(root, "sh", "-c", "pwd; exit 7")
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 7, err
+    assert out.strip() == str(box / "workspace")
+    assert _records(box) == []
+
+
+def test_a_killed_recorder_leaves_a_record_and_the_reaper_kills_group_and_descendants(sandbox, pids):
+    root, box = sandbox
+    # A background child in the group, one that left the group with setsid, and the leader itself.
+    script = "sleep 300 & setsid sleep 301 & echo ready; exec sleep 302"
+    p = _exec(root, "sh", "-c", script)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+
+    def recorded() -> bool:
+        recs = _records(box)
+        return len(recs) == 1 and len(recs[0]["members"]) >= 2  # type: ignore[arg-type]
+
+    _wait_for(recorded)
+    record = _records(box)[0]
+    marks = [record["leader"], *record["members"]]  # type: ignore[list-item]
+    pids.extend(m["pid"] for m in marks)  # type: ignore[index]
+    assert record["boot"] == boot_id()
+    p.kill()  # the recorder dies; its command's processes run on in their own group / session
+    p.wait(timeout=10)
+    assert all(_alive(m["pid"]) for m in marks)  # type: ignore[index]
+
+    result = reap_orphans(box, timeout=10)
+
+    assert result.survivors == ()
+    assert result.signalled >= 2
+    assert not any(_alive(m["pid"]) for m in marks)  # type: ignore[index]
+    assert _records(box) == []
+
+
+def test_a_survivor_is_reported_with_its_command_line_and_stays_recorded(sandbox, pids):
+    _root, box = sandbox
+    victim = subprocess.Popen(["sleep", "303"], start_new_session=True)
+    pids.append(victim.pid)
+    _write_record(
+        box,
+        f"{victim.pid}-1.json",
+        {"boot": boot_id(), "leader": {"pid": victim.pid, "start": _start_ticks(victim.pid)}, "members": []},
+    )
+    calls: list[tuple[int, int]] = []
+
+    result = reap_orphans(box, timeout=0.3, kill=lambda target, sig: calls.append((target, sig)))
+
+    assert calls == [(-victim.pid, signal.SIGKILL)]
+    assert [(s.pid, s.command) for s in result.survivors] == [(victim.pid, "sleep 303")]
+    assert len(_records(box)) == 1  # the next reap tries again
+    # ... and a real reap later ends it
+    assert reap_orphans(box, timeout=10).survivors == ()
+    victim.wait(timeout=10)
+    assert _records(box) == []
+
+
+def test_never_pid_one_nor_itself_nor_its_own_group(sandbox):
+    _root, box = sandbox
+    me, group = os.getpid(), os.getpgrp()
+    members = [{"pid": me, "start": _start_ticks(me)}]
+    if _alive(1):
+        with contextlib.suppress(OSError):
+            members.append({"pid": 1, "start": _start_ticks(1)})
+    _write_record(
+        box,
+        "a.json",
+        {"boot": boot_id(), "leader": {"pid": group, "start": _start_ticks(group)}, "members": members},
+    )
+    _write_record(
+        box, "b.json", {"boot": boot_id(), "leader": {"pid": 0, "start": 0}, "members": [{"pid": -1, "start": 0}]}
+    )
+    calls: list[tuple[int, int]] = []
+
+    reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
+
+    assert calls == []
+
+
+def test_records_of_another_boot_and_torn_records_are_dropped_without_signalling(sandbox, pids):
+    _root, box = sandbox
+    victim = subprocess.Popen(["sleep", "304"], start_new_session=True)
+    pids.append(victim.pid)
+    mark = {"pid": victim.pid, "start": _start_ticks(victim.pid)}
+    _write_record(box, "old.json", {"boot": "another-boot", "leader": mark, "members": []})
+    _write_record(box, "torn.json", '{"boot": "' + (boot_id() or "") + '", "lead')
+    calls: list[tuple[int, int]] = []
+
+    result = reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
+
+    assert calls == []
+    assert result.dropped == 2
+    assert _records(box) == []
+    assert _alive(victim.pid)
+
+
+def test_a_record_of_a_pid_reused_by_another_process_is_not_signalled(sandbox, pids):
+    _root, box = sandbox
+    victim = subprocess.Popen(["sleep", "305"], start_new_session=True)
+    pids.append(victim.pid)
+    stale = Mark(victim.pid, _start_ticks(victim.pid) - 1)  # same pid, another start: another process
+    _write_record(box, "x.json", {"boot": boot_id(), "leader": {"pid": stale.pid, "start": stale.start}, "members": []})
+    calls: list[tuple[int, int]] = []
+    result = reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
+    assert calls == [] and result.survivors == ()
+    assert _alive(victim.pid)
+
+
+def test_a_running_exec_is_not_an_orphan(sandbox, pids):
+    root, box = sandbox
+    p = _exec(root, "sh", "-c", "echo ready; exec sleep 306")
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    _wait_for(lambda: len(_records(box)) == 1)
+    leader = _records(box)[0]["leader"]["pid"]  # type: ignore[index]
+    pids.append(leader)
+    calls: list[tuple[int, int]] = []
+    reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
+    assert calls == []
+    p.send_signal(signal.SIGTERM)  # forwarded to the command's group
+    assert p.wait(timeout=10) == 128 + signal.SIGTERM
+    assert not _alive(leader)
+    _wait_for(lambda: _records(box) == [])
+
+
+def test_exec_reaps_what_a_killed_exec_left_before_starting(sandbox, pids):
+    root, box = sandbox
+    first = _exec(root, "sh", "-c", "sleep 307 & echo ready; exec sleep 308")
+    assert first.stdout is not None and first.stdout.readline().strip() == "ready"
+    _wait_for(lambda: len(_records(box)) == 1 and len(_records(box)[0]["members"]) >= 1)  # type: ignore[arg-type]
+    record = _records(box)[0]
+    left = [record["leader"]["pid"], *(m["pid"] for m in record["members"])]  # type: ignore[index, union-attr]
+    pids.extend(left)
+    first.kill()
+    first.wait(timeout=10)
+
+    second = _exec(root, "true")
+    assert second.wait(timeout=30) == 0
+    assert not any(_alive(pid) for pid in left)
+    assert _records(box) == []
