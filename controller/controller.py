@@ -1,0 +1,797 @@
+"""`sandkeep controller`: decide, for every RetainedSandbox, keep or delete, and say why.
+
+kopf watches RetainedSandboxes, SandboxPolicies and Nodes with low-level `on.event` handlers only, which
+persist nothing on the objects (no finalizer, no progress or diff-base annotations). Every watch event
+updates an in-memory view and queues the object's key; a few workers reconcile keys one at a time
+each, and ONE scheduler (a heap of deadlines) queues a key again exactly when its deadline passes, as
+the TTL-after-finished controller's `AddAfter` does. With nothing changing, nothing is written.
+
+Deleting is the only dangerous step, so it is guarded twice: the object is read fresh and the one rule
+is run again, then the DELETE carries preconditions on uid AND resourceVersion, so a pin (or any
+change) that lands in between makes it a 409 and the decision is taken again on the fresh object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import heapq
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import kopf
+from pydantic import field_validator
+
+from controller import contracts as c
+from controller import logs, metrics, models
+from controller.contracts import Phase, Reason
+from controller.durations import Invalid, format_instant, parse_duration, parse_instant
+from controller.kube import (
+    CONTROLLER_MANAGER,
+    Kube,
+    KubeError,
+    Obj,
+    annotations_of,
+    condition,
+    is_deleting,
+    key_of,
+    load_config,
+    namespace_policy,
+    now_utc,
+    observed_of,
+    same_condition,
+    sandbox_facts,
+)
+from controller.leases import LeaderElector
+from controller.policy import Policy, Verdict, deadline, effective_policy, phase_of
+
+log = logging.getLogger("sandkeep.controller")
+
+Key = tuple[str, str]
+COMPONENT = "sandkeep-controller"
+# status fields and condition types this controller owns (the agent owns the rest; see controller.kube)
+OWNED_FIELDS = ("phase", "deadline", "deadlineSource", "pinnedUntil", "observedGeneration")
+OWNED_CONDITIONS = ("Expired", "Pinned", "PinValid", "PolicyCeiling", "DryRun", "Lost")
+EXPIRY_CAUSES = (Reason.PIN_EXPIRED, Reason.RETAIN_UNTIL, Reason.WINDOW, Reason.NO_CREATED_AT)
+# Test seam: when set, the controller waits at `<dir>/<ns>.<name>.go` between its fresh read and DELETE.
+SEAM_ENV = "SANDKEEP_TEST_BEFORE_DELETE_DIR"
+MAX_BACKOFF = 60.0
+
+
+class ControllerSettings(models.Settings):
+    """The controller's settings (`SANDKEEP_*` env vars; flags override them)."""
+
+    node_grace: models.Duration = timedelta(minutes=10)  # a node gone this long: its sandboxes are Lost
+    namespace: str = "sandkeep-system"  # where the leader Lease lives
+    kubeconfig: str | None = None
+    metrics_port: int = 8080
+    metrics_host: str = "127.0.0.1"
+    lease_duration: int = 15
+    workers: int = 8
+    identity: str | None = None
+    watch_namespaces: tuple[str, ...] = ()  # empty: the whole cluster
+
+    @field_validator("node_grace", mode="before")
+    @classmethod
+    def _grace(cls, v: Any) -> timedelta:
+        return models._duration(v)
+
+
+# --- the decision for one sandbox (pure) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decision:
+    """What the controller wants for one sandbox now: its status, whether to delete, when to look again."""
+
+    verdict: Verdict
+    phase: Phase
+    status: Obj  # exactly the controller-owned status fields (server-side applied as a whole)
+    delete: bool  # expired, unpinned, not in use, not dry-run, not already deleting
+    wake_at: datetime | None  # the next instant the decision can change with nothing else changing
+    node_lost: bool = False
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything outside the object the decision reads: the namespace's policy and the node's fate."""
+
+    policy: Policy
+    policy_reasons: tuple[Reason, ...] = ()
+    policy_problems: tuple[str, ...] = ()
+    node_gone_since: datetime | None = None
+    node_grace: timedelta = timedelta(minutes=10)
+
+
+def _cause(verdict: Verdict) -> Reason:
+    return next((r for r in verdict.reasons if r in EXPIRY_CAUSES), Reason.EXPIRED)
+
+
+def _when(value: datetime | None) -> str:
+    return format_instant(value) if value is not None else "never"
+
+
+def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
+    """Run the one rule on `obj` and turn the verdict into status, conditions and an action. Pure.
+
+    Messages hold absolute times only, never "in 3h", so the same object under the same policy always
+    gives the same status and an unchanged sandbox costs no write.
+    """
+    verdict = deadline(sandbox_facts(obj), ctx.policy, now)
+    observed = observed_of(obj)
+    lost_at = ctx.node_gone_since + ctx.node_grace if ctx.node_gone_since is not None else None
+    node_lost = lost_at is not None and lost_at <= now
+    phase = phase_of(verdict, in_use=observed.in_use, disk_present=observed.disk_present, node_gone=node_lost)
+    previous = (obj.get("status") or {}).get("conditions") or []
+    generation = obj.get("metadata", {}).get("generation")
+
+    def cond(type_: str, status: bool, reason: Reason, message: str) -> Obj:
+        return condition(type_, status, reason, message, observed_generation=generation, previous=previous, now=now)
+
+    source = verdict.source.value
+    conditions = [_expired_condition(verdict, observed.in_use, source, cond), _pinned_condition(verdict, cond)]
+    invalid = _pin_problems(obj, verdict)
+    ann = annotations_of(obj)
+    if invalid:
+        conditions.append(cond("PinValid", False, Reason.INVALID_PIN, "; ".join(invalid)))
+    elif c.ANN_PIN_UNTIL in ann:
+        conditions.append(cond("PinValid", True, Reason.PINNED, f"{c.ANN_PIN_UNTIL} is a valid RFC 3339 time"))
+    if ctx.policy_reasons or ctx.policy_problems:
+        reason = Reason.POLICY_CEILING if ctx.policy_reasons else Reason.INVALID_POLICY
+        words = list(ctx.policy_problems)
+        if ctx.policy_reasons:
+            words.insert(0, "the namespace's SandboxPolicy exceeds the cluster ceiling and is held to it")
+        conditions.append(cond("PolicyCeiling", True, reason, "; ".join(words)))
+    eligible = verdict.expired and not observed.in_use
+    if eligible and ctx.policy.dry_run:
+        conditions.append(
+            cond(
+                "DryRun", True, Reason.WOULD_DELETE,
+                f"would delete: expired at {_when(verdict.deadline)} ({_cause(verdict)}); dry-run is on, "
+                "nothing is deleted",
+            )
+        )  # fmt: skip
+    if node_lost:
+        conditions.append(
+            cond(
+                "Lost", True, Reason.NODE_GONE,
+                f"node {obj['spec'].get('nodeName')} is gone since {_when(ctx.node_gone_since)}; "
+                "the directory went with its disk",
+            )
+        )  # fmt: skip
+    status: Obj = {"phase": phase.value, "deadlineSource": source, "conditions": conditions}
+    if verdict.deadline is not None:
+        status["deadline"] = format_instant(verdict.deadline)
+    if verdict.pinned_until is not None:
+        status["pinnedUntil"] = format_instant(verdict.pinned_until)
+    if generation is not None:
+        status["observedGeneration"] = generation
+    wakes = [t for t in (None if verdict.expired else verdict.deadline, None if node_lost else lost_at) if t]
+    return Decision(
+        verdict=verdict,
+        phase=phase,
+        status=status,
+        delete=eligible and not ctx.policy.dry_run,
+        wake_at=min(wakes) if wakes else None,
+        node_lost=node_lost,
+    )
+
+
+def _expired_condition(verdict: Verdict, in_use: bool, source: str, cond: Callable[..., Obj]) -> Obj:
+    if not verdict.expired:
+        reason = Reason.PINNED if verdict.pinned else Reason.RETAINED
+        return cond("Expired", False, reason, f"kept until {_when(verdict.deadline)} ({source})")
+    held = "; held: something still uses it" if in_use else ""
+    detail = " ".join(verdict.messages) or f"deadline {_when(verdict.deadline)} ({source}) has passed"
+    return cond("Expired", True, _cause(verdict), detail + held)
+
+
+def _pinned_condition(verdict: Verdict, cond: Callable[..., Obj]) -> Obj:
+    if verdict.pinned and not verdict.expired:
+        capped = Reason.PIN_CAPPED in verdict.reasons
+        words = f"pinned until {_when(verdict.pinned_until)}"
+        if capped:
+            words += " (capped: " + "; ".join(m for m in verdict.messages if "capped" in m) + ")"
+        return cond("Pinned", True, Reason.PIN_CAPPED if capped else Reason.PINNED, words)
+    if verdict.pinned:
+        return cond("Pinned", False, Reason.PIN_EXPIRED, f"the pin lapsed at {_when(verdict.pinned_until)}")
+    return cond("Pinned", False, Reason.UNPINNED, "no pin")
+
+
+def _pin_problems(obj: Obj, verdict: Verdict) -> list[str]:
+    """Words for each pin annotation the controller ignored, naming it and what to write instead."""
+    ann = annotations_of(obj)
+    problems = []
+    if Reason.INVALID_PIN in verdict.reasons:
+        problems.append(
+            f"{c.ANN_PIN_UNTIL} ignored (not pinned): "
+            + "; ".join(m.removeprefix("pin ignored: ") for m in verdict.messages if m.startswith("pin ignored"))
+        )
+    if c.ANN_PIN_FOR in ann:
+        parsed = parse_duration(ann[c.ANN_PIN_FOR])
+        if isinstance(parsed, Invalid):
+            problems.append(f"{c.ANN_PIN_FOR} ignored (not pinned): {parsed}")
+    return problems
+
+
+def status_changed(obj: Obj, desired: Obj) -> bool:
+    """True when any controller-owned status field or condition differs from what the object shows."""
+    current = obj.get("status") or {}
+    if any(current.get(f) != desired.get(f) for f in OWNED_FIELDS):
+        return True
+    have = {cd.get("type"): cd for cd in current.get("conditions") or []}
+    want = {cd["type"]: cd for cd in desired.get("conditions", [])}
+    return any(not same_condition(have.get(t), want.get(t)) for t in OWNED_CONDITIONS)
+
+
+def transition_events(obj: Obj, desired: Obj) -> list[tuple[Reason, str, str]]:
+    """The Events one status change deserves, as (reason, message, type): one per decision, never repeated.
+
+    Derived from the difference between the status shown and the status wanted, so a standby that takes
+    over an up-to-date object posts nothing, and a re-applied status posts nothing either.
+    """
+    name = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+    old = obj.get("status") or {}
+    have = {cd.get("type"): cd for cd in old.get("conditions") or []}
+    want = {cd["type"]: cd for cd in desired.get("conditions", [])}
+    events: list[tuple[Reason, str, str]] = []
+    phase, old_phase = desired.get("phase"), old.get("phase")
+    pinned, old_pinned = desired.get("pinnedUntil"), old.get("pinnedUntil")
+    if pinned != old_pinned and pinned is not None:
+        events.append((Reason.PINNED, f"{name} pinned until {pinned}", "Normal"))
+    elif pinned is None and old_pinned is not None:
+        events.append((Reason.UNPINNED, f"{name} unpinned; deadline now {desired.get('deadline')}", "Normal"))
+    for type_, reason, kind in (
+        ("Pinned", Reason.PIN_CAPPED, "Warning"),
+        ("PinValid", Reason.INVALID_PIN, "Warning"),
+        ("PolicyCeiling", Reason.POLICY_CEILING, "Warning"),
+        ("PolicyCeiling", Reason.INVALID_POLICY, "Warning"),
+        ("DryRun", Reason.WOULD_DELETE, "Normal"),
+        ("Lost", Reason.NODE_GONE, "Warning"),
+    ):
+        cd = want.get(type_)
+        if cd is not None and cd["reason"] == reason and not same_condition(have.get(type_), cd):
+            events.append((Reason.LOST if reason is Reason.NODE_GONE else reason, f"{name}: {cd['message']}", kind))
+    if phase != old_phase:
+        if phase == Phase.RETAINED and old_phase is None:
+            source = desired.get("deadlineSource")
+            events.append((Reason.RETAINED, f"{name} retained until {desired.get('deadline')} ({source})", "Normal"))
+        elif phase == Phase.EXPIRED:
+            events.append((Reason.EXPIRED, f"{name} expired: {want['Expired']['message']}", "Normal"))
+        elif phase == Phase.HELD:
+            events.append((Reason.HELD, f"{name} expired but in use: held, not deleted", "Warning"))
+    return events
+
+
+# --- the reconciler ----------------------------------------------------------------------------------------
+@dataclass
+class View:
+    """What the watches told us, kept warm on every replica (a standby takes over with it)."""
+
+    sandboxes: dict[Key, Obj] = field(default_factory=dict)
+    policies: dict[str, dict[str, Obj]] = field(default_factory=dict)  # namespace -> name -> SandboxPolicy
+    nodes: set[str] = field(default_factory=set)
+    node_gone_since: dict[str, datetime] = field(default_factory=dict)
+
+
+def _rv(obj: Obj) -> int:
+    try:
+        return int(obj["metadata"]["resourceVersion"])
+    except (KeyError, ValueError, TypeError):
+        return -1
+
+
+def _slim(obj: Obj) -> Obj:
+    """The object without managedFields: a third of its size, and nothing the controller reads."""
+    meta = {k: v for k, v in obj.get("metadata", {}).items() if k != "managedFields"}
+    return obj | {"metadata": meta}
+
+
+class Reconciler:
+    """The controller's core: a view, a work queue, one deadline heap, and the decisions on each key.
+
+    `before_delete` is a test seam: an async callable run between the fresh read and the DELETE, so a
+    test can land a pin exactly there (the env var SEAM_ENV does the same for a controller subprocess).
+    """
+
+    def __init__(self, kube: Kube, settings: ControllerSettings, metrics_: metrics.ControllerMetrics) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.metrics = metrics_
+        self.view = View()
+        self.default_policy = settings.policy()
+        self.ceiling = settings.ceiling()
+        self.is_leader: Callable[[], bool] = lambda: True
+        self.before_delete: Callable[[Obj], Awaitable[None]] | None = None
+        self._queue: asyncio.Queue[Key] = asyncio.Queue()
+        self._queued: set[Key] = set()
+        self._active: set[Key] = set()
+        self._heap: list[tuple[float, Key]] = []
+        self._next_wake: dict[Key, float] = {}
+        self._wake = asyncio.Event()
+        self._failures: dict[Key, int] = {}
+        self._phases: dict[Key, tuple[str, str]] = {}  # key -> (phase, node) as the metric counts it
+        self._background: set[asyncio.Task[None]] = set()
+
+    # --- feeding the view ----------------------------------------------------------------------------------
+    def on_sandbox(self, event_type: str | None, obj: Obj) -> None:
+        key = key_of(obj)
+        if event_type == "DELETED":
+            self.view.sandboxes.pop(key, None)
+            self._next_wake.pop(key, None)
+            self._count(key, None)
+            return
+        self.remember(obj)
+        self.enqueue(key)
+
+    def remember(self, obj: Obj) -> None:
+        """Keep the newest version seen (a watch event may arrive after our own write's answer)."""
+        key = key_of(obj)
+        known = self.view.sandboxes.get(key)
+        if known is None or known["metadata"].get("uid") != obj["metadata"].get("uid") or _rv(obj) >= _rv(known):
+            self.view.sandboxes[key] = _slim(obj)
+            self._count(key, obj)
+
+    def on_policy(self, event_type: str | None, obj: Obj) -> None:
+        namespace, name = key_of(obj)
+        policies = self.view.policies.setdefault(namespace, {})
+        if event_type == "DELETED":
+            policies.pop(name, None)
+        else:
+            policies[name] = obj
+        for key in list(self.view.sandboxes):
+            if key[0] == namespace:
+                self.enqueue(key)
+
+    def on_node(self, event_type: str | None, obj: Obj) -> None:
+        name = obj["metadata"]["name"]
+        if event_type == "DELETED":
+            self.view.nodes.discard(name)
+            self.view.node_gone_since[name] = now_utc()
+        else:
+            self.view.nodes.add(name)
+            self.view.node_gone_since.pop(name, None)
+        for key, sandbox in list(self.view.sandboxes.items()):
+            if (sandbox.get("spec") or {}).get("nodeName") == name:
+                self.enqueue(key)
+
+    def _count(self, key: Key, obj: Obj | None) -> None:
+        """Keep the by-phase-and-node gauge and the pins gauge in step with the view, incrementally."""
+        new = None
+        if obj is not None:
+            new = ((obj.get("status") or {}).get("phase") or "Unknown", (obj.get("spec") or {}).get("nodeName", ""))
+        old = self._phases.get(key)
+        if old == new:
+            return
+        if old is not None:
+            self.metrics.sandboxes.labels(phase=old[0], node=old[1]).dec()
+            if old[0] == Phase.PINNED:
+                self.metrics.pins_active.dec()
+        if new is None:
+            self._phases.pop(key, None)
+            return
+        self._phases[key] = new
+        self.metrics.sandboxes.labels(phase=new[0], node=new[1]).inc()
+        if new[0] == Phase.PINNED:
+            self.metrics.pins_active.inc()
+
+    # --- the queue and the scheduler ---------------------------------------------------------------------
+    def enqueue(self, key: Key) -> None:
+        """Queue a key once; a key being reconciled is queued again when its current pass ends."""
+        if key in self._queued:
+            return
+        self._queued.add(key)
+        if key not in self._active:
+            self._queue.put_nowait(key)
+
+    def enqueue_all(self) -> None:
+        for key in list(self.view.sandboxes):
+            self.enqueue(key)
+
+    def wake_at(self, key: Key, when: datetime) -> None:
+        """Reconcile `key` again at `when` (the AddAfter of the TTL controller); the earliest request wins."""
+        ts = when.timestamp()
+        current = self._next_wake.get(key)
+        if current is not None and current <= ts and current > time.time():
+            return
+        self._next_wake[key] = ts
+        heapq.heappush(self._heap, (ts, key))
+        if self._heap[0][0] == ts:
+            self._wake.set()
+
+    async def scheduler(self) -> None:
+        """The one timer: sleeps until the earliest deadline in the heap, then queues the keys that are due."""
+        while True:
+            now = time.time()
+            while self._heap and self._heap[0][0] <= now:
+                ts, key = heapq.heappop(self._heap)
+                if self._next_wake.get(key) == ts:
+                    del self._next_wake[key]
+                    self.enqueue(key)
+            timeout = self._heap[0][0] - now if self._heap else None
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def worker(self) -> None:
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            self._active.add(key)
+            try:
+                await self.reconcile(key)
+                self._failures.pop(key, None)
+            except Exception as err:
+                self._retry_later(key, err)
+            finally:
+                self._active.discard(key)
+                if key in self._queued:
+                    self._queue.put_nowait(key)
+
+    def _retry_later(self, key: Key, err: Exception) -> None:
+        """A failed pass is retried with exponential backoff; the error is counted and logged once."""
+        failures = self._failures[key] = self._failures.get(key, 0) + 1
+        delay = min(MAX_BACKOFF, 0.5 * 2 ** (failures - 1))
+        self.metrics.reconcile_errors.labels(component="controller").inc()
+        logs.say(
+            log, "reconcile_failed", level=logging.WARNING, object=f"{key[0]}/{key[1]}",
+            error=str(err)[:300], retry_in=f"{delay:.1f}s",
+        )  # fmt: skip
+        self.wake_at(key, now_utc() + timedelta(seconds=delay))
+
+    # --- one reconcile pass --------------------------------------------------------------------------------
+    def context(self, obj: Obj, now: datetime) -> Context:
+        """The namespace's effective policy (under the ceiling) and when the object's node went away."""
+        namespace = obj["metadata"]["namespace"]
+        chosen = None
+        problems: list[str] = []
+        policies = self.view.policies.get(namespace) or {}
+        if policies:
+            name = min(policies)  # several policies in one namespace: the first by name, deterministically
+            chosen, problems = namespace_policy(policies[name], self.default_policy)
+            problems = [f"SandboxPolicy {namespace}/{name}: {p}; the default applies" for p in problems]
+        policy, reasons = effective_policy(self.default_policy, self.ceiling, chosen)
+        node = (obj.get("spec") or {}).get("nodeName") or ""
+        gone = None
+        if node not in self.view.nodes:
+            gone = self.view.node_gone_since.setdefault(node, now)
+        return Context(policy, reasons, tuple(problems), gone, self.settings.node_grace)
+
+    async def reconcile(self, key: Key) -> None:
+        """Bring one sandbox's status and fate in line with the rule. Safe to run any number of times."""
+        obj = self.view.sandboxes.get(key)
+        if obj is None or not self.is_leader():
+            return
+        now = now_utc()
+        if is_deleting(obj):
+            await self._release_lost(obj, now)
+            return
+        converted = await self._settle_pins(obj, now)
+        if converted is None:
+            return  # the annotations changed: the watch brings the new object, which is queued again
+        obj = converted
+        decision = decide(obj, self.context(obj, now), now)
+        if decision.node_lost and (obj.get("status") or {}).get("phase") != Phase.LOST:
+            node = obj["spec"]["nodeName"]
+            if await asyncio.to_thread(self.kube.get_node, node) is not None:  # confirm before declaring Lost
+                self.view.nodes.add(node)
+                self.view.node_gone_since.pop(node, None)
+                decision = decide(obj, self.context(obj, now), now)
+        if status_changed(obj, decision.status):
+            events = transition_events(obj, decision.status)
+            obj = await asyncio.to_thread(self.kube.apply_status, obj, decision.status, CONTROLLER_MANAGER)
+            self.remember(obj)
+            for reason, message, type_ in events:
+                self._post(obj, reason, message, type_)
+            logs.say(log, "status", reason=decision.phase, object=f"{key[0]}/{key[1]}",
+                     deadline=decision.status.get("deadline"))  # fmt: skip
+        if decision.wake_at is not None:
+            self.wake_at(key, decision.wake_at)
+        if decision.delete:
+            await self._expire(key)
+
+    async def _settle_pins(self, obj: Obj, now: datetime) -> Obj | None:
+        """Turn `pin-for` into an absolute `pin-until` once, and stamp `pinned-at` where it is missing.
+
+        One metadata patch guarded by resourceVersion; None when it was written (or lost a race), since
+        the watch then delivers the new object. `pinned-at` left behind by a removed pin is cleared, so
+        an old pin's start can never cap (or stretch) a new one.
+        """
+        ann = annotations_of(obj)
+        changes: dict[str, str | None] = {}
+        stamp = format_instant(now)
+        if c.ANN_PIN_FOR in ann:
+            duration = parse_duration(ann[c.ANN_PIN_FOR])
+            if not isinstance(duration, Invalid):
+                changes = {c.ANN_PIN_UNTIL: format_instant(now + duration), c.ANN_PINNED_AT: stamp, c.ANN_PIN_FOR: None}
+        elif c.ANN_PIN_UNTIL in ann and c.ANN_PINNED_AT not in ann:
+            if not isinstance(parse_instant(ann[c.ANN_PIN_UNTIL]), Invalid):
+                changes = {c.ANN_PINNED_AT: stamp}
+        elif c.ANN_PIN_UNTIL not in ann and c.ANN_PINNED_AT in ann:
+            changes = {c.ANN_PINNED_AT: None}
+        if not changes:
+            return obj
+        try:
+            patched = await asyncio.to_thread(self.kube.patch_annotations, obj, changes)
+        except KubeError as err:
+            if not (err.conflict or err.not_found):
+                raise
+            fresh = await asyncio.to_thread(self.kube.get_sandbox, *key_of(obj))
+            if fresh is not None:
+                self.remember(fresh)
+                self.enqueue(key_of(fresh))
+            return None
+        self.remember(patched)
+        self.enqueue(key_of(patched))
+        logs.say(log, "pin_settled", reason=Reason.PINNED, object="/".join(key_of(obj)),
+                 pin_until=changes.get(c.ANN_PIN_UNTIL), pinned_at=changes.get(c.ANN_PINNED_AT))  # fmt: skip
+        return None
+
+    async def _expire(self, key: Key) -> None:
+        """Read fresh, decide again, DELETE with uid + resourceVersion preconditions; 409 decides again."""
+        fresh = await asyncio.to_thread(self.kube.get_sandbox, *key)
+        if fresh is None:
+            return
+        self.remember(fresh)
+        now = now_utc()
+        decision = decide(fresh, self.context(fresh, now), now)
+        if is_deleting(fresh) or not decision.delete or status_changed(fresh, decision.status):
+            self.enqueue(key)  # something moved since the watch said so: take the whole decision again
+            return
+        if self.before_delete is not None:
+            await self.before_delete(fresh)
+        await _seam(fresh)
+        if not self.is_leader():
+            return
+        try:
+            await asyncio.to_thread(self.kube.delete_sandbox, fresh)
+        except KubeError as err:
+            if err.not_found:
+                return
+            if err.conflict:
+                logs.say(log, "delete_conflict", reason=Reason.CONFLICT, object=f"{key[0]}/{key[1]}")
+                again = await asyncio.to_thread(self.kube.get_sandbox, *key)
+                if again is not None:
+                    self.remember(again)
+                    self.enqueue(key)
+                return
+            raise
+        cause = _cause(decision.verdict)
+        self.metrics.deletions_requested.labels(reason=cause.value).inc()
+        if decision.verdict.deadline is not None:
+            self.metrics.expiry_lag.observe(max(0.0, (now_utc() - decision.verdict.deadline).total_seconds()))
+        message = (
+            f"{key[0]}/{key[1]} expired at {_when(decision.verdict.deadline)} ({cause}); "
+            f"delete requested (resourceVersion {fresh['metadata']['resourceVersion']})"
+        )
+        self._post(fresh, Reason.DELETE_REQUESTED, message, "Normal")
+        logs.say(log, "delete_requested", reason=cause, object=f"{key[0]}/{key[1]}",
+                 deadline=_when(decision.verdict.deadline))  # fmt: skip
+
+    async def _release_lost(self, obj: Obj, now: datetime) -> None:
+        """A deleting sandbox whose node is gone past the grace: drop the disk finalizer (nobody else can)."""
+        if c.FINALIZER not in (obj["metadata"].get("finalizers") or []):
+            return
+        ctx = self.context(obj, now)
+        if ctx.node_gone_since is None:
+            return
+        lost_at = ctx.node_gone_since + ctx.node_grace
+        if lost_at > now:
+            self.wake_at(key_of(obj), lost_at)
+            return
+        node = obj["spec"]["nodeName"]
+        if await asyncio.to_thread(self.kube.get_node, node) is not None:
+            self.view.nodes.add(node)
+            self.view.node_gone_since.pop(node, None)
+            return
+        try:
+            released = await asyncio.to_thread(self.kube.remove_finalizer, obj, c.FINALIZER)
+        except KubeError as err:
+            if err.not_found:
+                return
+            if err.conflict:
+                self.enqueue(key_of(obj))
+                return
+            raise
+        message = (
+            f"{'/'.join(key_of(obj))}: node {node} is gone since {_when(ctx.node_gone_since)}; its disk went with it, "
+            f"so finalizer {c.FINALIZER} was removed by the controller"
+        )
+        self._post(released, Reason.FINALIZER_REMOVED, message, "Warning")
+        logs.say(log, "finalizer_removed", reason=Reason.LOST, object="/".join(key_of(obj)), node=node)
+
+    def _post(self, obj: Obj, reason: Reason, message: str, type_: str) -> None:
+        """Post an Event in the background: Events report decisions, they never delay them."""
+        task = asyncio.create_task(asyncio.to_thread(self.kube.post_event, obj, reason, message, type_, COMPONENT))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def idle(self) -> bool:
+        """Nothing queued, being reconciled or being posted (for tests and the benchmark)."""
+        return not self._queued and not self._active and not self._background
+
+
+async def _seam(obj: Obj) -> None:
+    """The subprocess test seam: announce `<ns>.<name>.reached`, then wait for `<ns>.<name>.go`."""
+    folder = os.environ.get(SEAM_ENV)
+    if not folder:
+        return
+    stem = Path(folder) / f"{obj['metadata']['namespace']}.{obj['metadata']['name']}"
+    stem.with_suffix(".reached").write_text(obj["metadata"]["resourceVersion"])
+    limit = time.monotonic() + 30
+    while not stem.with_suffix(".go").exists() and time.monotonic() < limit:
+        await asyncio.sleep(0.02)
+
+
+# --- kopf wiring -----------------------------------------------------------------------------------------
+class _NoProgress(kopf.ProgressStorage):
+    """Progress storage that stores nothing: no kopf annotation or status field ever lands on an object."""
+
+    def fetch(self, **_: Any) -> None:
+        return None
+
+    def store(self, **_: Any) -> None:
+        return None
+
+    def purge(self, **_: Any) -> None:
+        return None
+
+    def touch(self, **_: Any) -> None:
+        return None
+
+    def clear(self, *, essence: Any) -> Any:
+        return essence
+
+
+class _NoDiffBase(kopf.DiffBaseStorage):
+    def fetch(self, **_: Any) -> None:
+        return None
+
+    def store(self, **_: Any) -> None:
+        return None
+
+
+def connection_info(kube: Kube) -> kopf.ConnectionInfo:
+    """kopf's credentials from the same configuration the JSON client uses (one source of truth)."""
+    cfg = kube.configuration
+    auth = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
+    scheme, token = (auth.split(" ", 1) if auth and " " in auth else ("Bearer", auth)) if auth else (None, None)
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert or None,
+        insecure=not cfg.verify_ssl,
+        scheme=scheme,
+        token=token,
+        certificate_path=cfg.cert_file or None,
+        private_key_path=cfg.key_file or None,
+    )
+
+
+def operator_settings() -> kopf.OperatorSettings:
+    """No peering (our own Lease elects), no kopf-posted Events, no storage of any kind on objects."""
+    settings = kopf.OperatorSettings()
+    settings.peering.standalone = True
+    settings.posting.enabled = False
+    settings.persistence.progress_storage = _NoProgress()
+    settings.persistence.diffbase_storage = _NoDiffBase()
+    settings.persistence.finalizer = "sandkeep.io/never-used-by-the-controller"
+    settings.watching.server_timeout = 300
+    return settings
+
+
+def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
+    """Low-level watch handlers only: they feed the view and never write to the watched objects."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(rec.kube)
+
+    @kopf.on.event(c.GROUP, c.VERSION, c.SANDBOX_PLURAL, registry=registry)
+    def sandbox_event(event: kopf.RawEvent, **_: Any) -> None:
+        rec.on_sandbox(event.get("type"), dict(event["object"]))
+
+    @kopf.on.event(c.GROUP, c.VERSION, c.POLICY_PLURAL, registry=registry)
+    def policy_event(event: kopf.RawEvent, **_: Any) -> None:
+        rec.on_policy(event.get("type"), dict(event["object"]))
+
+    @kopf.on.event("v1", "nodes", registry=registry)
+    def node_event(event: kopf.RawEvent, **_: Any) -> None:
+        rec.on_node(event.get("type"), dict(event["object"]))
+
+    return registry
+
+
+async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None) -> Reconciler:
+    """Run the controller until cancelled or signalled (kopf handles SIGTERM/SIGINT)."""
+    kube = Kube(load_config(settings.kubeconfig), COMPONENT)
+    metrics_ = metrics.ControllerMetrics()
+    rec = Reconciler(kube, settings, metrics_)
+    elector = LeaderElector(kube, settings.namespace, c.CONTROLLER_LEASE, settings.identity, settings.lease_duration)
+
+    async def leadership(leading: bool) -> None:
+        metrics_.leader.set(1 if leading else 0)
+        if leading:
+            rec.enqueue_all()
+
+    elector.on_change = leadership
+    rec.is_leader = lambda: elector.is_leader
+    tasks = [asyncio.create_task(rec.scheduler(), name="scheduler")]
+    tasks += [asyncio.create_task(rec.worker(), name=f"worker-{i}") for i in range(settings.workers)]
+    server = metrics.serve(
+        metrics_.registry, settings.metrics_port, settings.metrics_host,
+        healthy=lambda: all(not t.done() for t in tasks),
+    )  # fmt: skip
+    logs.say(log, "controller_started", identity=elector.identity, lease=f"{settings.namespace}/{c.CONTROLLER_LEASE}",
+             metrics=f"http://{settings.metrics_host}:{server.server_port}/metrics",
+             watch=",".join(settings.watch_namespaces) or "cluster")  # fmt: skip
+    election = asyncio.create_task(elector.run(), name="leader-election")
+    scope: dict[str, Any] = (
+        {"namespaces": list(settings.watch_namespaces)} if settings.watch_namespaces else {"clusterwide": True}
+    )
+    operator = asyncio.create_task(
+        kopf.operator(registry=build_registry(rec), settings=operator_settings(), standalone=True, **scope),
+        name="kopf",
+    )
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.wait([operator, election, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        logs.say(log, "controller_stopping", identity=elector.identity)
+        for task in (*tasks, operator):
+            task.cancel()
+        election.cancel()
+        await asyncio.gather(election, *tasks, operator, return_exceptions=True)
+        server.shutdown()
+        metrics_.leader.set(0)
+        kube.close()
+        logs.say(log, "controller_stopped", identity=elector.identity)
+    return rec
+
+
+# --- the command -----------------------------------------------------------------------------------------
+def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kubeconfig", help="kubeconfig path (default: in-cluster, else $KUBECONFIG)")
+    parser.add_argument("--namespace", help="namespace of the leader Lease (env SANDKEEP_NAMESPACE)")
+    parser.add_argument("--watch-namespace", action="append", dest="watch_namespaces",
+                        help="watch only this namespace (repeatable; default: the whole cluster)")  # fmt: skip
+    parser.add_argument("--metrics-port", type=int, help="port of /metrics and /healthz (0 = any free port)")
+    parser.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
+    parser.add_argument("--retention", help="cluster default retention window, e.g. 72h")
+    parser.add_argument("--max-pin", help="cluster default longest pin, e.g. 30d")
+    parser.add_argument("--max-retention", help="ceiling no namespace policy can exceed")
+    parser.add_argument("--max-pin-ceiling", help="pin ceiling no namespace policy can exceed")
+    parser.add_argument("--dry-run", action="store_true", default=None, help="decide and report, delete nothing")
+    parser.add_argument("--node-grace", help="how long a node may be gone before its sandboxes are Lost")
+    parser.add_argument("--lease-duration", type=int, help="leader Lease duration in seconds (default 15)")
+    parser.add_argument("--workers", type=int, help="concurrent reconciles (default 8)")
+    parser.add_argument("--identity", help="leader-election identity (default hostname_pid)")
+
+
+def settings_from(args: argparse.Namespace) -> ControllerSettings:
+    names = (
+        "kubeconfig", "namespace", "watch_namespaces", "metrics_port", "metrics_host", "retention", "max_pin",
+        "max_retention", "max_pin_ceiling", "dry_run", "node_grace", "lease_duration", "workers", "identity",
+    )  # fmt: skip
+    overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if "watch_namespaces" in overrides:
+        overrides["watch_namespaces"] = tuple(overrides["watch_namespaces"])
+    return ControllerSettings(**overrides)
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    if logging.getLogger().level > logging.DEBUG:  # one "Handler succeeded" line per watch event is noise
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    try:
+        settings = settings_from(args)
+    except ValueError as err:
+        print(f"sandkeep controller: refused to start: {err}")
+        return 2
+    asyncio.run(serve(settings))
+    return 0

@@ -1,0 +1,155 @@
+"""The CRDs as the real API server enforces them: schema, CEL immutability, selectable fields, enums.
+
+Every refusal is the kube-apiserver's own (structural schema, OpenAPI formats, CEL rules), and each
+test checks the accepted case next to the refused one, so a schema that lets everything through fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+import yaml
+from controller_harness import CRDS, install_crds, instant
+from localcluster import KubectlError, LocalCluster
+
+from controller import contracts as c
+
+
+def crd(name: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((CRDS / f"{c.GROUP}_{name}.yaml").read_text())
+    return loaded
+
+
+def version_schema(doc: dict[str, Any]) -> dict[str, Any]:
+    schema: dict[str, Any] = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
+@pytest.fixture
+def crds(cluster: LocalCluster) -> LocalCluster:
+    install_crds(cluster)
+    return cluster
+
+
+def create(cluster: LocalCluster, namespace: str, body: dict[str, Any], kind: str = c.SANDBOX_KIND) -> str:
+    body = {"apiVersion": c.API_VERSION, "kind": kind, **body}
+    body["metadata"] = {"namespace": namespace, **body["metadata"]}
+    return cluster.kubectl("create", "-f", "-", input=json.dumps(body)).stdout
+
+
+def refusal(cluster: LocalCluster, namespace: str, body: dict[str, Any], kind: str = c.SANDBOX_KIND) -> str:
+    with pytest.raises(KubectlError) as refused:
+        create(cluster, namespace, body, kind)
+    return str(refused.value)
+
+
+# --- the files agree with contracts ------------------------------------------------------------------------
+def test_sandbox_crd_names_match_contracts() -> None:
+    doc = crd(c.SANDBOX_PLURAL)
+    names = doc["spec"]["names"]
+    assert doc["metadata"]["name"] == f"{c.SANDBOX_PLURAL}.{c.GROUP}"
+    assert doc["spec"]["group"] == c.GROUP
+    assert [v["name"] for v in doc["spec"]["versions"]] == [c.VERSION]
+    assert (names["kind"], names["plural"], names["singular"]) == (c.SANDBOX_KIND, c.SANDBOX_PLURAL, c.SANDBOX_SINGULAR)
+    assert names["shortNames"] == [c.SANDBOX_SHORT]
+    assert names["categories"] == [c.CATEGORY]
+
+
+def test_policy_crd_names_match_contracts() -> None:
+    doc = crd(c.POLICY_PLURAL)
+    names = doc["spec"]["names"]
+    assert doc["spec"]["group"] == c.GROUP
+    assert (names["kind"], names["plural"], names["singular"]) == (c.POLICY_KIND, c.POLICY_PLURAL, c.POLICY_SINGULAR)
+    assert set(version_schema(doc)["properties"]["spec"]["properties"]) == {"retention", "maxPin", "dryRun"}
+
+
+def test_status_enums_are_the_contracts_enums() -> None:
+    status = version_schema(crd(c.SANDBOX_PLURAL))["properties"]["status"]["properties"]
+    assert status["phase"]["enum"] == [p.value for p in c.Phase]
+    assert status["deadlineSource"]["enum"] == [s.value for s in c.DeadlineSource]
+    reason_pattern = status["conditions"]["items"]["properties"]["reason"]["pattern"]
+    assert all(re.match(reason_pattern, r.value) for r in c.Reason)
+
+
+def test_printer_columns_are_node_phase_deadline_pinned_size_age() -> None:
+    version = crd(c.SANDBOX_PLURAL)["spec"]["versions"][0]
+    assert [col["name"] for col in version["additionalPrinterColumns"]] == [
+        "Node", "Phase", "Deadline", "Pinned", "Size", "Age",
+    ]  # fmt: skip
+    assert version["subresources"] == {"status": {}}
+    assert version["selectableFields"] == [{"jsonPath": ".spec.nodeName"}]
+
+
+# --- the server enforces the schema ------------------------------------------------------------------------
+def test_a_sandbox_without_node_or_created_at_is_refused(crds: LocalCluster, namespace: str) -> None:
+    words = refusal(crds, namespace, {"metadata": {"name": "no-node"}, "spec": {"createdAt": instant()}})
+    assert "spec.nodeName: Required value" in words
+    words = refusal(crds, namespace, {"metadata": {"name": "no-time"}, "spec": {"nodeName": "n1"}})
+    assert "spec.createdAt: Required value" in words
+    create(crds, namespace, {"metadata": {"name": "fine"}, "spec": {"nodeName": "n1", "createdAt": instant()}})
+
+
+def test_a_created_at_that_is_not_a_date_time_is_refused(crds: LocalCluster, namespace: str) -> None:
+    words = refusal(crds, namespace, {"metadata": {"name": "bad"}, "spec": {"nodeName": "n1", "createdAt": "today"}})
+    assert "spec.createdAt" in words and "date-time" in words
+
+
+def test_retain_until_before_created_at_is_refused_with_the_rule_message(crds: LocalCluster, namespace: str) -> None:
+    spec = {"nodeName": "n1", "createdAt": "2026-01-02T00:00:00Z", "retainUntil": "2026-01-01T00:00:00Z"}
+    words = refusal(crds, namespace, {"metadata": {"name": "backwards"}, "spec": spec})
+    assert "spec.retainUntil must not be before spec.createdAt" in words
+
+
+def test_a_node_name_that_is_not_a_dns_name_is_refused(crds: LocalCluster, namespace: str) -> None:
+    body = {"metadata": {"name": "x"}, "spec": {"nodeName": "Node_A", "createdAt": instant()}}
+    words = refusal(crds, namespace, body)
+    assert "spec.nodeName" in words
+
+
+def test_node_name_is_immutable(crds: LocalCluster, namespace: str) -> None:
+    create(crds, namespace, {"metadata": {"name": "fixed"}, "spec": {"nodeName": "n1", "createdAt": instant()}})
+    crds.kubectl("patch", "rsb", "fixed", "-n", namespace, "--type=merge", "-p", '{"spec":{"jobId":"j-1"}}')
+    with pytest.raises(KubectlError) as refused:
+        crds.kubectl("patch", "rsb", "fixed", "-n", namespace, "--type=merge", "-p", '{"spec":{"nodeName":"n2"}}')
+    assert "spec.nodeName is immutable; a sandbox cannot move to another node" in str(refused.value)
+
+
+def test_a_status_phase_outside_the_enum_is_refused(crds: LocalCluster, namespace: str) -> None:
+    create(crds, namespace, {"metadata": {"name": "s"}, "spec": {"nodeName": "n1", "createdAt": instant()}})
+    patch = ["patch", "rsb", "s", "-n", namespace, "--subresource=status", "--type=merge", "-p"]
+    crds.kubectl(*patch, '{"status":{"phase":"Pinned"}}')
+    with pytest.raises(KubectlError) as refused:
+        crds.kubectl(*patch, '{"status":{"phase":"Gone"}}')
+    assert "status.phase" in str(refused.value) and "Unsupported value" in str(refused.value)
+
+
+def test_a_field_selector_on_node_name_selects_one_nodes_sandboxes(crds: LocalCluster, namespace: str) -> None:
+    for name, node in (("on-a", "node-a"), ("on-b", "node-b"), ("also-a", "node-a")):
+        create(crds, namespace, {"metadata": {"name": name}, "spec": {"nodeName": node, "createdAt": instant()}})
+    listed = crds.kubectl_json("get", c.SANDBOX_SHORT, "-n", namespace, "--field-selector=spec.nodeName=node-a")
+    assert sorted(i["metadata"]["name"] for i in listed["items"]) == ["also-a", "on-a"]
+    with pytest.raises(KubectlError) as refused:
+        crds.kubectl("get", c.SANDBOX_SHORT, "-n", namespace, "--field-selector=spec.jobId=x")
+    assert "field label not supported" in str(refused.value)
+
+
+def test_kubectl_get_shows_the_printer_columns(crds: LocalCluster, namespace: str) -> None:
+    create(crds, namespace, {"metadata": {"name": "shown"}, "spec": {"nodeName": "node-a", "createdAt": instant()}})
+    header = crds.kubectl("get", c.SANDBOX_SHORT, "-n", namespace).stdout.splitlines()[0].split()
+    assert header == ["NAME", "NODE", "PHASE", "DEADLINE", "PINNED", "SIZE", "AGE"]
+    assert "shown" in crds.kubectl("get", c.CATEGORY, "-n", namespace).stdout
+
+
+def test_a_policy_with_an_unreadable_retention_is_refused(crds: LocalCluster, namespace: str) -> None:
+    words = refusal(crds, namespace, {"metadata": {"name": "p"}, "spec": {"retention": "3 days"}}, c.POLICY_KIND)
+    assert "spec.retention" in words
+    create(crds, namespace, {"metadata": {"name": "p"}, "spec": {"retention": "3d", "maxPin": "2w"}}, c.POLICY_KIND)
+
+
+def test_crd_files_are_the_ones_installed(crds: LocalCluster) -> None:
+    served = crds.kubectl_json("get", "crd", f"{c.SANDBOX_PLURAL}.{c.GROUP}")
+    assert served["spec"]["names"]["shortNames"] == [c.SANDBOX_SHORT]
+    assert served["spec"]["versions"][0]["selectableFields"] == [{"jsonPath": ".spec.nodeName"}]
