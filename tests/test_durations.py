@@ -1,0 +1,111 @@
+"""Human input: durations (`90m`, `72h`, `3d`, `2w`) and RFC 3339 instants. Bad input is a value, never a raise."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controller.durations import (
+    MAX_DURATION,
+    Invalid,
+    format_duration,
+    format_instant,
+    parse_duration,
+    parse_instant,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("90m", timedelta(minutes=90)),
+        ("72h", timedelta(hours=72)),
+        ("3d", timedelta(days=3)),
+        ("2w", timedelta(weeks=2)),
+        ("1h30m", timedelta(hours=1, minutes=30)),
+        ("1d12h", timedelta(days=1, hours=12)),
+        ("45s", timedelta(seconds=45)),
+        ("0", timedelta(0)),
+        (" 72h ", timedelta(hours=72)),
+        ("72H", timedelta(hours=72)),
+    ],
+)
+def test_durations_people_write_parse(text: str, expected: timedelta) -> None:
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "x", "3x", "-1h", "1.5h", "h", "72", "m30", "1h 30m", None, "3d2w"])
+def test_bad_durations_are_invalid_with_the_text_and_a_hint(text: object) -> None:
+    result = parse_duration(text)
+    assert isinstance(result, Invalid)
+    assert "90m, 72h, 3d, 2w" in str(result)
+
+
+def test_a_duration_beyond_a_century_is_refused_so_now_plus_it_cannot_overflow() -> None:
+    assert isinstance(parse_duration("9999999999d"), Invalid)
+    assert isinstance(parse_duration(f"{MAX_DURATION.days + 1}d"), Invalid)
+    assert parse_duration(f"{MAX_DURATION.days}d") == MAX_DURATION
+
+
+@given(st.text(max_size=30))
+def test_parse_duration_never_raises(text: str) -> None:
+    result = parse_duration(text)
+    assert isinstance(result, Invalid) or timedelta(0) <= result <= MAX_DURATION
+
+
+@given(st.integers(min_value=0, max_value=MAX_DURATION.days * 86400))
+def test_a_formatted_whole_duration_of_one_unit_parses_back(seconds: int) -> None:
+    # format_duration keeps the two largest units: exact whenever the duration has at most two.
+    delta = timedelta(seconds=seconds - seconds % 3600)
+    text = format_duration(delta)
+    if text.count("d") + text.count("h") + text.count("m") + text.count("s") <= 2:
+        assert parse_duration(text) == delta
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2026-12-01T10:00:00Z", datetime(2026, 12, 1, 10, tzinfo=UTC)),
+        ("2026-12-01t10:00:00z", datetime(2026, 12, 1, 10, tzinfo=UTC)),
+        ("2026-12-01T10:00:00+02:00", datetime(2026, 12, 1, 8, tzinfo=UTC)),
+        ("2026-12-01T10:00:00.5Z", datetime(2026, 12, 1, 10, 0, 0, 500000, tzinfo=UTC)),
+        ("2026-12-01T10:00:00.123456789Z", datetime(2026, 12, 1, 10, 0, 0, 123456, tzinfo=UTC)),
+    ],
+)
+def test_rfc3339_instants_parse_to_aware_utc(text: str, expected: datetime) -> None:
+    result = parse_instant(text)
+    assert result == expected
+    assert isinstance(result, datetime) and result.tzinfo is not None
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["2026-12-01", "2026-12-01T10:00:00", "2026-12-01T10:00Z", "now", "", None, "2026-02-30T10:00:00Z", "tomorrow"],
+)
+def test_bad_instants_are_invalid_and_say_what_is_expected(text: object) -> None:
+    result = parse_instant(text)
+    assert isinstance(result, Invalid)
+    assert "RFC 3339" in result.why or "not a real date" in result.why
+
+
+@given(st.text(max_size=40))
+def test_parse_instant_never_raises(text: str) -> None:
+    result = parse_instant(text)
+    assert isinstance(result, Invalid | datetime)
+
+
+@given(st.datetimes(min_value=datetime(1971, 1, 1), max_value=datetime(9000, 1, 1), timezones=st.just(UTC)))
+def test_format_instant_round_trips_to_the_second(when: datetime) -> None:
+    text = format_instant(when)
+    assert text.endswith("Z")
+    assert parse_instant(text) == when.replace(microsecond=0)
+
+
+def test_format_duration_is_short_and_signed() -> None:
+    assert format_duration(timedelta(days=3, hours=4, minutes=5)) == "3d4h"
+    assert format_duration(timedelta(minutes=12)) == "12m"
+    assert format_duration(timedelta(seconds=-5)) == "-5s"
+    assert format_duration(timedelta(0)) == "0s"
