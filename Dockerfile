@@ -1,0 +1,29 @@
+# The sandkeep image: the `sandkeep` console script (controller, agent, doctor, ...), installed from the
+# lock (constraints.txt) into a virtualenv, on a slim Python base. Runs as a non-root uid by default;
+# the chart's agent DaemonSet alone overrides that (uid 0 with four capabilities, see
+# charts/sandkeep/templates/agent-daemonset.yaml).
+#
+#   docker build -t sandkeep:dev .
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY constraints.txt pyproject.toml README.md* ./
+COPY controller ./controller
+# Every dependency at the version of the lock; `pip check` and `--version` fail the build on a broken install.
+RUN python -m venv /opt/sandkeep \
+ && /opt/sandkeep/bin/pip install --constraint constraints.txt . \
+ && /opt/sandkeep/bin/pip check \
+ && /opt/sandkeep/bin/sandkeep --version
+
+FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="sandkeep" \
+      org.opencontainers.image.description="Keep finished jobs' workspaces on each node's disk for a retention window" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build /opt/sandkeep /opt/sandkeep
+ENV PATH=/opt/sandkeep/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# 65532: the conventional "nonroot" uid; the pods also set it and forbid root (runAsNonRoot).
+USER 65532:65532
+ENTRYPOINT ["sandkeep"]
+CMD ["--help"]

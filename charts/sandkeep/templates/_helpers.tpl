@@ -1,0 +1,64 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "sandkeep.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "sandkeep.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of every object; `component` is controller or agent where it applies. */}}
+{{- define "sandkeep.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "sandkeep.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels of one component's pods: call with (dict "root" $ "component" "agent"). */}}
+{{- define "sandkeep.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sandkeep.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "sandkeep.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "sandkeep.leaseNamespace" -}}
+{{- default .Release.Namespace .Values.leaseNamespace }}
+{{- end }}
+
+{{- define "sandkeep.controller.serviceAccountName" -}}
+{{- default (printf "%s-controller" (include "sandkeep.fullname" .)) .Values.controller.serviceAccount.name }}
+{{- end }}
+
+{{- define "sandkeep.agent.serviceAccountName" -}}
+{{- default (printf "%s-agent" (include "sandkeep.fullname" .)) .Values.agent.serviceAccount.name }}
+{{- end }}
+
+{{/* The cluster-wide settings as the SANDKEEP_* environment both components read (controller/models.py Settings). */}}
+{{- define "sandkeep.settingsEnv" -}}
+- name: SANDKEEP_RETENTION
+  value: {{ .Values.settings.retention | quote }}
+- name: SANDKEEP_MAX_PIN
+  value: {{ .Values.settings.maxPin | quote }}
+- name: SANDKEEP_MAX_RETENTION
+  value: {{ .Values.settings.maxRetention | quote }}
+- name: SANDKEEP_MAX_PIN_CEILING
+  value: {{ .Values.settings.maxPinCeiling | quote }}
+- name: SANDKEEP_DRY_RUN
+  value: {{ .Values.settings.dryRun | quote }}
+{{- end }}

@@ -1,0 +1,510 @@
+"""The Helm chart, its alerts, dashboard, image and e2e script, checked by the real tools.
+
+`helm lint` and `helm template` run the built helm; every rendered manifest (defaults, and everything
+turned on) goes through `kubectl apply --dry-run=server` against the real local kube-apiserver, with
+minimal prometheus-operator CRDs from tests/fixtures installed there; `helm install` is done for real.
+The alert rules run through `promtool check rules` and `promtool test rules`; the metric names in the
+rules and the dashboard are checked against the names the code's registries export.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import subprocess
+import sys
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from localcluster import LocalCluster, kube_version
+
+from controller import contracts as c
+from controller.metrics import AgentMetrics, ControllerMetrics
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "sandkeep"
+ALERTS = CHART / "files" / "alerts.yaml"
+DASHBOARD = CHART / "files" / "dashboard.json"
+RUNBOOKS = REPO / "docs" / "runbooks.md"
+PROMTOOL_TESTS = REPO / "tests" / "promtool"
+MONITORING_CRDS = REPO / "tests" / "fixtures" / "prometheus-operator-crds.yaml"
+E2E_SCRIPT = REPO / "hack" / "kind-e2e.sh"
+
+EVERYTHING_ON = [
+    "--set=monitoring.enabled=true",
+    "--set=dashboard.enabled=true",
+    "--set=controller.antiAffinity=hard",
+    "--set=monitoring.alertLabels.team=platform",
+    "--set=imagePullSecrets[0].name=regcred",
+    "--set=controller.priorityClassName=system-cluster-critical",
+    "--set=controller.serviceAccount.annotations.example\\.com/role=sandkeep",
+]
+REQUIRED_ALERTS = {
+    "SandkeepTombstoneStuck",
+    "SandkeepDeletionsFailing",
+    "SandkeepAgentDown",
+    "SandkeepRootNearlyFull",
+    "SandkeepControllerDown",
+    "SandkeepExpiryLagging",
+}
+_METRIC = re.compile(r"\bsandkeep_[a-z0-9_]+")
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+def helm(
+    tools: Path, *args: str, check: bool = True, kubeconfig: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the built helm; raise with its stderr when it fails and `check` is set."""
+    cmd = [str(tools / "helm"), *args]
+    if kubeconfig is not None:
+        cmd.append(f"--kubeconfig={kubeconfig}")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+    return result
+
+
+def render(tools: Path, *values: str, namespace: str = "sandkeep", crds: bool = False) -> str:
+    """`helm template` of the chart, for the Kubernetes version of the local control plane."""
+    args = ["template", "sk", str(CHART), f"--namespace={namespace}", f"--kube-version={kube_version()}", *values]
+    if crds:
+        args.append("--include-crds")
+    return helm(tools, *args).stdout
+
+
+def objects(manifest: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(manifest) if doc]
+
+
+def find(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
+    matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    assert len(matches) == 1, f"expected one {kind} named *{suffix}, got {[d['metadata']['name'] for d in matches]}"
+    return matches[0]
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name the two components can export, as Prometheus sees it (counters with `_total`,
+    histograms with `_bucket`/`_sum`/`_count`), read from the real registries of controller.metrics."""
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
+    names: set[str] = set()
+    for registry in (ControllerMetrics().registry, AgentMetrics("n1").registry):
+        for family in registry.collect():
+            names.add(family.name)
+            names.update(family.name + s for s in suffixes.get(family.type, ()))
+    return names
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    return exprs
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives headings: lower case, punctuation dropped, spaces to hyphens."""
+    anchors = set()
+    for line in markdown.splitlines():
+        if heading := re.match(r"^#{1,6}\s+(.*)$", line):
+            text = re.sub(r"[^\w\- ]", "", heading[1].strip().lower())
+            anchors.add(text.replace(" ", "-"))
+    return anchors
+
+
+@pytest.fixture(scope="session")
+def monitoring_crds(cluster: LocalCluster) -> Iterator[None]:
+    """The prometheus-operator CRDs (test fixture) installed and established on this worker's cluster."""
+    cluster.kubectl("apply", "--server-side", "-f", str(MONITORING_CRDS))
+    for plural in ("servicemonitors", "podmonitors", "prometheusrules"):
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{plural}.monitoring.coreos.com", "--timeout=60s")
+    yield
+
+
+# --- lint and render -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("values", [[], EVERYTHING_ON], ids=["defaults", "everything-on"])
+def test_helm_lint_is_clean(tools: Path, values: list[str]) -> None:
+    result = helm(tools, "lint", str(CHART), "--strict", f"--kube-version={kube_version()}", *values)
+    assert "0 chart(s) failed" in result.stdout
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
+
+
+def test_defaults_render_every_component(tools: Path) -> None:
+    docs = objects(render(tools))
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
+    assert kinds == [
+        "ClusterRole/sk-sandkeep-agent",
+        "ClusterRole/sk-sandkeep-controller",
+        "ClusterRole/sk-sandkeep-edit",
+        "ClusterRole/sk-sandkeep-view",
+        "ClusterRoleBinding/sk-sandkeep-agent",
+        "ClusterRoleBinding/sk-sandkeep-controller",
+        "DaemonSet/sk-sandkeep-agent",
+        "Deployment/sk-sandkeep-controller",
+        "PodDisruptionBudget/sk-sandkeep-controller",
+        "Role/sk-sandkeep-agent-leases",
+        "Role/sk-sandkeep-controller-leases",
+        "RoleBinding/sk-sandkeep-agent-leases",
+        "RoleBinding/sk-sandkeep-controller-leases",
+        "Service/sk-sandkeep-agent-metrics",
+        "Service/sk-sandkeep-controller-metrics",
+        "ServiceAccount/sk-sandkeep-agent",
+        "ServiceAccount/sk-sandkeep-controller",
+    ]
+    deployment = find(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert {p["httpGet"]["path"] for p in (container["livenessProbe"], container["readinessProbe"])} == {
+        "/healthz",
+        "/readyz",
+    }
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["SANDKEEP_RETENTION"] == "72h" and env["SANDKEEP_DRY_RUN"] == "false"
+
+
+def test_monitoring_and_dashboard_turn_on_with_one_value_each(tools: Path) -> None:
+    docs = objects(render(tools, "--set=monitoring.enabled=true", "--set=dashboard.enabled=true"))
+    rule = find(docs, "PrometheusRule")
+    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} == REQUIRED_ALERTS
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"], "the rule file must ship unchanged"
+    endpoints = {
+        "sandkeep-controller": find(docs, "ServiceMonitor")["spec"]["endpoints"][0],
+        "sandkeep-agent": find(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0],
+    }
+    for job, endpoint in endpoints.items():  # the fixed job names the rules select on
+        assert {"targetLabel": "job", "replacement": job} in endpoint["relabelings"]
+    dashboard = find(docs, "ConfigMap", "-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["sandkeep.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_alert_labels_are_added_to_every_alert(tools: Path) -> None:
+    docs = objects(render(tools, "--set=monitoring.enabled=true", "--set=monitoring.alertLabels.team=platform"))
+    for group in find(docs, "PrometheusRule")["spec"]["groups"]:
+        for rule in group["rules"]:
+            assert rule["labels"]["team"] == "platform" and rule["labels"]["severity"] in ("warning", "critical")
+
+
+@pytest.mark.parametrize(
+    ("value", "complaint"),
+    [
+        ("controller.replicas=two", "/controller/replicas"),
+        ("agent.root=relative/path", "/agent/root"),
+        ("agent.root=/", "/agent/root"),
+        ("agent.root=/var/lib/../../etc", "/agent/root"),
+        ("settings.retention=3 days", "/settings/retention"),
+        ("settings.maxPin=", "/settings/maxPin"),
+        ("agent.stuckAfter=10 minutes", "/agent/stuckAfter"),
+        ("controller.antiAffinity=sometimes", "/controller/antiAffinity"),
+        ("logLevel=LOUD", "/logLevel"),
+        ("controller.metricsPort=70000", "/controller/metricsPort"),
+        ("monitoring.enabeld=true", "enabeld"),
+        ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+        ("settings.dryRun=maybe", "/settings/dryRun"),
+    ],
+)
+def test_a_wrong_value_fails_at_template_time(tools: Path, value: str, complaint: str) -> None:
+    result = helm(
+        tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}", f"--set={value}", check=False
+    )
+    assert result.returncode != 0, f"{value} was accepted"
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert complaint in result.stderr, result.stderr
+
+
+def test_schema_durations_agree_with_the_parser(tools: Path) -> None:
+    # The schema's pattern and controller/durations.py must accept and refuse the same spellings.
+    from controller.durations import Invalid, parse_duration
+
+    for text in ("72h", "30d", "2w", "1h30m", "45s", "0", "10m"):
+        assert not isinstance(parse_duration(text), Invalid)
+        helm(
+            tools,
+            "template",
+            "sk",
+            str(CHART),
+            f"--kube-version={kube_version()}",
+            f"--set-string=settings.retention={text}",
+        )
+    for text in ("3 days", "h", "1.5h", "-1h", "72"):
+        assert isinstance(parse_duration(text), Invalid), text
+        result = helm(
+            tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}",
+            f"--set-string=settings.retention={text}", check=False,
+        )  # fmt: skip
+        assert result.returncode != 0, f"the schema accepted {text!r}, which the controller would refuse at start"
+
+
+# --- security context and RBAC shape ---------------------------------------------------------------------
+def test_agent_drops_every_capability_and_adds_back_only_four_each_justified(tools: Path) -> None:
+    ds = find(objects(render(tools)), "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert {"operator": "Exists"} in pod["tolerations"]
+    container = pod["containers"][0]
+    sc = container["securityContext"]
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sorted(sc["capabilities"]["add"]) == ["DAC_OVERRIDE", "FOWNER", "KILL", "SYS_PTRACE"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False and not sc["privileged"]
+    node_env = next(e for e in container["env"] if e["name"] == "NODE_NAME")
+    assert node_env["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert "--node=$(NODE_NAME)" in container["args"]
+    root = next(v for v in pod["volumes"] if v["name"] == "root")
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "root")
+    assert root["hostPath"]["path"] == mount["mountPath"] == "/var/lib/sandkeep"
+    # each added capability carries its own justification right above it in the template
+    template = (CHART / "templates" / "agent-daemonset.yaml").read_text().splitlines()
+    for cap in sc["capabilities"]["add"]:
+        line = next(i for i, text in enumerate(template) if text.strip() == f"- {cap}")
+        assert template[line - 1].strip().startswith("#"), f"capability {cap} has no comment saying why"
+
+
+def test_controller_runs_as_non_root_without_capabilities(tools: Path) -> None:
+    pod = find(objects(render(tools)), "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    sc = pod["containers"][0]["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert not pod.get("hostPID") and not any("hostPath" in v for v in pod["volumes"])
+
+
+def test_agent_role_cannot_delete_read_secrets_or_grant(tools: Path) -> None:
+    docs = objects(render(tools))
+    rules = find(docs, "ClusterRole", "-agent")["rules"] + find(docs, "Role", "-agent-leases")["rules"]
+    for rule in rules:
+        assert "delete" not in rule["verbs"] and "deletecollection" not in rule["verbs"] and "*" not in rule["verbs"]
+        assert "secrets" not in rule["resources"] and "*" not in rule["resources"]
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+        assert "rbac.authorization.k8s.io" not in rule["apiGroups"]
+
+
+def test_aggregated_roles_carry_the_aggregation_labels(tools: Path) -> None:
+    docs = objects(render(tools))
+    view, edit = find(docs, "ClusterRole", "-view"), find(docs, "ClusterRole", "-edit")
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in view["rules"])
+    assert {v for r in edit["rules"] for v in r["verbs"]} == {"get", "list", "watch", "patch", "update", "delete"}
+    assert all("retainedsandboxes/status" not in r["resources"] for r in edit["rules"])
+
+
+# --- the CRDs: one source of truth ----------------------------------------------------------------------
+def test_chart_crds_are_the_repository_crds_byte_for_byte(tools: Path, tmp_path: Path) -> None:
+    assert (CHART / "crds").is_symlink() and (CHART / "crds").resolve() == (REPO / "crds").resolve()
+    sources = {p.name: p.read_bytes() for p in sorted((REPO / "crds").glob("*.yaml"))}
+    assert sources, "no CRDs in crds/"
+    # what `helm template --include-crds` (and so `helm install`) sends
+    rendered = render(tools, crds=True)
+    for name, data in sources.items():
+        marker = f"# Source: sandkeep/crds/{name}\n"
+        assert marker in rendered, f"{name} missing from helm template --include-crds"
+        section = rendered.split(marker, 1)[1].split("\n---\n", 1)[0]
+        assert section.strip() == data.decode().strip()
+    # what `helm package` stores: real files, identical bytes
+    helm(tools, "package", str(CHART), f"--destination={tmp_path}")
+    (package,) = tmp_path.glob("sandkeep-*.tgz")
+    with tarfile.open(package) as tar:
+        packaged = {
+            Path(m.name).name: tar.extractfile(m).read()  # type: ignore[union-attr]
+            for m in tar.getmembers()
+            if m.name.startswith("sandkeep/crds/")
+        }
+        assert all(m.isfile() for m in tar.getmembers() if m.name.startswith("sandkeep/crds/"))
+    assert packaged == sources
+
+
+# --- against the real API server -------------------------------------------------------------------------
+@pytest.mark.parametrize("values", [[], EVERYTHING_ON], ids=["defaults", "everything-on"])
+def test_every_rendered_manifest_is_accepted_by_the_api_server(
+    tools: Path, cluster: LocalCluster, namespace: str, monitoring_crds: None, values: list[str]
+) -> None:
+    manifest = render(tools, *values, namespace=namespace, crds=True)
+    result = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=manifest)
+    applied = [line for line in result.stdout.splitlines() if "(server dry run)" in line]
+    assert len(applied) == len(objects(manifest)), result.stdout
+
+
+def test_server_dry_run_refuses_a_misspelt_monitoring_field(
+    cluster: LocalCluster, namespace: str, monitoring_crds: None
+) -> None:
+    # The fixture CRDs are typed: the dry-run above would catch a misspelt field in the chart.
+    bad = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {"name": "bad", "namespace": namespace},
+        "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "metrics", "intervall": "30s"}]},
+    }
+    result = cluster.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-", input=json.dumps(bad), check=False
+    )
+    assert result.returncode != 0 and "intervall" in result.stderr
+
+
+def test_helm_install_creates_every_object(
+    tools: Path, cluster: LocalCluster, namespace: str, monitoring_crds: None
+) -> None:
+    release = f"sk-{secrets.token_hex(3)}"
+    install = helm(
+        tools, "install", release, str(CHART), f"--namespace={namespace}", *EVERYTHING_ON, kubeconfig=cluster.kubeconfig
+    )
+    try:
+        assert "STATUS: deployed" in install.stdout
+        manifest = helm(tools, "get", "manifest", release, f"--namespace={namespace}", kubeconfig=cluster.kubeconfig)
+        for doc in objects(manifest.stdout):
+            ns_args = [f"--namespace={doc['metadata'].get('namespace', namespace)}"]
+            got = cluster.kubectl_json("get", doc["kind"], doc["metadata"]["name"], *ns_args)
+            assert got["metadata"]["labels"]["app.kubernetes.io/instance"] == release
+        # the CRDs are installed (or were already) and serve the sandbox kinds
+        assert cluster.kubectl("get", c.SANDBOX_PLURAL, f"--namespace={namespace}").returncode == 0
+    finally:
+        helm(tools, "uninstall", release, f"--namespace={namespace}", kubeconfig=cluster.kubeconfig, check=False)
+
+
+# --- alerts, runbooks, dashboard -----------------------------------------------------------------------
+def test_alerts_are_the_required_six_each_with_summary_description_and_runbook() -> None:
+    rules = alert_rules()
+    assert {r["alert"] for r in rules} == REQUIRED_ALERTS
+    anchors = github_anchors(RUNBOOKS.read_text())
+    for rule in rules:
+        annotations = rule["annotations"]
+        assert annotations["summary"].strip() and annotations["description"].strip(), rule["alert"]
+        url = annotations["runbook_url"]
+        assert url.split("#")[0].endswith("/docs/runbooks.md"), url
+        assert url.split("#")[1] in anchors, f"{rule['alert']}: anchor #{url.split('#')[1]} not in docs/runbooks.md"
+        assert rule["labels"]["severity"] in ("warning", "critical")
+
+
+def test_runbooks_say_how_to_confirm_with_doctor_and_kubectl() -> None:
+    sections = re.split(r"^## ", RUNBOOKS.read_text(), flags=re.M)[1:]
+    assert {s.splitlines()[0].strip() for s in sections} == REQUIRED_ALERTS
+    for section in sections:
+        assert "**Means.**" in section and "**Confirm.**" in section and "**Fix.**" in section, section[:40]
+        assert "kubectl" in section
+
+
+def test_alert_and_dashboard_metrics_are_exported_by_the_code() -> None:
+    exported = exported_metric_names()
+    used_by_alerts = {m for r in alert_rules() for m in _METRIC.findall(r["expr"])}
+    used_by_dashboard = {m for e in dashboard_exprs() for m in _METRIC.findall(e)}
+    assert used_by_alerts - exported == set(), "alert rules use metrics the code does not export"
+    assert used_by_dashboard - exported == set(), "dashboard queries use metrics the code does not export"
+    assert all(_METRIC.search(r["expr"]) for r in alert_rules()), "every alert reads a sandkeep metric"
+
+
+def test_the_name_check_catches_a_drifted_name() -> None:
+    # The check above is only worth something if a name the code does not export is caught.
+    exported = exported_metric_names()
+    assert c.M_TOMBSTONE_STUCK_OLDEST in exported and f"{c.M_DELETION_FAILURES}" in exported
+    assert "sandkeep_tombstone_stuck_oldest" not in exported
+    assert f"{c.M_EXPIRY_LAG}_bucket" in exported and f"{c.M_EXPIRY_LAG}_total" not in exported
+
+
+def test_dashboard_shows_what_operators_need() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    used = {m for e in dashboard_exprs() for m in _METRIC.findall(e)}
+    for needed in (
+        c.M_RETAINED_BYTES,
+        c.M_SANDBOXES,
+        c.M_TOMBSTONES,
+        c.M_TOMBSTONES_STUCK,
+        c.M_DELETIONS,
+        f"{c.M_DELETION_DURATION}_bucket",
+        f"{c.M_EXPIRY_LAG}_bucket",
+        c.M_IN_USE_HOLDS,
+    ):
+        assert needed in used, f"the dashboard has no panel on {needed}"
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            assert target["datasource"]["uid"] == "${datasource}"
+
+
+def test_promtool_checks_the_rule_file(tools: Path) -> None:
+    result = subprocess.run([str(tools / "promtool"), "check", "rules", str(ALERTS)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(REQUIRED_ALERTS)} rules found" in result.stdout
+
+
+def test_promtool_unit_tests_pass_and_cover_every_alert_firing_and_silent(tools: Path) -> None:
+    files = sorted(PROMTOOL_TESTS.glob("*.yaml"))
+    fires: set[str] = set()
+    silent: set[str] = set()
+    for path in files:
+        spec = yaml.safe_load(path.read_text())
+        assert [str((path.parent / f).resolve()) for f in spec["rule_files"]] == [str(ALERTS)]
+        for case in spec["tests"]:
+            for check in case.get("alert_rule_test", []):
+                (fires if check.get("exp_alerts") else silent).add(check["alertname"])
+    assert fires == REQUIRED_ALERTS and silent == REQUIRED_ALERTS
+    result = subprocess.run(
+        [str(tools / "promtool"), "test", "rules", *map(str, files)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SUCCESS") == len(files)
+
+
+def test_promtool_tests_fail_when_a_threshold_moves(tools: Path, tmp_path: Path) -> None:
+    # Mutate the rule file (a later `for`, a higher threshold): the unit tests must notice.
+    for old, new in (("> 600", "> 900"), ("for: 15m", "for: 20m"), ("> 0.90", "> 0.99"), ("or vector(0)", "")):
+        text = ALERTS.read_text()
+        assert old in text
+        (tmp_path / "files").mkdir(exist_ok=True)
+        (tmp_path / "files" / "alerts.yaml").write_text(text.replace(old, new))
+        copies = []
+        for path in sorted(PROMTOOL_TESTS.glob("*.yaml")):
+            spec = yaml.safe_load(path.read_text())
+            spec["rule_files"] = [str(tmp_path / "files" / "alerts.yaml")]
+            copy = tmp_path / path.name
+            copy.write_text(yaml.safe_dump(spec))
+            copies.append(str(copy))
+        result = subprocess.run([str(tools / "promtool"), "test", "rules", *copies], capture_output=True, text=True)
+        assert result.returncode != 0, f"changing {old!r} to {new!r} went unnoticed"
+
+
+# --- values table, image, e2e script ---------------------------------------------------------------------
+def test_values_table_in_the_readme_is_up_to_date() -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "hack" / "chart_values_table.py"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_undocumented_value_is_refused_by_the_table_generator() -> None:
+    sys.path.insert(0, str(REPO / "hack"))
+    import chart_values_table as cvt
+
+    documented = "# -- the thing\nthing: 1\nnested:\n  # -- a leaf\n  leaf: x\n"
+    assert '| `nested.leaf` | string | `"x"` | a leaf |' in cvt.table(documented)
+    with pytest.raises(cvt.UndocumentedValueError, match=r"nested\.other"):
+        cvt.table(documented + "  other: 2\n")
+
+
+def test_dockerfile_installs_from_the_lock_and_runs_as_non_root() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    froms = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)", text, flags=re.M)
+    assert base and re.match(r"python:3\.\d+-slim", base[1]) and all(f.startswith("${PYTHON_IMAGE}") for f in froms)
+    assert re.search(r"pip install --constraint constraints\.txt \.", text)
+    assert "COPY constraints.txt" in text
+    user = re.findall(r"^USER\s+(\S+)", text, flags=re.M)
+    assert user and user[-1].split(":")[0] not in ("0", "root")
+    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    assert "*" in ignore and "!constraints.txt" in ignore and "!controller/" in ignore
+
+
+def test_kind_e2e_script_passes_shellcheck_and_bash_n() -> None:
+    assert subprocess.run(["bash", "-n", str(E2E_SCRIPT)], capture_output=True).returncode == 0
+    result = subprocess.run(["shellcheck", "--severity=style", str(E2E_SCRIPT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+    text = E2E_SCRIPT.read_text()
+    for step in ("kind create cluster", "kind load docker-image", "helm", "docker exec", "annotate", "pin-for"):
+        assert step in text, f"the e2e script lost its step {step!r}"
