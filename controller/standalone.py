@@ -125,9 +125,10 @@ class PassReport:
 class Sweeper:
     """The standalone sweep of one root. Call `run_pass()` while holding the root's lock.
 
-    `before_rename` and `after_rename` are seams for tests (a pin or a replacement landing at exactly that
-    point); `in_use` defaults to the real /proc check; `clock` and `pid_alive` are injectable so a day of
-    stuck-tombstone logging can be tested in a second.
+    `after_decide` (after the decision and the in-use check, before the fresh read), `before_rename` (after
+    the fresh read) and `after_rename` (before the read through the tombstone) are seams for tests: a pin or a
+    replacement landing at exactly that point. `in_use` defaults to the real /proc check; `clock` and `alive`
+    are injectable so a day of stuck-tombstone logging can be tested in a second.
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class Sweeper:
         clock: Clock = utcnow,
         in_use: InUse | None = None,
         alive: Callable[[int], bool] = pid_alive,
+        after_decide: Hook | None = None,
         before_rename: Hook | None = None,
         after_rename: Hook | None = None,
     ) -> None:
@@ -146,6 +148,7 @@ class Sweeper:
         self.clock = clock
         self.in_use = in_use if in_use is not None else in_use_checker()
         self.alive = alive
+        self.after_decide = after_decide
         self.before_rename = before_rename
         self.after_rename = after_rename
         self.pid = os.getpid()
@@ -261,6 +264,8 @@ class Sweeper:
             return
         if self._held_in_use(entry, key):
             return
+        if self.after_decide is not None:
+            self.after_decide(entry, _NO_TOMBSTONE)
         fresh = self.root.read(entry.namespace, entry.name)
         if isinstance(fresh, Transient) or not same_read(read, fresh):
             reason = Reason.MANIFEST_UNREAD if isinstance(fresh, Transient) else Reason.MANIFEST_CHANGED
@@ -410,7 +415,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
             when.add_argument("--once", action="store_true", help="one pass, then exit (the default)")
             when.add_argument("--interval", type=_duration_arg, default=None, help="repeat every DURATION (10m)")
             parser.add_argument(
-                "--in-use-ignore-pid",
+                "--ignore-pid",
                 type=int,
                 action="append",
                 default=[],
@@ -568,7 +573,7 @@ def _human(size: int) -> str:
 def _sweep(args: argparse.Namespace) -> int:
     root = Root(args.root)
     policy = _policy(args)
-    sweeper = Sweeper(root, policy, in_use=in_use_checker(args.in_use_ignore_pid))
+    sweeper = Sweeper(root, policy, in_use=in_use_checker(args.ignore_pid))
     stop = threading.Event()
 
     def _on_term(signum: int, frame: FrameType | None) -> None:

@@ -733,8 +733,16 @@ class Root:
             try:
                 self._fill_stage(root_fd, stage, src, manifest)
                 self._place(root_fd, stage, namespace, name, now)
-            except BaseException:
+            except BaseException as err:
                 self._undo_stage(root_fd, stage, src)
+                if isinstance(err, OSError):
+                    raise StoreError(
+                        Reason.RENAME_FAILED,
+                        f"sandbox {namespace}/{name}: could not retain {src} ({os.strerror(_errno_of(err))} at "
+                        f"{err.filename or self.path}); nothing was retained and the source is where it was",
+                        errno=_errno_of(err),
+                        path=self.path / namespace / name,
+                    ) from err
                 raise
         return manifest
 
