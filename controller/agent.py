@@ -1,0 +1,1076 @@
+"""`sandkeep agent`: the node agent. Observes one node's root, adopts retained directories, and deletes
+a sandbox's directory behind the `sandkeep.io/disk` finalizer when its object is deleted.
+
+One asyncio loop, one worker: every object is processed level-triggered (`process(key)` may run any
+number of times and always moves the object one safe step closer to what its state asks). Blocking
+work (the API, /proc, the disk) runs in threads; the object cache is fed by a LIST+WATCH thread that
+uses the server-side field selector `spec.nodeName=<node>`, so the agent never sees another node's
+objects. Sizes are measured by a background thread and never block a pass.
+
+Deletion is a chain of idempotent steps, each finished by the next agent if this one is SIGKILLed:
+reap recorded orphan commands -> check in-use (held: never renamed) -> rename to `.reap-<uid>-<ms>`
+-> delete the tombstone (a worker thread) -> remove the finalizer (JSON patch guarded by
+resourceVersion). Leftover tombstones are cleared at the start of every pass, before anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno as E
+import json
+import logging
+import os
+import queue
+import signal
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from controller import commands, fsdelete, kube, leases, logs, metrics
+from controller import contracts as c
+from controller.contracts import FINALIZER, Phase, Reason
+from controller.inuse import Usage, scan_usage
+from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj
+from controller.models import Settings, _duration
+from controller.store import Mismatch, Present, Root, RootRefused, StoreError, Tombstone, Transient
+
+log = logging.getLogger("sandkeep.agent")
+
+Key = tuple[str, str]
+OWNED_CONDITIONS = ("DiskPresent", "InUse", "TombstoneStuck", "OrphansSurvived")
+OWNED_FIELDS = ("sizeBytes", "fileCount", "inUse", "heldBy", "tombstone")
+ORPHANS_ANNOTATION = f"{c.GROUP}/orphan-tombstones"  # on the heartbeat Lease: stuck tombstones without an object
+RETRY_HELD = 5.0  # seconds before a held or failed deletion is tried again (besides every pass)
+
+# Test seams: make the agent SIGKILL itself right after the rename, or N seconds into a tombstone delete.
+SEAM_KILL_AFTER_RENAME = "SANDKEEP_TEST_KILL_AFTER_RENAME"
+SEAM_KILL_DURING_DELETE = "SANDKEEP_TEST_KILL_DURING_DELETE"
+
+
+class AgentSettings(Settings):
+    """The agent's settings: `SANDKEEP_*` env vars, overridden by flags."""
+
+    node: str = ""
+    root: Path = Path("/var/lib/sandkeep")
+    kubeconfig: str | None = None
+    namespace: str = "sandkeep-system"  # where the heartbeat Lease lives
+    metrics_port: int = 9102
+    metrics_host: str = "127.0.0.1"
+    scan_interval: timedelta = timedelta(seconds=30)
+    stuck_after: timedelta = timedelta(minutes=10)
+    relog_every: timedelta = timedelta(hours=24)
+    orphan_timeout: timedelta = timedelta(seconds=10)
+    lock_wait: timedelta = timedelta(0)  # 0: wait for the root lock forever
+    ignore_pids: list[int] = Field(
+        default_factory=list
+    )  # processes vouched for that the agent cannot inspect (e.g. a runtime's init)
+
+    @field_validator("scan_interval", "stuck_after", "relog_every", "orphan_timeout", "lock_wait", mode="before")
+    @classmethod
+    def _agent_durations(cls, v: Any) -> timedelta:
+        return _duration(v)
+
+
+# --- small pure helpers ----------------------------------------------------------------------------------
+
+
+def _key(obj: Obj) -> Key:
+    return kube.key_of(obj)
+
+
+def _finalizers(obj: Obj) -> list[str]:
+    return list(obj.get("metadata", {}).get("finalizers") or [])
+
+
+def _strip(cond: Obj) -> Obj:
+    return {k: v for k, v in cond.items() if k != "lastTransitionTime"}
+
+
+def owned_view(status: Obj) -> Obj:
+    """The part of a status this agent owns, in a comparable shape (condition times left out)."""
+    view: Obj = {k: status[k] for k in OWNED_FIELDS if k in status}
+    if status.get("phase") is not None:
+        view["phase"] = status["phase"]
+    conds = {cd["type"]: _strip(cd) for cd in status.get("conditions") or [] if cd.get("type") in OWNED_CONDITIONS}
+    view["conditions"] = conds
+    return view
+
+
+def status_changed(obj: Obj, desired: Obj, *, deleting: bool) -> bool:
+    """Whether applying `desired` would change anything the agent owns (phase only counts while deleting)."""
+    have = owned_view(obj.get("status") or {})
+    want = owned_view(desired)
+    if not deleting:
+        have.pop("phase", None)
+        want.pop("phase", None)
+    return have != want
+
+
+def _errno_name(code: int | None) -> str:
+    return E.errorcode.get(code or 0, str(code))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def measure(root: Root, namespace: str, name: str) -> tuple[int, int]:
+    """(allocated bytes, files) under a sandbox, walked fd-relative without following links or mounts."""
+    total = files = 0
+    try:
+        top = root.sandbox_path(namespace, name)
+        st = os.lstat(top)
+    except (OSError, ValueError):
+        return 0, 0
+    if not stat.S_ISDIR(st.st_mode):
+        return 0, 0
+    for _dirpath, dirnames, filenames, dirfd in os.fwalk(top, follow_symlinks=False):
+        keep = []
+        for d in dirnames:
+            with contextlib.suppress(OSError):
+                dst = os.stat(d, dir_fd=dirfd, follow_symlinks=False)
+                total += dst.st_blocks * 512
+                if dst.st_dev == st.st_dev:
+                    keep.append(d)
+        dirnames[:] = keep
+        for f in filenames:
+            with contextlib.suppress(OSError):
+                total += os.stat(f, dir_fd=dirfd, follow_symlinks=False).st_blocks * 512
+                files += 1
+    return total + st.st_blocks * 512, files
+
+
+# --- the watch -------------------------------------------------------------------------------------------
+
+
+class Watcher(threading.Thread):
+    """LIST then WATCH this node's RetainedSandboxes, resuming from the last resourceVersion; a 410 re-lists.
+
+    Every event lands on the loop as ("reset", items) or (type, object); the agent's cache is the
+    result. The field selector is applied by the API server, so other nodes' objects never arrive.
+    """
+
+    def __init__(self, client: Kube, node: str, deliver: Callable[[str, Any], None]) -> None:
+        super().__init__(name="watch", daemon=True)
+        self.client = client
+        self.node = node
+        self.deliver = deliver
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        from kubernetes import client as k8s
+        from kubernetes import watch
+
+        api = k8s.CustomObjectsApi(self.client.api)
+        selector = f"spec.nodeName={self.node}"
+        rv: str | None = None
+        failures = 0
+        while not self.stopping.is_set():
+            try:
+                if rv is None:
+                    listed = self.client.request(
+                        "GET", kube.sandbox_path(), query={"fieldSelector": selector}, timeout=60
+                    )
+                    rv = listed["metadata"]["resourceVersion"]
+                    self.deliver("reset", listed.get("items", []))
+                w = watch.Watch()  # type: ignore[no-untyped-call]
+                for event in w.stream(  # type: ignore[no-untyped-call]
+                    api.list_cluster_custom_object,
+                    c.GROUP,
+                    c.VERSION,
+                    c.SANDBOX_PLURAL,
+                    field_selector=selector,
+                    resource_version=rv,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=60,
+                ):
+                    if self.stopping.is_set():
+                        w.stop()  # type: ignore[no-untyped-call]
+                        break
+                    obj = event["object"]
+                    rv = obj.get("metadata", {}).get("resourceVersion", rv)
+                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        self.deliver(event["type"], obj)
+                failures = 0
+            except Exception as err:
+                status = getattr(err, "status", None)
+                if status == 410:
+                    rv = None  # too old: list again
+                    continue
+                # A watch the server or a proxy closed is routine: resume quietly; say it when it keeps failing.
+                failures += 1
+                level = logging.WARNING if failures > 1 else logging.DEBUG
+                logs.say(log, "watch_failed", level=level, reason=Reason.AGENT_STALE, error=str(err)[:300])
+                if status in (401, 403):
+                    rv = None
+                self.stopping.wait(min(2.0 * failures, 30.0) if failures > 1 else 0.2)
+
+
+# --- sizes -----------------------------------------------------------------------------------------------
+
+
+class Sizer(threading.Thread):
+    """Measures sandbox sizes off the loop; tells the loop when a size changed."""
+
+    def __init__(self, root: Root, changed: Callable[[Key], None]) -> None:
+        super().__init__(name="sizes", daemon=True)
+        self.root = root
+        self.changed = changed
+        self.sizes: dict[Key, tuple[int, int]] = {}
+        self.todo: queue.Queue[Key] = queue.Queue()
+        self.pending: set[Key] = set()
+        self.lock = threading.Lock()
+
+    def request(self, keys: Iterable[Key]) -> None:
+        with self.lock:
+            for k in keys:
+                if k not in self.pending:
+                    self.pending.add(k)
+                    self.todo.put(k)
+
+    def run(self) -> None:
+        while True:
+            key = self.todo.get()
+            with self.lock:
+                self.pending.discard(key)
+            size = measure(self.root, *key)
+            if self.sizes.get(key) != size:
+                self.sizes[key] = size
+                self.changed(key)
+
+
+# --- the agent -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StuckInfo:
+    first_failed: float
+    errno: int | None
+    path: str | None
+    logged_at: float | None = None
+
+
+@dataclass
+class AgentState:
+    objects: dict[Key, Obj] = field(default_factory=dict)
+    usage: dict[Key, Usage] = field(default_factory=dict)
+    present: set[Key] = field(default_factory=set)
+    stuck: dict[str, StuckInfo] = field(default_factory=dict)  # tombstone name -> failure
+    orphan_stuck: dict[str, StuckInfo] = field(default_factory=dict)
+    said: dict[str, float] = field(default_factory=dict)  # rate-limited log lines by subject
+    events: dict[tuple[str, str], str] = field(default_factory=dict)  # (uid, reason) -> message posted
+    synced: bool = False
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        client: Kube,
+        root: Root,
+        agent_metrics: metrics.AgentMetrics,
+        *,
+        kill: commands.Kill = os.kill,
+    ) -> None:
+        self.s = settings
+        self.kube = client
+        self.root = root
+        self.m = agent_metrics
+        self.kill = kill
+        self.state = AgentState()
+        self.queue: asyncio.Queue[Key] = asyncio.Queue()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.sizer = Sizer(root, self._size_changed)
+        self.identity = leases.default_identity()
+        self.ignore = {os.getpid(), *settings.ignore_pids}
+        self.last_orphans_published: str | None = None
+
+    # --- plumbing --------------------------------------------------------------------------------------
+
+    def _size_changed(self, key: Key) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, key)
+
+    def _deliver(self, kind: str, payload: Any) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._on_event, kind, payload)
+
+    def _on_event(self, kind: str, payload: Any) -> None:
+        if kind == "reset":
+            self.state.objects = {_key(o): o for o in payload if self._mine(o)}
+            self.state.synced = True
+            for key in self.state.objects:
+                self.queue.put_nowait(key)
+            return
+        obj: Obj = payload
+        if not self._mine(obj):
+            return
+        key = _key(obj)
+        if kind == "DELETED":
+            self.state.objects.pop(key, None)
+            return
+        self._remember(obj)
+        self.queue.put_nowait(key)
+
+    def _remember(self, obj: Obj) -> None:
+        """Keep the newest version of an object (a watch event can arrive after our own write's answer)."""
+        key = _key(obj)
+        old = self.state.objects.get(key)
+        new_rv = int(obj["metadata"].get("resourceVersion") or 0)
+        same_object = old is not None and old["metadata"].get("uid") == obj["metadata"].get("uid")
+        if same_object and old is not None and int(old["metadata"].get("resourceVersion") or 0) > new_rv:
+            return
+        self.state.objects[key] = obj
+
+    def _mine(self, obj: Obj) -> bool:
+        return (obj.get("spec") or {}).get("nodeName") == self.s.node
+
+    def _later(self, key: Key, delay: float = RETRY_HELD) -> None:
+        assert self.loop is not None
+        self.loop.call_later(delay, self.queue.put_nowait, key)
+
+    def _say_limited(self, subject: str, event: str, level: int = logging.WARNING, **kv: Any) -> None:
+        """Log `event` about `subject` when first seen and then at most once per relog period."""
+        now = time.monotonic()
+        last = self.state.said.get(subject)
+        if last is not None and now - last < self.s.relog_every.total_seconds():
+            return
+        self.state.said[subject] = now
+        logs.say(log, event, level=level, **kv)
+
+    async def _api(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def _event(self, obj: Obj, reason: Reason, message: str, type_: str = "Normal") -> None:
+        """Post an Event once per (object, reason, message): a retry every few seconds is not news."""
+        uid = obj["metadata"].get("uid", "")
+        if self.state.events.get((uid, str(reason))) == message:
+            return
+        self.state.events[(uid, str(reason))] = message
+        await self._api(self.kube.post_event, obj, reason, message, type_, "sandkeep-agent")
+
+    # --- run -------------------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.sizer.start()
+        watcher = Watcher(self.kube, self.s.node, self._deliver)
+        watcher.start()
+        interval = self.s.scan_interval.total_seconds()
+        try:
+            while not self.state.synced and not stop.is_set():
+                await asyncio.sleep(0.05)
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    await self.full_pass()
+                except Exception as err:
+                    logs.say(log, "pass_failed", level=logging.ERROR, reason=Reason.CONFLICT, error=repr(err)[:500])
+                await self._drain(stop, started + interval)
+        finally:
+            watcher.stopping.set()
+
+    async def _drain(self, stop: asyncio.Event, until: float) -> None:
+        """Process queued objects until the next pass is due."""
+        while not stop.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                key = await asyncio.wait_for(self.queue.get(), timeout=min(left, 0.5))
+            except TimeoutError:
+                continue
+            try:
+                await self.process(key)
+            except Exception as err:
+                logs.say(
+                    log, "process_failed", level=logging.ERROR, reason=Reason.CONFLICT, object=key, error=repr(err)
+                )
+                self._later(key)
+
+    # --- one pass --------------------------------------------------------------------------------------
+
+    async def full_pass(self) -> None:
+        """Leftover tombstones first; then the disk scan, in-use, adoption, every object, metrics, heartbeat."""
+        await self.clear_tombstones()
+        t0 = time.monotonic()
+        scan = await asyncio.to_thread(self.root.scan)
+        self.m.scan_duration.labels(self.s.node).observe(time.monotonic() - t0)
+        keys = {(e.namespace, e.name): e.path for e in scan.sandboxes}
+        self.state.present = set(keys)
+        pods = await self._pod_paths()
+        self.state.usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
+        await self.adopt(scan.sandboxes)
+        self.sizer.request(keys)
+        for key in list(self.state.objects):
+            try:
+                await self.process(key)
+            except Exception as err:
+                logs.say(
+                    log, "process_failed", level=logging.ERROR, reason=Reason.CONFLICT, object=key, error=repr(err)
+                )
+        self._report_strays(scan.strays)
+        self._update_metrics(scan.tombstones)
+        await self._heartbeat()
+
+    async def _pod_paths(self) -> list[tuple[str, Path]]:
+        """hostPath volumes of the Pods on this node: a Pod that mounts a sandbox uses it."""
+        try:
+            pods = await self._api(
+                self.kube.request, "GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={self.s.node}"}
+            )
+        except KubeError as err:
+            # Without the Pod list a mount cannot be ruled out: holds come from /proc alone this pass.
+            self._say_limited("pods", "pods_unlisted", reason=Reason.IN_USE_UNKNOWN, error=str(err)[:200])
+            return []
+        out = []
+        for pod in pods.get("items", []):
+            meta = pod.get("metadata", {})
+            for vol in (pod.get("spec") or {}).get("volumes") or []:
+                hp = (vol.get("hostPath") or {}).get("path")
+                if hp:
+                    out.append((f"{meta.get('namespace')}/{meta.get('name')}", Path(hp)))
+        return out
+
+    # --- adoption --------------------------------------------------------------------------------------
+
+    async def adopt(self, entries: Iterable[Any]) -> None:
+        """A retained directory with a valid manifest and no object gets one, finalizer included."""
+        namespaces: dict[str, bool] = {}
+        for entry in entries:
+            key = (entry.namespace, entry.name)
+            if key in self.state.objects:
+                continue
+            read = await asyncio.to_thread(self.root.read, *key)
+            if isinstance(read, Transient):
+                continue
+            if isinstance(read, Mismatch):
+                self._say_limited(
+                    f"adopt:{key}",
+                    "adoption_refused",
+                    reason=Reason.MANIFEST_MISMATCH,
+                    path=entry.path,
+                    claims=f"{read.manifest.namespace}/{read.manifest.name}",
+                    action="the manifest names another sandbox than its path; fix or remove the directory",
+                )
+                continue
+            if not isinstance(read, Present):
+                self._say_limited(f"adopt:{key}", "adoption_refused", reason=read.reason, path=entry.path)
+                continue
+            if entry.namespace not in namespaces:
+                ns_obj = await self._api(self._get_namespace, entry.namespace)
+                namespaces[entry.namespace] = ns_obj
+            if not namespaces[entry.namespace]:
+                self._say_limited(
+                    f"adopt:{key}",
+                    "adoption_refused",
+                    reason=Reason.NAMESPACE_MISSING,
+                    path=entry.path,
+                    action=f"namespace {entry.namespace} does not exist; create it, or remove the directory",
+                )
+                continue
+            await self._create(key, read)
+
+    def _get_namespace(self, name: str) -> bool:
+        try:
+            self.kube.request("GET", f"/api/v1/namespaces/{name}")
+        except KubeError as err:
+            if err.not_found:
+                return False
+            raise
+        return True
+
+    async def _create(self, key: Key, read: Present) -> None:
+        m = read.manifest
+        spec: Obj = {
+            "nodeName": self.s.node,
+            "createdAt": m.created_at,
+            "workspace": {"path": str(self.root.sandbox_path(*key) / m.workspace)},
+        }
+        if m.retain_until:
+            spec["retainUntil"] = m.retain_until
+        if m.job_id:
+            spec["jobId"] = m.job_id
+        body: Obj = {
+            "metadata": {
+                "name": key[1],
+                "namespace": key[0],
+                "finalizers": [FINALIZER],
+                "labels": {c.LABEL_NODE: self.s.node, c.LABEL_MANAGED_BY: c.MANAGED_BY},
+            },
+            "spec": spec,
+        }
+        if m.keep_until:
+            body["metadata"]["annotations"] = {c.ANN_PIN_UNTIL: m.keep_until}
+            if m.pinned_at:
+                body["metadata"]["annotations"][c.ANN_PINNED_AT] = m.pinned_at
+        try:
+            created = await self._api(self.kube.create_sandbox, key[0], body)
+        except KubeError as err:
+            self._say_limited(
+                f"adopt:{key}",
+                "adoption_failed",
+                reason=Reason.CONFLICT if err.conflict else Reason.ADOPTED,
+                object=f"{key[0]}/{key[1]}",
+                error=err.message[:300],
+            )
+            return
+        self._remember(created)
+        logs.say(log, "adopted", reason=Reason.ADOPTED, object=f"{key[0]}/{key[1]}", uid=created["metadata"]["uid"])
+        await self._event(created, Reason.ADOPTED, f"adopted {self.root.sandbox_path(*key)} on node {self.s.node}")
+
+    # --- one object ------------------------------------------------------------------------------------
+
+    async def process(self, key: Key) -> None:
+        obj = self.state.objects.get(key)
+        if obj is None or not self._mine(obj):
+            return
+        if kube.is_deleting(obj):
+            if FINALIZER in _finalizers(obj):
+                await self.delete(obj)
+            return
+        if FINALIZER not in _finalizers(obj):
+            obj = await self._add_finalizer(obj)
+            if obj is None:
+                return
+        self._check_spec_path(obj)
+        await self._apply(obj, self.observed_status(obj))
+
+    def _check_spec_path(self, obj: Obj) -> None:
+        """spec.workspace.path is never used for disk work; one pointing elsewhere is reported, not followed."""
+        key = _key(obj)
+        given = ((obj.get("spec") or {}).get("workspace") or {}).get("path")
+        mine = self.root.sandbox_path(*key)
+        if given and not (given == str(mine) or given.startswith(f"{mine}/")):
+            self._say_limited(
+                f"path:{key}",
+                "spec_path_refused",
+                reason=Reason.PATH_OUTSIDE_ROOT,
+                object=f"{key[0]}/{key[1]}",
+                path=given,
+                action=f"the agent only ever works on {mine}; fix spec.workspace.path",
+            )
+
+    async def _add_finalizer(self, obj: Obj) -> Obj | None:
+        meta = obj["metadata"]
+        ops: list[Obj] = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}]
+        if meta.get("finalizers"):
+            ops.append({"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER})
+        else:
+            ops.append({"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]})
+        try:
+            updated: Obj = await self._api(
+                self.kube.request,
+                "PATCH",
+                kube.sandbox_path(meta["namespace"], meta["name"]),
+                body=ops,
+                content_type="application/json-patch+json",
+            )
+        except KubeError as err:
+            if err.status in (404, 409, 422):
+                return None  # changed or gone meanwhile: the watch brings the fresh object
+            raise
+        self._remember(updated)
+        return updated
+
+    def _disk_condition(self, obj: Obj) -> Obj:
+        key = _key(obj)
+        path = self.root.sandbox_path(*key)
+        try:
+            st = os.lstat(path)
+            present = stat.S_ISDIR(st.st_mode)
+            why = "" if present else "it is not a directory (never followed)"
+        except FileNotFoundError:
+            present, why = False, "it does not exist"
+        except OSError as err:
+            return kube.condition(
+                "DiskPresent",
+                "Unknown",
+                Reason.MANIFEST_UNREAD,
+                f"{path}: {os.strerror(err.errno or 0)}",
+                previous=self._conditions(obj),
+            )
+        if present:
+            return kube.condition(
+                "DiskPresent", True, Reason.RETAINED, f"{path} on node {self.s.node}", previous=self._conditions(obj)
+            )
+        return kube.condition(
+            "DiskPresent", False, Reason.LOST, f"{path} on node {self.s.node}: {why}", previous=self._conditions(obj)
+        )
+
+    @staticmethod
+    def _conditions(obj: Obj) -> list[Obj]:
+        return list((obj.get("status") or {}).get("conditions") or [])
+
+    def _in_use_condition(self, obj: Obj, usage: Usage | None) -> Obj:
+        prev = self._conditions(obj)
+        if usage is None or usage.in_use is False:
+            return kube.condition("InUse", False, Reason.RETAINED, "nothing on the node uses it", previous=prev)
+        status: bool | str = True if usage.in_use else "Unknown"
+        assert usage.reason is not None
+        return kube.condition("InUse", status, usage.reason, "; ".join(usage.holders), previous=prev)
+
+    def observed_status(self, obj: Obj) -> Obj:
+        """What the agent reports about a live object: presence, size, use."""
+        key = _key(obj)
+        usage = self.state.usage.get(key)
+        status: Obj = {
+            "inUse": bool(usage is not None and usage.holds),
+            "conditions": [self._disk_condition(obj), self._in_use_condition(obj, usage)],
+        }
+        if usage is not None and usage.holders:
+            status["heldBy"] = list(usage.holders)
+        size = self.sizer.sizes.get(key)
+        if size is not None and key in self.state.present:
+            status["sizeBytes"], status["fileCount"] = size
+        return status
+
+    async def _apply(self, obj: Obj, status: Obj, *, deleting: bool = False) -> Obj:
+        if not status_changed(obj, status, deleting=deleting):
+            return obj
+        try:
+            updated: Obj = await self._api(self.kube.apply_status, obj, status, AGENT_MANAGER)
+        except KubeError as err:
+            if err.not_found:
+                return obj
+            raise
+        self._remember(updated)
+        return updated
+
+    # --- deletion --------------------------------------------------------------------------------------
+
+    def _tombstone_of(self, uid: str) -> Tombstone | None:
+        return next((t for t in self.root.tombstones() if t.id == uid), None)
+
+    async def delete(self, obj: Obj) -> None:
+        """One step of deleting a sandbox whose object is being deleted (idempotent, see the module doc)."""
+        key = _key(obj)
+        uid = obj["metadata"]["uid"]
+        tomb = await asyncio.to_thread(self._tombstone_of, uid)
+        if tomb is None:
+            path = self.root.sandbox_path(*key)
+            try:
+                is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+            except FileNotFoundError:
+                is_dir = False
+            if not is_dir:
+                await self._finish(obj, None)
+                return
+            if not await self._clear_to_rename(obj, path):
+                return
+            try:
+                tomb = await asyncio.to_thread(self.root.tombstone, *key, id=uid, now=datetime.now(UTC))
+            except StoreError as err:
+                self.m.deletion_failures.labels(self.s.node, str(err.reason)).inc()
+                self._say_limited(f"rename:{uid}", "rename_failed", reason=err.reason, object=key, error=str(err))
+                await self._apply(obj, self._deleting_status(obj, Phase.DELETING), deleting=True)
+                self._later(key)
+                return
+            logs.say(log, "tombstoned", reason=Reason.TOMBSTONED, object=f"{key[0]}/{key[1]}", tombstone=tomb.name)
+            if os.environ.get(SEAM_KILL_AFTER_RENAME):
+                os.kill(os.getpid(), signal.SIGKILL)
+        await self.delete_tombstone(obj, tomb)
+
+    async def _clear_to_rename(self, obj: Obj, path: Path) -> bool:
+        """Reap recorded orphans, then check in-use fresh: False (held, retried) when anything remains.
+
+        Orphans first: their cwd is inside the sandbox, so an in-use check before the reap would hold
+        the sandbox forever on exactly the processes the reap exists to end.
+        """
+        key = _key(obj)
+        timeout = self.s.orphan_timeout.total_seconds()
+        reaped = await asyncio.to_thread(commands.reap_orphans, path, timeout=timeout, kill=self.kill)
+        if reaped.signalled:
+            logs.say(log, "orphans_reaped", reason=Reason.ORPHAN_REAPED, object=key, signalled=reaped.signalled)
+        if reaped.survivors:
+            where = f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held"
+            message = commands.survivors_message(where, reaped.survivors, timeout)
+            cond = kube.condition(
+                "OrphansSurvived", True, Reason.ORPHAN_SURVIVOR, message, previous=self._conditions(obj)
+            )
+            status = self._deleting_status(obj, Phase.HELD, extra=[cond], held_by=[str(s) for s in reaped.survivors])
+            await self._apply(obj, status, deleting=True)
+            await self._event(obj, Reason.ORPHAN_SURVIVOR, message, "Warning")
+            self._say_limited(
+                f"survivors:{obj['metadata']['uid']}",
+                "deletion_held",
+                reason=Reason.ORPHAN_SURVIVOR,
+                object=key,
+                survivors=" ".join(str(s.pid) for s in reaped.survivors),
+            )
+            self._later(key)
+            return False
+        pods = await self._pod_paths()
+        usage = (await asyncio.to_thread(scan_usage, {key: path}, pods, Path("/proc"), self.ignore))[key]
+        self.state.usage[key] = usage
+        if usage.holds:
+            message = (
+                f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held, "
+                f"{'in use' if usage.in_use else 'use cannot be ruled out'} by {'; '.join(usage.holders)}. "
+                "It is deleted once nothing uses it (checked again every few seconds)."
+            )
+            status = self._deleting_status(obj, Phase.HELD, held_by=list(usage.holders), usage=usage)
+            await self._apply(obj, status, deleting=True)
+            await self._event(obj, usage.reason or Reason.IN_USE, message, "Warning")
+            self._say_limited(
+                f"held:{obj['metadata']['uid']}",
+                "deletion_held",
+                reason=usage.reason,
+                object=key,
+                holders=len(usage.holders),
+            )
+            self._later(key)
+            return False
+        return True
+
+    def _deleting_status(
+        self,
+        obj: Obj,
+        phase: Phase,
+        *,
+        extra: list[Obj] | None = None,
+        held_by: list[str] | None = None,
+        usage: Usage | None = None,
+        tombstone: str | None = None,
+    ) -> Obj:
+        status: Obj = {
+            "phase": str(phase),
+            "inUse": bool(usage is not None and usage.holds) or bool(held_by),
+            "conditions": [self._disk_condition(obj), self._in_use_condition(obj, usage), *(extra or [])],
+        }
+        if held_by:
+            status["heldBy"] = held_by[:32]
+        if tombstone:
+            status["tombstone"] = tombstone
+        return status
+
+    async def delete_tombstone(self, obj: Obj, tomb: Tombstone) -> None:
+        """Delete a sandbox's tombstone off the loop; then remove the finalizer. A failure is Stuck."""
+        key = _key(obj)
+        obj = await self._apply(obj, self._deleting_status(obj, Phase.DELETING, tombstone=tomb.name), deleting=True)
+        seam = os.environ.get(SEAM_KILL_DURING_DELETE)
+        if seam:
+            threading.Timer(float(seam), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        started = time.monotonic()
+        result = await fsdelete.delete_tree_async(self.root.path, tomb.name)
+        if not result.ok:
+            await self._stuck(obj, tomb, result)
+            return
+        self.m.deletion_duration.labels(self.s.node).observe(time.monotonic() - started)
+        self.m.deletions.labels(self.s.node, str(Reason.DELETED)).inc()
+        self._unstick(tomb.name)
+        logs.say(
+            log, "deleted", reason=Reason.DELETED, object=f"{key[0]}/{key[1]}", tombstone=tomb.name, files=result.files
+        )
+        await self._finish(obj, tomb)
+
+    async def _stuck(self, obj: Obj, tomb: Tombstone, result: fsdelete.DeleteResult) -> None:
+        key = _key(obj)
+        info = self.state.stuck.setdefault(tomb.name, StuckInfo(time.monotonic(), result.errno, result.path))
+        info.errno, info.path = result.errno, result.path
+        self.m.deletion_failures.labels(self.s.node, str(result.reason)).inc()
+        message = (
+            f"sandbox {key[0]}/{key[1]} on node {self.s.node}: tombstone {tomb.name} could not be deleted: "
+            f"{_errno_name(result.errno)} at {result.path}. Retried every pass; fix the cause "
+            "(e.g. `chattr -i`, a mount, a file owned by another account) and it goes."
+        )
+        cond = kube.condition("TombstoneStuck", True, result.reason, message, previous=self._conditions(obj))
+        await self._apply(
+            obj, self._deleting_status(obj, Phase.STUCK, extra=[cond], tombstone=tomb.name), deleting=True
+        )
+        await self._event(obj, Reason.TOMBSTONE_STUCK, message, "Warning")
+        self._say_limited(
+            f"stuck:{tomb.name}",
+            "tombstone_stuck",
+            reason=Reason.TOMBSTONE_STUCK,
+            object=f"{key[0]}/{key[1]}",
+            tombstone=tomb.name,
+            errno=_errno_name(result.errno),
+            path=result.path,
+        )
+        self._later(key)
+
+    def _unstick(self, name: str) -> None:
+        self.state.stuck.pop(name, None)
+        self.state.orphan_stuck.pop(name, None)
+        self.state.said.pop(f"stuck:{name}", None)
+
+    async def _finish(self, obj: Obj, tomb: Tombstone | None) -> None:
+        """Remove the finalizer, guarded by resourceVersion; on a conflict read fresh and try again."""
+        key = _key(obj)
+        for _ in range(5):
+            if FINALIZER not in _finalizers(obj):
+                return
+            try:
+                await self._api(self.kube.remove_finalizer, obj)
+            except KubeError as err:
+                if err.not_found:
+                    return
+                if not err.conflict:
+                    raise
+                fresh = await self._api(self.kube.get_sandbox, *key)
+                if fresh is None or fresh["metadata"]["uid"] != obj["metadata"]["uid"]:
+                    return
+                obj = fresh
+                continue
+            logs.say(
+                log,
+                "finalizer_removed",
+                reason=Reason.DELETED,
+                object=f"{key[0]}/{key[1]}",
+                tombstone=tomb.name if tomb else None,
+            )
+            return
+        self._later(key)
+
+    # --- leftover tombstones ---------------------------------------------------------------------------
+
+    async def clear_tombstones(self) -> None:
+        """Every tombstone in the root, before anything else in a pass: finish, restore or clear it.
+
+        A tombstone is named after its object's uid. Its object deleting: finish that deletion. Its
+        object alive and not deleting (nothing this agent does leaves that; a hand-made rename would):
+        put it back when the name is free, else hold it; never delete a sandbox still wanted. No object:
+        an orphan, cleared, unless another live process made it moments ago (a retain's staging dir).
+        """
+        by_uid = {o["metadata"]["uid"]: o for o in self.state.objects.values()}
+        now = datetime.now(UTC)
+        for tomb in await asyncio.to_thread(self.root.tombstones):
+            obj = by_uid.get(tomb.id)
+            if obj is not None and kube.is_deleting(obj) and FINALIZER in _finalizers(obj):
+                await self.delete_tombstone(obj, tomb)
+            elif obj is not None and not kube.is_deleting(obj):
+                await self._restore(obj, tomb)
+            elif (
+                tomb.pid is not None
+                and tomb.pid != os.getpid()
+                and tomb.age(now) < self.s.stuck_after
+                and _pid_alive(tomb.pid)
+            ):
+                self._say_limited(
+                    f"foreign:{tomb.name}",
+                    "tombstone_skipped",
+                    level=logging.INFO,
+                    reason=Reason.TOMBSTONE_FOREIGN,
+                    tombstone=tomb.name,
+                    pid=tomb.pid,
+                )
+            else:
+                await self._clear_orphan(tomb)
+
+    async def _restore(self, obj: Obj, tomb: Tombstone) -> None:
+        key = _key(obj)
+        read = await asyncio.to_thread(self.root.read_tombstone, tomb)
+        ours = isinstance(read, Present) and (read.manifest.namespace, read.manifest.name) == key
+        restored = ours and await asyncio.to_thread(self.root.restore, tomb, *key)
+        self._say_limited(
+            f"restore:{tomb.name}",
+            "tombstone_restored" if restored else "tombstone_held",
+            reason=Reason.RESTORED if restored else Reason.TOMBSTONE_PINNED,
+            object=key,
+            tombstone=tomb.name,
+        )
+
+    async def _clear_orphan(self, tomb: Tombstone) -> None:
+        started = time.monotonic()
+        result = await fsdelete.delete_tree_async(self.root.path, tomb.name)
+        if result.ok:
+            self.m.deletions.labels(self.s.node, str(Reason.TOMBSTONE_LEFTOVER)).inc()
+            self.m.deletion_duration.labels(self.s.node).observe(time.monotonic() - started)
+            self._unstick(tomb.name)
+            logs.say(log, "deleted", reason=Reason.TOMBSTONE_LEFTOVER, tombstone=tomb.name, files=result.files)
+            return
+        self.m.deletion_failures.labels(self.s.node, str(result.reason)).inc()
+        info = self.state.orphan_stuck.setdefault(tomb.name, StuckInfo(time.monotonic(), result.errno, result.path))
+        info.errno, info.path = result.errno, result.path
+        self._say_limited(
+            f"stuck:{tomb.name}",
+            "tombstone_stuck",
+            reason=Reason.TOMBSTONE_STUCK,
+            tombstone=tomb.name,
+            errno=_errno_name(result.errno),
+            path=result.path,
+            orphan=True,
+        )
+
+    # --- reporting -------------------------------------------------------------------------------------
+
+    def _report_strays(self, strays: Iterable[Any]) -> None:
+        counts: dict[str, int] = {}
+        for stray in strays:
+            counts[str(stray.reason)] = counts.get(str(stray.reason), 0) + 1
+            self._say_limited(
+                f"stray:{stray.rel}",
+                "invalid_entry",
+                reason=stray.reason,
+                path=stray.path,
+                action="not a sandbox: never followed; remove it by hand if it is not needed",
+            )
+        self.m.invalid_entries.clear()
+        for reason, n in counts.items():
+            self.m.invalid_entries.labels(self.s.node, reason).set(n)
+
+    def _update_metrics(self, tombstones: list[Tombstone]) -> None:
+        node = self.s.node
+        now = datetime.now(UTC)
+        live = {t.name for t in self.root.tombstones()}
+        for table in (self.state.stuck, self.state.orphan_stuck):
+            for name in list(table):
+                if name not in live:
+                    self._unstick(name)
+        remaining = [t for t in tombstones if t.name in live]
+        ages = [t.age(now).total_seconds() for t in remaining if t.age(now) >= self.s.stuck_after]
+        self.m.tombstones.labels(node).set(len(remaining))
+        self.m.tombstones_stuck.labels(node).set(len(ages))
+        self.m.tombstone_stuck_oldest.labels(node).set(max(ages, default=0))
+        phases: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        for key, obj in self.state.objects.items():
+            phase = (obj.get("status") or {}).get("phase") or "Unknown"
+            phases[phase] = phases.get(phase, 0) + 1
+            sizes[phase] = sizes.get(phase, 0) + self.sizer.sizes.get(key, (0, 0))[0]
+        self.m.sandboxes.clear()
+        self.m.retained_bytes.clear()
+        for phase, n in phases.items():
+            self.m.sandboxes.labels(node, phase).set(n)
+            self.m.retained_bytes.labels(node, phase).set(sizes[phase])
+        self.m.in_use_holds.labels(node).set(sum(1 for u in self.state.usage.values() if u.holds))
+        with contextlib.suppress(OSError):
+            vfs = os.statvfs(self.root.path)
+            self.m.root_size.labels(node).set(vfs.f_blocks * vfs.f_frsize)
+            self.m.root_avail.labels(node).set(vfs.f_bavail * vfs.f_frsize)
+
+    def orphan_report(self) -> list[Obj]:
+        """Stuck tombstones with no object, for `doctor` (published on the heartbeat Lease)."""
+        now = time.monotonic()
+        out = []
+        for name, info in sorted(self.state.orphan_stuck.items()):
+            out.append(
+                {
+                    "name": name,
+                    "errno": _errno_name(info.errno),
+                    "path": info.path,
+                    "failingFor": int(now - info.first_failed),
+                }
+            )
+        return out
+
+    async def _heartbeat(self) -> None:
+        try:
+            await self._api(leases.renew_heartbeat, self.kube, self.s.namespace, self.s.node, self.identity)
+            report = json.dumps(self.orphan_report(), sort_keys=True)
+            if report != self.last_orphans_published:
+                patch = {"metadata": {"annotations": {ORPHANS_ANNOTATION: report}}}
+                await self._api(
+                    self.kube.request,
+                    "PATCH",
+                    leases.lease_path(self.s.namespace, leases.heartbeat_name(self.s.node)),
+                    body=patch,
+                    content_type="application/merge-patch+json",
+                )
+                self.last_orphans_published = report
+            self.m.heartbeat.labels(self.s.node).set(time.time())
+        except KubeError as err:
+            self._say_limited("heartbeat", "heartbeat_failed", reason=Reason.AGENT_STALE, error=str(err)[:300])
+
+
+# --- the command -----------------------------------------------------------------------------------------
+
+
+def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node", help="this node's name (env SANDKEEP_NODE)")
+    parser.add_argument("--root", help="the node's sandbox root (env SANDKEEP_ROOT)")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    parser.add_argument("--namespace", help="namespace of the heartbeat Lease (env SANDKEEP_NAMESPACE)")
+    parser.add_argument("--metrics-port", type=int, help="port for /metrics /healthz /readyz (0: any free port)")
+    parser.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
+    parser.add_argument("--scan-interval", help="time between full passes (default 30s)")
+    parser.add_argument("--stuck-after", help="age at which a tombstone counts as stuck (default 10m)")
+    parser.add_argument("--relog-every", help="how often a stuck tombstone is logged again (default 24h)")
+    parser.add_argument("--orphan-timeout", help="how long a killed orphan command may take to end (default 10s)")
+    parser.add_argument("--lock-wait", help="give up after waiting this long for the root lock (default: forever)")
+    parser.add_argument("--ignore-pid", type=int, action="append", dest="ignore_pids", help="a pid vouched for")
+
+
+def settings_from(args: argparse.Namespace) -> AgentSettings:
+    overrides = {
+        k: v
+        for k, v in vars(args).items()
+        if v is not None and k in AgentSettings.model_fields and k not in ("command", "log_level")
+    }
+    return AgentSettings(**overrides)
+
+
+def _hold_lock(root: Root, settings: AgentSettings, stack: contextlib.ExitStack) -> bool:
+    """Take the root lock, waiting (and saying so) while another agent holds it."""
+    limit = settings.lock_wait.total_seconds()
+    started = time.monotonic()
+    said = False
+    while True:
+        try:
+            stack.enter_context(root.lock(wait=0 if not said else 5.0))
+            if said:
+                logs.say(log, "root_lock_acquired", reason=Reason.ROOT_LOCKED, root=root.path)
+            return True
+        except RootRefused as err:
+            if not said:
+                logs.say(log, "root_locked_waiting", level=logging.WARNING, reason=err.reason, message=str(err))
+                said = True
+            if limit and time.monotonic() - started >= limit:
+                logs.say(log, "root_lock_gave_up", level=logging.ERROR, reason=err.reason, message=str(err))
+                return False
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from(args)
+    except ValueError as err:
+        print(f"sandkeep agent: invalid settings: {err}")
+        return 2
+    if not settings.node:
+        print("sandkeep agent: --node (or SANDKEEP_NODE) is required: the name of the node this agent runs on")
+        return 2
+    try:
+        root = Root(settings.root)
+    except RootRefused as err:
+        logs.say(log, "root_refused", level=logging.ERROR, reason=err.reason, message=str(err))
+        return 1
+    with contextlib.ExitStack() as stack:
+        if not _hold_lock(root, settings, stack):
+            return 1
+        client = Kube(kube.load_config(settings.kubeconfig), component="sandkeep-agent")
+        agent_metrics = metrics.AgentMetrics(settings.node)
+        agent = Agent(settings, client, root, agent_metrics)
+        server = metrics.serve(
+            agent_metrics.registry, settings.metrics_port, settings.metrics_host, ready=lambda: agent.state.synced
+        )
+        stack.callback(server.shutdown)
+        logs.say(
+            log, "agent_started", node=settings.node, root=root.path, metrics_port=server.server_port, pid=os.getpid()
+        )
+        asyncio.run(_main(agent))
+    return 0
+
+
+async def _main(agent: Agent) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await agent.run(stop)
+    logs.say(log, "agent_stopped", node=agent.s.node)
