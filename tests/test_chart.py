@@ -277,6 +277,33 @@ def test_controller_runs_as_non_root_without_capabilities(tools: Path) -> None:
     assert not pod.get("hostPID") and not any("hostPath" in v for v in pod["volumes"])
 
 
+@pytest.mark.parametrize(("kind", "command"), [("Deployment", "controller"), ("DaemonSet", "agent")])
+def test_container_args_are_accepted_by_the_real_command_line(
+    tools: Path, monkeypatch: pytest.MonkeyPatch, kind: str, command: str
+) -> None:
+    # The chart's args and SANDKEEP_* env go through the same parser and settings model as `sandkeep`,
+    # so a renamed flag or an env value the process would refuse at start fails here, not in a cluster.
+    import importlib
+
+    from controller import cli
+
+    values = ["--set=agent.scanInterval=15s", "--set=agent.stuckAfter=20m", "--set=settings.retention=48h"]
+    container = find(objects(render(tools, *values)), kind)["spec"]["template"]["spec"]["containers"][0]
+    args = [a.replace("$(NODE_NAME)", "node-a") for a in container["args"]]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    parsed = cli._parser(command).parse_args(args)
+    assert parsed.command == command
+    module = importlib.import_module(cli.COMMANDS[command][0])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = module.settings_from(parsed)
+    assert settings.retention.total_seconds() == 48 * 3600
+    assert settings.namespace == "sandkeep" and settings.metrics_host == "0.0.0.0"
+    if command == "agent":
+        assert settings.node == "node-a" and str(settings.root) == "/var/lib/sandkeep"
+        assert settings.scan_interval.total_seconds() == 15 and settings.stuck_after.total_seconds() == 1200
+
+
 def test_agent_role_cannot_delete_read_secrets_or_grant(tools: Path) -> None:
     docs = objects(render(tools))
     rules = find(docs, "ClusterRole", "-agent")["rules"] + find(docs, "Role", "-agent-leases")["rules"]
