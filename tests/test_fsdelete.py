@@ -170,7 +170,8 @@ def test_another_users_files_are_not_made_writable(shared_tmp: Path, throwaway_u
     (top / "d1" / "inner").chmod(0o555)
     shared_tmp.chmod(0o777)
     out = throwaway_user.python(
-        "import sys; from controller import fsdelete; r = fsdelete.delete_tree(sys.argv[1], 't'); print(r.errno, r.path)",
+        "import sys; from controller import fsdelete\n"
+        "r = fsdelete.delete_tree(sys.argv[1], 't'); print(r.errno, r.path)",
         str(shared_tmp),
     )
     code, path = out.stdout.split()
