@@ -48,7 +48,7 @@ log = logging.getLogger("sandkeep.agent")
 Key = tuple[str, str]
 OWNED_CONDITIONS = ("DiskPresent", "InUse", "TombstoneStuck", "OrphansSurvived")
 OWNED_FIELDS = ("sizeBytes", "fileCount", "inUse", "heldBy", "tombstone")
-ORPHANS_ANNOTATION = f"{c.GROUP}/orphan-tombstones"  # on the heartbeat Lease: stuck tombstones without an object
+ORPHANS_ANNOTATION = c.ANN_ORPHAN_TOMBSTONES
 RETRY_HELD = 5.0  # seconds before a held or failed deletion is tried again (besides every pass)
 
 # Test seams: make the agent SIGKILL itself right after the rename, or N seconds into a tombstone delete.
@@ -117,6 +117,15 @@ def status_changed(obj: Obj, desired: Obj, *, deleting: bool) -> bool:
 
 def _errno_name(code: int | None) -> str:
     return E.errorcode.get(code or 0, str(code))
+
+
+def stuck_message(sandbox: str, node: str, tombstone: str, errno: int | None, path: str | None) -> str:
+    """The TombstoneStuck condition's words (`doctor` reads the errno and path back from them)."""
+    return (
+        f"sandbox {sandbox} on node {node}: tombstone {tombstone} could not be deleted: "
+        f"{_errno_name(errno)} at {path}. Retried every pass; fix the cause "
+        "(e.g. `chattr -i`, a mount, a file owned by another account) and it goes."
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -784,11 +793,7 @@ class Agent:
         info = self.state.stuck.setdefault(tomb.name, StuckInfo(time.monotonic(), result.errno, result.path))
         info.errno, info.path = result.errno, result.path
         self.m.deletion_failures.labels(self.s.node, str(result.reason)).inc()
-        message = (
-            f"sandbox {key[0]}/{key[1]} on node {self.s.node}: tombstone {tomb.name} could not be deleted: "
-            f"{_errno_name(result.errno)} at {result.path}. Retried every pass; fix the cause "
-            "(e.g. `chattr -i`, a mount, a file owned by another account) and it goes."
-        )
+        message = stuck_message(f"{key[0]}/{key[1]}", self.s.node, tomb.name, result.errno, result.path)
         cond = kube.condition("TombstoneStuck", True, result.reason, message, previous=self._conditions(obj))
         await self._apply(
             obj, self._deleting_status(obj, Phase.STUCK, extra=[cond], tombstone=tomb.name), deleting=True

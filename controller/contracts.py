@@ -35,6 +35,7 @@ FINALIZER = f"{GROUP}/disk"  # owned by the node agent alone; the controller nev
 
 CONTROLLER_LEASE = "sandkeep-controller"
 AGENT_LEASE_PREFIX = "sandkeep-agent-"  # + node name: the per-node heartbeat
+ANN_ORPHAN_TOMBSTONES = f"{GROUP}/orphan-tombstones"  # on an agent's heartbeat Lease: JSON list, for doctor
 
 # --- On disk -------------------------------------------------------------------------------------------
 MANIFEST_NAME = "manifest.json"
