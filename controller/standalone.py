@@ -188,8 +188,8 @@ class Sweeper:
             self._stray(stray, now)
         for t in held_pinned:
             self._clear_tombstone(t, self.clock())
-        if not self.policy.dry_run:
-            for ns in scan.empty_namespaces:
+        if not self.policy.dry_run:  # rmdir removes only an empty one: a namespace this pass emptied, say
+            for ns in sorted({e.namespace for e in scan.sandboxes} | set(scan.empty_namespaces)):
                 self.root.remove_empty_namespace(ns)
         return self._report
 
