@@ -13,7 +13,7 @@ The sweep is the reference's pass in Python, built on the disk store and the one
    the safe delete (`fsdelete`). One structured line per decision, with a reason code (`logs.say`).
 
 Exit codes: 0 done, 1 a command did not do what was asked (say, pinning an absent sandbox), 2 bad input,
-3 the root is locked by another process (or refused).
+3 the root is locked by another process or owned by another uid.
 """
 
 from __future__ import annotations
@@ -442,7 +442,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except RootRefused as err:
         print(f"sandkeep {command}: {err}", file=sys.stderr)
-        return EXIT_LOCKED
+        return EXIT_LOCKED if err.reason in (Reason.ROOT_LOCKED, Reason.ROOT_FOREIGN_OWNER) else EXIT_FAILED
     except StoreError as err:
         print(f"sandkeep {command}: {err}", file=sys.stderr)
         return EXIT_FAILED
@@ -483,12 +483,12 @@ def _retain(args: argparse.Namespace) -> int:
 
 
 def _pin(args: argparse.Namespace) -> int:
-    root = Root(args.root, create=False)
     ns, name = args.sandbox
     now = utcnow()
     until = None if args.clear else (args.until if args.until is not None else now + args.for_)
     if until is not None and until <= now:
         raise UsageError(f"--until {format_instant(until)} is not in the future; pin until a later time")
+    root = Root(args.root, create=False)
     manifest = root.pin(ns, name, until, now=now)
     if until is None:
         print(f"unpinned {ns}/{name}")
