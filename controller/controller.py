@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -621,10 +622,10 @@ async def _seam(obj: Obj) -> None:
     folder = os.environ.get(SEAM_ENV)
     if not folder:
         return
-    stem = Path(folder) / f"{obj['metadata']['namespace']}.{obj['metadata']['name']}"
-    stem.with_suffix(".reached").write_text(obj["metadata"]["resourceVersion"])
+    stem = f"{obj['metadata']['namespace']}.{obj['metadata']['name']}"
+    (Path(folder) / f"{stem}.reached").write_text(obj["metadata"]["resourceVersion"])
     limit = time.monotonic() + 30
-    while not stem.with_suffix(".go").exists() and time.monotonic() < limit:
+    while not (Path(folder) / f"{stem}.go").exists() and time.monotonic() < limit:
         await asyncio.sleep(0.02)
 
 
@@ -709,6 +710,9 @@ def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
 
 async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None) -> Reconciler:
     """Run the controller until cancelled or signalled (kopf handles SIGTERM/SIGINT)."""
+    # Every API call runs in a thread (the official client is synchronous): enough threads for every
+    # worker plus the Events and the election, or expiries queue behind each other.
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max(8, settings.workers * 2 + 4), "api"))
     kube = Kube(load_config(settings.kubeconfig), COMPONENT)
     metrics_ = metrics.ControllerMetrics()
     rec = Reconciler(kube, settings, metrics_)

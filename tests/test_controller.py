@@ -1,0 +1,455 @@
+"""The controller against the real API server: status, pins by kubectl, expiry, conflict-safe deletes.
+
+Each test runs a real `sandkeep controller` process watching only its own namespace, with windows of a
+few seconds. No agent runs here, so no finalizer is on the objects and a DELETE removes them at once.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from controller_harness import (
+    Controller,
+    condition,
+    install_crds,
+    instant,
+    kube_for,
+    metric_value,
+    reasons_for,
+    sandbox,
+    wait_for,
+)
+from localcluster import LocalCluster
+
+from controller import contracts as c
+from controller.controller import Context, decide, status_changed
+from controller.durations import format_instant, parse_instant
+from controller.kube import Kube, KubeError
+from controller.policy import Policy, deadline, phase_of
+
+HOUR = timedelta(hours=1)
+
+
+@pytest.fixture
+def kube(cluster: LocalCluster) -> Iterator[Kube]:
+    install_crds(cluster)
+    client = kube_for(cluster)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def start(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Any]:
+    """start(*flags, env=...) -> a leading Controller for this test's namespace; all stopped at the end."""
+    started: list[Controller] = []
+
+    def run(*flags: str, env: dict[str, str] | None = None, lead: bool = True) -> Controller:
+        log = tmp_path / f"controller-{len(started)}.log"
+        ctl = Controller(cluster, namespace, log, *flags, env=env)
+        started.append(ctl)
+        if lead:
+            ctl.wait_leader()
+        return ctl
+
+    yield run
+    for ctl in started:
+        ctl.stop()
+        print(f"----- {ctl.log_path.name} (last 80 lines) -----\n" + "\n".join(ctl.log().splitlines()[-80:]))
+
+
+def get(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    return kube.get_sandbox(namespace, name)
+
+
+def status_of(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
+    return (get(kube, namespace, name) or {}).get("status") or {}
+
+
+def phase_is(kube: Kube, namespace: str, name: str, phase: c.Phase, timeout: float = 20) -> dict[str, Any]:
+    """Wait until the sandbox shows `phase`; return its status."""
+
+    def probe() -> dict[str, Any] | None:
+        status = status_of(kube, namespace, name)
+        return status if status.get("phase") == phase else None
+
+    return wait_for(f"{namespace}/{name} to be {phase}", probe, timeout)
+
+
+def gone(kube: Kube, namespace: str, name: str) -> bool:
+    return get(kube, namespace, name) is None
+
+
+# --- pure: the decision and the phase --------------------------------------------------------------------
+NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+
+
+def _obj(**ann: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "s", "namespace": "ns", "generation": 1, "annotations": ann},
+        "spec": {"nodeName": "n", "createdAt": format_instant(NOW - HOUR)},
+    }
+
+
+def test_phase_follows_the_verdict_and_the_agents_observations() -> None:
+    policy = Policy(retention=2 * HOUR, max_pin=timedelta(days=1))
+    kept = deadline(_facts(), policy, NOW)
+    gone_ = deadline(_facts(), Policy(retention=HOUR / 2, max_pin=HOUR), NOW)
+    assert phase_of(kept) is c.Phase.RETAINED
+    assert phase_of(gone_) is c.Phase.EXPIRED
+    assert phase_of(gone_, in_use=True) is c.Phase.HELD
+    assert phase_of(kept, disk_present=False) is c.Phase.LOST
+    assert phase_of(gone_, node_gone=True) is c.Phase.LOST
+    assert phase_of(gone_, deleting=True, node_gone=True) is c.Phase.DELETING
+
+
+def _facts() -> Any:
+    from controller.kube import sandbox_facts
+
+    return sandbox_facts(_obj())
+
+
+def test_an_unchanged_sandbox_needs_no_status_write() -> None:
+    ctx = Context(Policy(retention=2 * HOUR, max_pin=timedelta(days=1)))
+    first = decide(_obj(), ctx, NOW)
+    shown = _obj() | {"status": first.status}
+    later = decide(shown, ctx, NOW + timedelta(minutes=5))
+    assert not status_changed(shown, later.status)
+    assert first.wake_at == NOW + HOUR and not first.delete
+
+
+def test_an_expired_sandbox_in_use_is_held_not_deleted() -> None:
+    obj = _obj() | {"status": {"inUse": True}}
+    decision = decide(obj, Context(Policy(retention=HOUR / 2, max_pin=HOUR)), NOW)
+    assert decision.phase is c.Phase.HELD and not decision.delete
+
+
+def test_dry_run_decides_but_never_deletes() -> None:
+    decision = decide(_obj(), Context(Policy(retention=HOUR / 2, max_pin=HOUR, dry_run=True)), NOW)
+    assert decision.phase is c.Phase.EXPIRED and not decision.delete
+    assert {cd["type"]: cd["reason"] for cd in decision.status["conditions"]}["DryRun"] == c.Reason.WOULD_DELETE
+
+
+# --- against the API server -------------------------------------------------------------------------------
+def test_creating_a_sandbox_sets_its_status(kube: Kube, namespace: str, start: Any) -> None:
+    start("--retention=1h")
+    created = kube.create_sandbox(namespace, sandbox("run-1", created=-timedelta(minutes=5)))
+    status = wait_for(
+        "status", lambda: status_of(kube, namespace, "run-1").get("phase") and status_of(kube, namespace, "run-1")
+    )
+    expected = parse_instant(created["spec"]["createdAt"]) + HOUR  # type: ignore[operator]
+    assert status["phase"] == c.Phase.RETAINED
+    assert status["deadline"] == format_instant(expected)
+    assert status["deadlineSource"] == c.DeadlineSource.WINDOW
+    assert condition({"status": status}, "Expired")["status"] == "False"  # type: ignore[index]
+    assert "pinnedUntil" not in status
+    wait_for("a Retained event", lambda: c.Reason.RETAINED in reasons_for(kube, namespace, "run-1"))
+
+
+def test_kubectl_pin_for_moves_the_deadline_and_pins(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    start("--retention=1h")
+    kube.create_sandbox(namespace, sandbox("run-2"))
+    wait_for("status", lambda: status_of(kube, namespace, "run-2").get("phase") == c.Phase.RETAINED)
+    before = datetime.now(UTC).replace(microsecond=0)
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "run-2", "-n", namespace, f"{c.ANN_PIN_FOR}=72h")
+    status = phase_is(kube, namespace, "run-2", c.Phase.PINNED)
+    obj = get(kube, namespace, "run-2")
+    assert obj is not None
+    ann = obj["metadata"]["annotations"]
+    assert c.ANN_PIN_FOR not in ann, "pin-for is converted once and removed"
+    pin_until = parse_instant(ann[c.ANN_PIN_UNTIL])
+    assert isinstance(pin_until, datetime)
+    assert before + timedelta(hours=72) <= pin_until <= datetime.now(UTC) + timedelta(hours=72)
+    assert c.ANN_PINNED_AT in ann
+    assert status["deadline"] == status["pinnedUntil"] == ann[c.ANN_PIN_UNTIL]
+    assert status["deadlineSource"] == c.DeadlineSource.PIN
+    wait_for("a Pinned event", lambda: c.Reason.PINNED in reasons_for(kube, namespace, "run-2"))
+
+
+def test_unpinning_restores_the_window(kube: Kube, cluster: LocalCluster, namespace: str, start: Any) -> None:
+    start("--retention=1h")
+    created = kube.create_sandbox(namespace, sandbox("run-3"))
+    window = format_instant(parse_instant(created["spec"]["createdAt"]) + HOUR)  # type: ignore[operator]
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "run-3", "-n", namespace, f"{c.ANN_PIN_UNTIL}={instant(48 * HOUR)}")
+    wait_for("Pinned", lambda: status_of(kube, namespace, "run-3").get("phase") == c.Phase.PINNED)
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "run-3", "-n", namespace, f"{c.ANN_PIN_UNTIL}-")
+    status = wait_for(
+        "Retained", lambda: (s := status_of(kube, namespace, "run-3")).get("phase") == c.Phase.RETAINED and s
+    )
+    assert status["deadline"] == window and "pinnedUntil" not in status
+    obj = get(kube, namespace, "run-3")
+    wait_for(
+        "pinned-at cleared",
+        lambda: c.ANN_PINNED_AT not in ((get(kube, namespace, "run-3") or {})["metadata"].get("annotations") or {}),
+    )
+    assert obj is not None
+    wait_for("an Unpinned event", lambda: c.Reason.UNPINNED in reasons_for(kube, namespace, "run-3"))
+
+
+def test_a_pin_longer_than_max_pin_is_capped_and_says_so(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    start("--retention=1h", "--max-pin=2h")
+    kube.create_sandbox(namespace, sandbox("run-cap"))
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "run-cap", "-n", namespace, f"{c.ANN_PIN_FOR}=30d")
+    status = wait_for(
+        "Pinned", lambda: (s := status_of(kube, namespace, "run-cap")).get("phase") == c.Phase.PINNED and s
+    )
+    pinned = parse_instant(status["pinnedUntil"])
+    assert isinstance(pinned, datetime) and pinned <= datetime.now(UTC) + 2 * HOUR
+    assert condition({"status": status}, "Pinned")["reason"] == c.Reason.PIN_CAPPED  # type: ignore[index]
+    wait_for("a PinCapped event", lambda: c.Reason.PIN_CAPPED in reasons_for(kube, namespace, "run-cap"))
+
+
+def test_an_invalid_pin_gives_a_condition_and_an_event_and_no_pin(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    start("--retention=1h")
+    kube.create_sandbox(namespace, sandbox("bad-until"))
+    kube.create_sandbox(namespace, sandbox("bad-for"))
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "bad-until", "-n", namespace, f"{c.ANN_PIN_UNTIL}=next-tuesday")
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "bad-for", "-n", namespace, f"{c.ANN_PIN_FOR}=forever")
+    for name, annotation in (("bad-until", c.ANN_PIN_UNTIL), ("bad-for", c.ANN_PIN_FOR)):
+        cond = wait_for("PinValid=False", lambda n=name: condition(get(kube, namespace, n), "PinValid"))
+        assert cond["status"] == "False" and cond["reason"] == c.Reason.INVALID_PIN
+        assert annotation in cond["message"] and "not pinned" in cond["message"]
+        assert status_of(kube, namespace, name)["phase"] == c.Phase.RETAINED
+        assert "pinnedUntil" not in status_of(kube, namespace, name)
+        wait_for("an InvalidPin event", lambda n=name: c.Reason.INVALID_PIN in reasons_for(kube, namespace, n))
+        warning = [e for e in kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+                   if e["reason"] == c.Reason.INVALID_PIN and e["involvedObject"]["name"] == name]  # fmt: skip
+        assert warning[0]["type"] == "Warning"
+
+
+def test_an_expired_sandbox_is_deleted(kube: Kube, namespace: str, start: Any) -> None:
+    ctl = start("--retention=3s")
+    kube.create_sandbox(namespace, sandbox("short"))
+    wait_for("the sandbox to be deleted", lambda: gone(kube, namespace, "short"), timeout=20)
+    reasons = wait_for(
+        "Events", lambda: (r := reasons_for(kube, namespace, "short")) and c.Reason.DELETE_REQUESTED in r and r
+    )
+    assert c.Reason.EXPIRED in reasons
+    text = ctl.metrics()
+    assert metric_value(text, c.M_DELETIONS_REQUESTED, reason=c.Reason.WINDOW) == 1
+    assert metric_value(text, c.M_EXPIRY_LAG + "_count") == 1
+    assert metric_value(text, c.M_LEADER) == 1
+
+
+def test_a_shortened_policy_applies_to_existing_sandboxes(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    start("--retention=1h")
+    kube.create_sandbox(namespace, sandbox("old", created=-timedelta(seconds=20)))
+    first = wait_for("status", lambda: status_of(kube, namespace, "old").get("deadline"))
+    policy = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND,
+              "metadata": {"name": "short", "namespace": namespace}, "spec": {"retention": "25s"}}  # fmt: skip
+    cluster.apply(policy)
+    moved = wait_for(
+        "the new deadline", lambda: (d := status_of(kube, namespace, "old").get("deadline")) != first and d
+    )
+    created = parse_instant(get(kube, namespace, "old")["spec"]["createdAt"])  # type: ignore[index]
+    assert moved == format_instant(created + timedelta(seconds=25))  # type: ignore[operator]
+    wait_for("the sandbox to be deleted under the new window", lambda: gone(kube, namespace, "old"), timeout=20)
+
+
+@pytest.mark.parametrize("where", ["flag", "namespace-policy"])
+def test_dry_run_deletes_nothing_and_posts_would_delete(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any, where: str
+) -> None:
+    if where == "flag":
+        start("--retention=2s", "--dry-run")
+    else:
+        spec = {"retention": "2s", "dryRun": True}
+        policy = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND,
+                  "metadata": {"name": "dry", "namespace": namespace}, "spec": spec}  # fmt: skip
+        cluster.apply(policy)
+        start("--retention=1h")
+    kube.create_sandbox(namespace, sandbox("kept"))
+    cond = wait_for("DryRun condition", lambda: condition(get(kube, namespace, "kept"), "DryRun"), timeout=20)
+    assert cond["reason"] == c.Reason.WOULD_DELETE
+    wait_for("a WouldDelete event", lambda: c.Reason.WOULD_DELETE in reasons_for(kube, namespace, "kept"))
+    time.sleep(1.5)  # a delete would have followed the status write within milliseconds
+    assert status_of(kube, namespace, "kept")["phase"] == c.Phase.EXPIRED
+    assert c.Reason.DELETE_REQUESTED not in reasons_for(kube, namespace, "kept")
+
+
+def test_a_pin_landing_between_the_fresh_read_and_the_delete_wins(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any, tmp_path: Path
+) -> None:
+    seam = tmp_path / "seam"
+    seam.mkdir()
+    ctl = start("--retention=2s", env={"SANDKEEP_TEST_BEFORE_DELETE_DIR": str(seam)})
+    kube.create_sandbox(namespace, sandbox("contested"))
+    reached = seam / f"{namespace}.contested.reached"
+    wait_for("the controller at its DELETE", reached.exists, timeout=20)
+    read_version = reached.read_text()
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "contested", "-n", namespace, f"{c.ANN_PIN_UNTIL}={instant(HOUR)}")
+    (seam / f"{namespace}.contested.go").touch()
+    wait_for("the conflict", lambda: "delete_conflict" in ctl.log())
+    status = wait_for(
+        "Pinned", lambda: (s := status_of(kube, namespace, "contested")).get("phase") == c.Phase.PINNED and s
+    )
+    assert status["deadlineSource"] == c.DeadlineSource.PIN
+    obj = get(kube, namespace, "contested")
+    assert obj is not None and obj["metadata"]["resourceVersion"] != read_version
+    assert c.Reason.DELETE_REQUESTED not in reasons_for(kube, namespace, "contested")
+
+
+def test_randomized_pins_racing_expiring_deletes_never_lose_a_pinned_sandbox(
+    kube: Kube, namespace: str, start: Any
+) -> None:
+    # 240 sandboxes expire over ~4 s; each gets one pin (a plain merge patch, as kubectl annotate sends)
+    # at a random moment around its own deadline. A pin the API server accepted on a live object must
+    # keep that object; a pin that came after the DELETE finds nothing (404). Both must happen.
+    retention = 6.0
+    count = 240
+    rng = random.Random(20261129)
+    ctl = start(f"--retention={int(retention)}s", "--workers=8")
+    plan: dict[str, float] = {}  # name -> when, relative to its deadline, its pin is sent
+    began = datetime.now(UTC)
+    bodies = []
+    for i in range(count):
+        offset = rng.uniform(0.0, 4.0)  # its deadline is created + retention = began + offset + (a few s)
+        name = f"r-{i:03d}"
+        bodies.append(sandbox(name, created=timedelta(seconds=offset - retention + 3)))
+        plan[name] = rng.uniform(-0.3, 1.2)
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda b: kube.create_sandbox(namespace, b), bodies))
+    created = {b["metadata"]["name"]: parse_instant(b["spec"]["createdAt"]) for b in bodies}
+    outcome: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def pin(name: str) -> None:
+        due = created[name] + timedelta(seconds=retention)  # type: ignore[operator]
+        time.sleep(max(0.0, (due - datetime.now(UTC)).total_seconds() + plan[name]))
+        body = {"metadata": {"annotations": {c.ANN_PIN_UNTIL: instant(HOUR)}}}
+        try:
+            result = kube.request(
+                "PATCH", _path(namespace, name), body=body, content_type="application/merge-patch+json"
+            )
+            state = "deleting" if result["metadata"].get("deletionTimestamp") else "pinned"
+        except KubeError as err:
+            assert err.not_found, err
+            state = "too-late"
+        with lock:
+            outcome[name] = state
+
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(pin, list(plan)))
+    pinned = [n for n, s in outcome.items() if s == "pinned"]
+    late = [n for n, s in outcome.items() if s == "too-late"]
+    assert len(outcome) == count
+    print(f"race: {len(pinned)} pins landed on live objects, {len(late)} came after the DELETE")
+    print("controller expiry lag:", [ln for ln in ctl.metrics().splitlines() if "lag_seconds_" in ln][:16])
+    time.sleep(2)  # every unpinned deadline is behind us: the controller acts well within that
+    survivors = {o["metadata"]["name"] for o in kube.list_sandboxes(namespace)}
+    lost_pins = [n for n in pinned if n not in survivors]
+    assert lost_pins == [], f"pinned sandboxes deleted: {lost_pins}"
+    assert pinned and late, f"the race did not happen both ways (pinned {len(pinned)}, late {len(late)}, began {began})"
+    wait_for("every pinned survivor to show Pinned", lambda: all(
+        status_of(kube, namespace, n).get("phase") == c.Phase.PINNED for n in pinned), timeout=20)  # fmt: skip
+
+
+def _path(namespace: str, name: str) -> str:
+    from controller.kube import sandbox_path
+
+    return sandbox_path(namespace, name)
+
+
+def test_the_controller_adds_no_finalizer_and_no_kopf_annotations(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    start("--retention=1h")
+    for name in ("clean-a", "clean-b"):
+        kube.create_sandbox(namespace, sandbox(name))
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "clean-b", "-n", namespace, f"{c.ANN_PIN_FOR}=2h")
+    wait_for("Pinned", lambda: status_of(kube, namespace, "clean-b").get("phase") == c.Phase.PINNED)
+    wait_for("Retained", lambda: status_of(kube, namespace, "clean-a").get("phase") == c.Phase.RETAINED)
+    for obj in kube.list_sandboxes(namespace):
+        meta = obj["metadata"]
+        assert not meta.get("finalizers"), meta
+        assert all(k.startswith(f"{c.GROUP}/") for k in meta.get("annotations") or {}), meta.get("annotations")
+        assert "kopf" not in str(meta.get("annotations")) + str(obj.get("status"))
+        managers = {(f["manager"], f.get("subresource", "")) for f in meta["managedFields"]}
+        status_writers = {m for m, sub in managers if sub == "status"}
+        assert status_writers == {"sandkeep-controller"}, managers
+
+
+def test_steady_state_makes_no_writes(kube: Kube, cluster: LocalCluster, namespace: str, start: Any) -> None:
+    start("--retention=1h")
+    names = [f"quiet-{i}" for i in range(20)]
+    for name in names:
+        kube.create_sandbox(namespace, sandbox(name))
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "quiet-0", "-n", namespace, f"{c.ANN_PIN_FOR}=2h")
+    wait_for("every status", lambda: all(status_of(kube, namespace, n).get("phase") for n in names))
+    wait_for("the pin", lambda: status_of(kube, namespace, "quiet-0").get("phase") == c.Phase.PINNED)
+    time.sleep(1)  # let in-flight Events land before the first reading
+    before = _writes(cluster.metrics_text())
+    time.sleep(6)
+    after = _writes(cluster.metrics_text())
+    assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+    assert before, "the reading saw no writes at all: the filter is wrong"
+
+
+def _writes(text: str) -> dict[str, float]:
+    """apiserver_request_total samples of write verbs on the resources the controller writes."""
+    result: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if not any(f'resource="{r}"' in head for r in (c.SANDBOX_PLURAL, c.POLICY_PLURAL, "events")):
+            continue
+        if any(f'verb="{v}"' in head for v in ("POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE")):
+            result[head] = float(value)
+    return result
+
+
+def test_a_sandbox_on_a_vanished_node_is_lost_and_never_hangs_in_terminating(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    node = f"{namespace}-n"
+    cluster.create_node(node, ready=True)
+    start("--retention=1h", "--node-grace=2s")
+    kube.create_sandbox(namespace, sandbox("on-live", node=node))
+    kube.create_sandbox(namespace, sandbox("on-nothing", node=f"{namespace}-never"))
+    wait_for("Lost", lambda: status_of(kube, namespace, "on-nothing").get("phase") == c.Phase.LOST, timeout=20)
+    assert condition(get(kube, namespace, "on-nothing"), "Lost")["reason"] == c.Reason.NODE_GONE  # type: ignore[index]
+    wait_for("a Lost event", lambda: c.Reason.LOST in reasons_for(kube, namespace, "on-nothing"))
+    assert status_of(kube, namespace, "on-live")["phase"] == c.Phase.RETAINED
+    # the agent's finalizer is on it, as on every adopted sandbox; then the node goes away
+    patch = {"metadata": {"finalizers": [c.FINALIZER]}}
+    cluster.kubectl("patch", c.SANDBOX_SHORT, "on-live", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+    cluster.kubectl("delete", "node", node)
+    wait_for("Lost", lambda: status_of(kube, namespace, "on-live").get("phase") == c.Phase.LOST, timeout=20)
+    cluster.kubectl("delete", c.SANDBOX_SHORT, "on-live", "-n", namespace, "--wait=false")
+    wait_for("the finalizer released and the object gone", lambda: gone(kube, namespace, "on-live"), timeout=20)
+    wait_for("a FinalizerRemoved event", lambda: c.Reason.FINALIZER_REMOVED in reasons_for(kube, namespace, "on-live"))
+
+
+def test_a_standby_takes_over_within_30s_of_the_leader_being_killed(kube: Kube, namespace: str, start: Any) -> None:
+    first = start("--retention=1h", "--identity=replica-a")
+    second = start("--retention=1h", "--identity=replica-b", lead=False)
+    time.sleep(3)
+    assert "leader_elected" not in second.log(), "two leaders at once"
+    kube.create_sandbox(namespace, sandbox("before"))
+    wait_for("the leader's status", lambda: status_of(kube, namespace, "before").get("phase"))
+    assert "object=" + namespace + "/before" not in second.log(), "the standby wrote"
+    first.kill()  # SIGKILL: no release of the Lease, the standby must wait it out
+    killed = time.monotonic()
+    kube.create_sandbox(namespace, sandbox("after"))
+    wait_for("the standby to act", lambda: status_of(kube, namespace, "after").get("phase"), timeout=30)
+    took = time.monotonic() - killed
+    assert took < 30, took
+    assert "leader_elected" in second.log()
+    print(f"failover took {took:.1f}s")
