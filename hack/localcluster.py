@@ -540,12 +540,21 @@ class LocalCluster:
 
 @contextlib.contextmanager
 def _signals_raise() -> Iterator[None]:
-    """Turn SIGTERM (and SIGHUP) into SystemExit so `with LocalCluster()` stops everything on them too."""
+    """Turn the first SIGINT, SIGTERM or SIGHUP into an exception, so `with LocalCluster()` stops everything.
+
+    SIGINT is set explicitly because a shell starts background jobs with it ignored. Later signals are
+    ignored: a second Ctrl-C while the components are being stopped must not leave one of them running.
+    """
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def handler(signum: int, _frame: object) -> None:
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise SystemExit(128 + signum)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
     finally:
@@ -560,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--node", action="append", default=[], help="create a Ready Node of this name (repeatable)")
     args = parser.parse_args(argv)
     try:
-        bin_dir = tools_bin()
+        bin_dir = tools_bin(CLUSTER_TOOLS)
     except ToolsMissingError as e:
         print(f"localcluster: {e}", file=sys.stderr)
         return 2

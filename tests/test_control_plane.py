@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from localcluster import KubectlError, LocalCluster, kube_version
+from localcluster import ClusterError, KubectlError, LocalCluster, kube_version
 
 SMOKE_GROUP = "smoke.sandkeep.test"
 
@@ -227,8 +227,57 @@ def test_stop_ends_every_process_and_removes_the_directory(tools: Path, tmp_path
     assert local.pids() == []
 
 
-def test_helm_template_and_lint_a_trivial_chart(tools: Path, tmp_path: Path) -> None:
-    chart = tmp_path / "smoke"
+def processes_under(path: Path) -> list[int]:
+    """Pids of live processes whose command line mentions `path` (read from /proc, nothing is signalled)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(path).encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("keep", [False, True], ids=["removed", "kept"])
+def test_failed_start_raises_with_component_logs_and_leaves_no_process(
+    tools: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    # A real etcd, then a kube-apiserver that exits at once: the error must carry its log, etcd must be
+    # stopped, and the directory kept only when asked to.
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for tool in ("etcd", "kubectl"):
+        (fake_bin / tool).symlink_to(tools / tool)
+    (fake_bin / "kube-apiserver").write_text("#!/bin/sh\necho 'fake apiserver: refusing to start' >&2\nexit 3\n")
+    (fake_bin / "kube-apiserver").chmod(0o755)
+    if keep:
+        monkeypatch.setenv("SANDKEEP_KEEP_CLUSTER_DIR", "1")
+    else:
+        monkeypatch.delenv("SANDKEEP_KEEP_CLUSTER_DIR", raising=False)
+    work = tmp_path / "work"
+
+    local = LocalCluster(work, fake_bin)
+    with pytest.raises(ClusterError) as failed:
+        local.start()
+    message = str(failed.value)
+    assert "kube-apiserver exited with 3" in message
+    assert "fake apiserver: refusing to start" in message
+    assert "----- etcd" in message
+    assert local.pids() == []
+    assert processes_under(work) == []
+    kept = list(work.iterdir())
+    if keep:
+        assert len(kept) == 1
+        assert "refusing to start" in (kept[0] / "kube-apiserver.log").read_text()
+    else:
+        assert kept == []
+
+
+def write_chart(root: Path) -> Path:
+    """A trivial chart that needs a current Kubernetes and prints the version helm renders for."""
+    chart = root / "smoke"
     (chart / "templates").mkdir(parents=True)
     (chart / "Chart.yaml").write_text("apiVersion: v2\nname: smoke\nversion: 0.1.0\nkubeVersion: '>=1.30.0-0'\n")
     (chart / "values.yaml").write_text("greeting: hello\n")
@@ -241,27 +290,57 @@ def test_helm_template_and_lint_a_trivial_chart(tools: Path, tmp_path: Path) -> 
               name: {{ .Release.Name }}-greeting
             data:
               greeting: {{ .Values.greeting | quote }}
+              kubeVersion: {{ .Capabilities.KubeVersion.Version | quote }}
             """
         )
     )
-    env = {"HELM_CACHE_HOME": str(tmp_path / "h"), "HELM_CONFIG_HOME": str(tmp_path / "h"), "PATH": str(tools)}
+    return chart
 
-    def helm(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(tools / "helm"), *args], capture_output=True, text=True, env=env, timeout=60)
 
-    rendered = helm("template", "rel", str(chart), "--set", "greeting=hi there")
+def run_helm(tools: Path, home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {"HELM_CACHE_HOME": str(home), "HELM_CONFIG_HOME": str(home), "HELM_DATA_HOME": str(home), "PATH": str(tools)}
+    return subprocess.run([str(tools / "helm"), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_helm_template_and_lint_a_trivial_chart(tools: Path, tmp_path: Path) -> None:
+    chart = write_chart(tmp_path)
+    pin = f"--kube-version={kube_version()}"
+
+    rendered = run_helm(tools, tmp_path / "h", "template", "rel", str(chart), pin, "--set", "greeting=hi there")
     assert rendered.returncode == 0, rendered.stderr
     assert "name: rel-greeting" in rendered.stdout
     assert 'greeting: "hi there"' in rendered.stdout
+    assert f'kubeVersion: "{kube_version()}"' in rendered.stdout
 
-    linted = helm("lint", str(chart))
+    too_old = run_helm(tools, tmp_path / "h", "template", "rel", str(chart), "--kube-version=v1.29.0")
+    assert too_old.returncode != 0
+    assert "chart requires kubeVersion: >=1.30.0-0" in too_old.stderr
+
+    linted = run_helm(tools, tmp_path / "h", "lint", str(chart), pin)
     assert linted.returncode == 0, linted.stdout + linted.stderr
     assert "1 chart(s) linted, 0 chart(s) failed" in linted.stdout
 
     (chart / "templates" / "broken.yaml").write_text("kind: ConfigMap\nname: {{ .Values.greeting \n")
-    broken = helm("lint", str(chart))
+    broken = run_helm(tools, tmp_path / "h", "lint", str(chart), pin)
     assert broken.returncode != 0
-    assert "1 chart(s) failed" in broken.stdout
+    assert "1 chart(s) linted, 1 chart(s) failed" in broken.stderr
+    assert "unclosed action" in broken.stdout
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hack/tools/build.sh does not stamp helm's default Kubernetes version (-X helm.sh/helm/v3/pkg/"
+    "chartutil.k8sVersionMinor and pkg/lint/rules.k8sVersionMinor), so offline `helm template`/`helm lint` "
+    "assume v1.20.0; remove this marker once it does",
+)
+def test_helm_defaults_to_a_current_kubernetes(tools: Path, tmp_path: Path) -> None:
+    # Without --kube-version, `helm template` and `helm lint` check the chart's kubeVersion against the
+    # version compiled into helm; a chart that requires a current Kubernetes must still render.
+    chart = write_chart(tmp_path)
+    rendered = run_helm(tools, tmp_path / "h", "template", "rel", str(chart))
+    assert rendered.returncode == 0, rendered.stderr
+    linted = run_helm(tools, tmp_path / "h", "lint", str(chart))
+    assert linted.returncode == 0, linted.stdout + linted.stderr
 
 
 RULES = """\
