@@ -584,7 +584,6 @@ def _sweep(args: argparse.Namespace) -> int:
         logs.say(
             log,
             "sweep_started",
-            reason=Reason.WOULD_DELETE if policy.dry_run else Reason.RETAINED,
             root=root.path,
             retention=format_duration(policy.retention),
             max_pin=format_duration(policy.max_pin),
@@ -594,7 +593,7 @@ def _sweep(args: argparse.Namespace) -> int:
         while True:
             report = sweeper.run_pass()
             counts = {a: len(report.by_action(a)) for a in ("deleted", "held", "stuck", "kept", "would-delete")}
-            logs.say(log, "sweep_pass", reason=Reason.DELETED, **{k.replace("-", "_"): v for k, v in counts.items()})
+            logs.say(log, "sweep_pass", **{k.replace("-", "_"): v for k, v in counts.items()})
             if args.interval is None or stop.wait(args.interval.total_seconds()):
                 return EXIT_OK
 
