@@ -49,6 +49,7 @@ Key = tuple[str, str]
 OWNED_CONDITIONS = ("DiskPresent", "InUse", "TombstoneStuck", "OrphansSurvived")
 OWNED_FIELDS = ("sizeBytes", "fileCount", "inUse", "heldBy", "tombstone")
 ORPHANS_ANNOTATION = c.ANN_ORPHAN_TOMBSTONES
+PARALLEL = 8  # API requests in flight at once during a pass
 RETRY_HELD = 5.0  # seconds before a held or failed deletion is tried again (besides every pass)
 
 # Test seams: make the agent SIGKILL itself right after the rename, or N seconds into a tombstone delete.
@@ -85,6 +86,13 @@ class AgentSettings(Settings):
 
 def _key(obj: Obj) -> Key:
     return kube.key_of(obj)
+
+
+def _slim(obj: Obj) -> Obj:
+    """Drop managedFields from a cached object: the agent never reads them, and with two status managers
+    they are most of an object's size (10,000 cached objects is the memory budget's main item)."""
+    obj.get("metadata", {}).pop("managedFields", None)
+    return obj
 
 
 def _finalizers(obj: Obj) -> list[str]:
@@ -308,6 +316,9 @@ class Agent:
         self.identity = leases.default_identity()
         self.ignore = {os.getpid(), *settings.ignore_pids}
         self.last_orphans_published: str | None = None
+        self.retrying: set[Key] = set()
+        self.stopping = asyncio.Event()
+        self.tried_this_pass: set[str] = set()  # stuck tombstones already retried in the current pass
 
     # --- plumbing --------------------------------------------------------------------------------------
 
@@ -321,7 +332,7 @@ class Agent:
 
     def _on_event(self, kind: str, payload: Any) -> None:
         if kind == "reset":
-            self.state.objects = {_key(o): o for o in payload if self._mine(o)}
+            self.state.objects = {_key(o): _slim(o) for o in payload if self._mine(o)}
             self.state.synced = True
             for key in self.state.objects:
                 self.queue.put_nowait(key)
@@ -338,6 +349,7 @@ class Agent:
 
     def _remember(self, obj: Obj) -> None:
         """Keep the newest version of an object (a watch event can arrive after our own write's answer)."""
+        _slim(obj)
         key = _key(obj)
         old = self.state.objects.get(key)
         new_rv = int(obj["metadata"].get("resourceVersion") or 0)
@@ -350,8 +362,17 @@ class Agent:
         return (obj.get("spec") or {}).get("nodeName") == self.s.node
 
     def _later(self, key: Key, delay: float = RETRY_HELD) -> None:
+        """Process `key` again after `delay`; one pending retry per object, however often it is asked for."""
         assert self.loop is not None
-        self.loop.call_later(delay, self.queue.put_nowait, key)
+        if key in self.retrying:
+            return
+        self.retrying.add(key)
+
+        def fire() -> None:
+            self.retrying.discard(key)
+            self.queue.put_nowait(key)
+
+        self.loop.call_later(delay, fire)
 
     def _say_limited(self, subject: str, event: str, level: int = logging.WARNING, **kv: Any) -> None:
         """Log `event` about `subject` when first seen and then at most once per relog period."""
@@ -377,6 +398,7 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.loop = asyncio.get_running_loop()
+        self.stopping = stop
         self.sizer.start()
         watcher = Watcher(self.kube, self.s.node, self._deliver)
         watcher.start()
@@ -416,6 +438,7 @@ class Agent:
 
     async def full_pass(self) -> None:
         """Leftover tombstones first; then the disk scan, in-use, adoption, every object, metrics, heartbeat."""
+        self.tried_this_pass.clear()
         await self.clear_tombstones()
         t0 = time.monotonic()
         scan = await asyncio.to_thread(self.root.scan)
@@ -424,18 +447,32 @@ class Agent:
         self.state.present = set(keys)
         pods = await self._pod_paths()
         self.state.usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
-        await self.adopt(scan.sandboxes)
+        refused = await self.adopt(scan.sandboxes)
         self.sizer.request(keys)
-        for key in list(self.state.objects):
-            try:
-                await self.process(key)
-            except Exception as err:
-                logs.say(
-                    log, "process_failed", level=logging.ERROR, reason=Reason.CONFLICT, object=key, error=repr(err)
-                )
-        self._report_strays(scan.strays)
+        await self._each(list(self.state.objects), self._process_logged)
+        self._report_strays(scan.strays, refused)
         self._update_metrics(scan.tombstones)
         await self._heartbeat()
+
+    async def _process_logged(self, key: Key) -> None:
+        try:
+            await self.process(key)
+        except Exception as err:
+            logs.say(log, "process_failed", level=logging.ERROR, reason=Reason.CONFLICT, object=key, error=repr(err))
+            self._later(key)
+
+    async def _each(self, keys: list[Key], fn: Callable[[Key], Any], limit: int = PARALLEL) -> None:
+        """Run `fn` for every key, at most `limit` at a time: API latency, not CPU, bounds a pass over
+        thousands of objects. Keys are distinct, so no object is ever worked on twice at once. A stop
+        request ends the pass early: every step is idempotent, so the next agent picks up the rest."""
+        gate = asyncio.Semaphore(limit)
+
+        async def one(key: Key) -> None:
+            async with gate:
+                if not self.stopping.is_set():
+                    await fn(key)
+
+        await asyncio.gather(*(one(k) for k in keys))
 
     async def _pod_paths(self) -> list[tuple[str, Path]]:
         """hostPath volumes of the Pods on this node: a Pod that mounts a sandbox uses it."""
@@ -458,9 +495,15 @@ class Agent:
 
     # --- adoption --------------------------------------------------------------------------------------
 
-    async def adopt(self, entries: Iterable[Any]) -> None:
-        """A retained directory with a valid manifest and no object gets one, finalizer included."""
+    async def adopt(self, entries: Iterable[Any]) -> dict[str, int]:
+        """A retained directory with a valid manifest and no object gets one, finalizer included.
+
+        Returns the refused entries by reason (a bad, foreign or unreadable manifest, a missing
+        namespace) for the invalid-entries metric; each is logged with its reason code.
+        """
+        refused: dict[str, int] = {}
         namespaces: dict[str, bool] = {}
+        todo: dict[Key, Present] = {}
         for entry in entries:
             key = (entry.namespace, entry.name)
             if key in self.state.objects:
@@ -469,6 +512,7 @@ class Agent:
             if isinstance(read, Transient):
                 continue
             if isinstance(read, Mismatch):
+                refused[Reason.MANIFEST_MISMATCH] = refused.get(Reason.MANIFEST_MISMATCH, 0) + 1
                 self._say_limited(
                     f"adopt:{key}",
                     "adoption_refused",
@@ -479,12 +523,14 @@ class Agent:
                 )
                 continue
             if not isinstance(read, Present):
+                refused[read.reason] = refused.get(read.reason, 0) + 1
                 self._say_limited(f"adopt:{key}", "adoption_refused", reason=read.reason, path=entry.path)
                 continue
             if entry.namespace not in namespaces:
                 ns_obj = await self._api(self._get_namespace, entry.namespace)
                 namespaces[entry.namespace] = ns_obj
             if not namespaces[entry.namespace]:
+                refused[Reason.NAMESPACE_MISSING] = refused.get(Reason.NAMESPACE_MISSING, 0) + 1
                 self._say_limited(
                     f"adopt:{key}",
                     "adoption_refused",
@@ -493,7 +539,9 @@ class Agent:
                     action=f"namespace {entry.namespace} does not exist; create it, or remove the directory",
                 )
                 continue
-            await self._create(key, read)
+            todo[key] = read
+        await self._each(list(todo), lambda key: self._create(key, todo[key]))
+        return refused
 
     def _get_namespace(self, name: str) -> bool:
         try:
@@ -769,9 +817,22 @@ class Agent:
         return status
 
     async def delete_tombstone(self, obj: Obj, tomb: Tombstone) -> None:
-        """Delete a sandbox's tombstone off the loop; then remove the finalizer. A failure is Stuck."""
+        """Delete a sandbox's tombstone off the loop; then remove the finalizer. A failure is Stuck.
+
+        A stuck tombstone is retried once per pass (a retry walks what is left of the tree) and keeps its
+        Stuck status meanwhile, so the object's phase does not flap between Deleting and Stuck.
+        """
         key = _key(obj)
-        obj = await self._apply(obj, self._deleting_status(obj, Phase.DELETING, tombstone=tomb.name), deleting=True)
+        stuck = tomb.name in self.state.stuck or (
+            (obj.get("status") or {}).get("phase") == str(Phase.STUCK)
+            and (obj.get("status") or {}).get("tombstone") == tomb.name
+        )
+        if stuck and tomb.name in self.tried_this_pass:
+            return
+        self.tried_this_pass.add(tomb.name)
+        if not stuck:
+            status = self._deleting_status(obj, Phase.DELETING, tombstone=tomb.name)
+            obj = await self._apply(obj, status, deleting=True)
         seam = os.environ.get(SEAM_KILL_DURING_DELETE)
         if seam:
             threading.Timer(float(seam), os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -807,8 +868,7 @@ class Agent:
             tombstone=tomb.name,
             errno=_errno_name(result.errno),
             path=result.path,
-        )
-        self._later(key)
+        )  # retried by the next pass's tombstone sweep
 
     def _unstick(self, name: str) -> None:
         self.state.stuck.pop(name, None)
@@ -915,8 +975,8 @@ class Agent:
 
     # --- reporting -------------------------------------------------------------------------------------
 
-    def _report_strays(self, strays: Iterable[Any]) -> None:
-        counts: dict[str, int] = {}
+    def _report_strays(self, strays: Iterable[Any], refused: dict[str, int]) -> None:
+        counts: dict[str, int] = dict(refused)
         for stray in strays:
             counts[str(stray.reason)] = counts.get(str(stray.reason), 0) + 1
             self._say_limited(
