@@ -42,9 +42,14 @@ test: venv tools lint types
 test-fast: venv
 	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-## The main job: the local demo.
+## The main job: the whole story on a local control plane, with the controller and two node agents (~2 min).
 demo: venv tools
 	$(PY) hack/demo.py $(DEMO_ARGS)
+
+## The single-host mode alone (no cluster, no Go tools): retain, pin, ls, sweep on a temporary root.
+.PHONY: demo-standalone
+demo-standalone: venv
+	$(PY) hack/demo_standalone.py
 
 ## Start a local control plane and print how to point kubectl at it (Ctrl-C stops it).
 cluster: venv tools
