@@ -306,6 +306,7 @@ def _parallel(walk: _Walk, name: str, path: str, workers: int) -> DeleteResult:
     if top is None:
         return walk.result()
     uppers: list[tuple[_Frame | None, _Frame]] = [(None, top)]
+    walk.make_writable(top)
     pending = _unlink_files(walk, top)
     for _ in range(_SPLIT_DEPTH):
         if len(pending) >= 4 * workers or not pending:
@@ -315,6 +316,7 @@ def _parallel(walk: _Walk, name: str, path: str, workers: int) -> DeleteResult:
             frame = walk.enter(parent, entry, f"{parent.path}/{entry}")
             if frame is not None:
                 uppers.append((parent, frame))
+                walk.make_writable(frame)  # the workers rmdir in it and cannot chmod a frame they do not own
                 expanded.extend(_unlink_files(walk, frame))
         pending = expanded
     try:

@@ -177,7 +177,7 @@ class Sweeper:
         self._report = PassReport()
         now = self.clock()
         scan = self.root.scan()
-        held_pinned = [t for t in scan.tombstones if self._clear_tombstone(t, now) == "pinned-held"]
+        held_pinned = [t for t in scan.tombstones if self._leftover(t, now) == "pinned-held"]
         reads = {(e.namespace, e.name): self.root.read(e.namespace, e.name) for e in scan.sandboxes}
         for entry in scan.sandboxes:
             try:
@@ -187,11 +187,18 @@ class Sweeper:
         for stray in scan.strays:
             self._stray(stray, now)
         for t in held_pinned:
-            self._clear_tombstone(t, self.clock())
+            self._leftover(t, self.clock())
         if not self.policy.dry_run:  # rmdir removes only an empty one: a namespace this pass emptied, say
             for ns in sorted({e.namespace for e in scan.sandboxes} | set(scan.empty_namespaces)):
                 self.root.remove_empty_namespace(ns)
         return self._report
+
+    def _leftover(self, t: Tombstone, now: datetime) -> str | None:
+        try:
+            return self._clear_tombstone(t, now)
+        except Exception as err:  # one bad tombstone never aborts the pass
+            self._decide_once(t.name, "held", Reason.DELETE_FAILED, now, error=str(err))
+            return None
 
     def _clear_tombstone(self, t: Tombstone, now: datetime) -> str | None:
         """A leftover tombstone: deleted, or restored when it holds a live pin, or left to its live maker.
@@ -591,7 +598,16 @@ def _sweep(args: argparse.Namespace) -> int:
             interval=format_duration(args.interval) if args.interval else "once",
         )
         while True:
-            report = sweeper.run_pass()
+            try:
+                report = sweeper.run_pass()
+            except OSError as err:  # the root itself could not be listed: say so, try again next interval
+                logs.say(log, "sweep_failed", level=logging.ERROR, reason=Reason.DELETE_FAILED, root=root.path,
+                         errno=os.strerror(err.errno or 0), error=str(err))  # fmt: skip
+                if args.interval is None:
+                    return EXIT_FAILED
+                if stop.wait(args.interval.total_seconds()):
+                    return EXIT_OK
+                continue
             counts = {a: len(report.by_action(a)) for a in ("deleted", "held", "stuck", "kept", "would-delete")}
             logs.say(log, "sweep_pass", **{k.replace("-", "_"): v for k, v in counts.items()})
             if args.interval is None or stop.wait(args.interval.total_seconds()):

@@ -514,8 +514,8 @@ class Root:
     def scan(self) -> Scan:
         """One listing of the root and its namespace directories; reads no manifest and follows no link."""
         out = Scan()
-        with _fd(self._open()) as root_fd:
-            for entry in os.scandir(root_fd):
+        with _fd(self._open()) as root_fd, os.scandir(root_fd) as entries:
+            for entry in entries:
                 self._scan_root_entry(root_fd, entry, out)
         out.sandboxes.sort(key=lambda e: (e.namespace, e.name))
         out.tombstones.sort(key=lambda t: (t.made_at, t.name))
@@ -541,8 +541,8 @@ class Root:
         except OSError:
             return  # gone (or replaced) since the listing: the next scan sees what it is now
         count = 0
-        with _fd(ns_fd):
-            for sub in os.scandir(ns_fd):
+        with _fd(ns_fd), os.scandir(ns_fd) as subs:
+            for sub in subs:
                 count += 1
                 rel = f"{name}/{sub.name}"
                 reason = _stray_reason(sub, is_object_name(sub.name))
@@ -871,7 +871,9 @@ def _remove_excluded(src: Path, patterns: Sequence[str]) -> None:
         while stack:
             fd, rel = stack.pop()
             with _fd(fd):
-                for entry in list(os.scandir(fd)):
+                with os.scandir(fd) as it:
+                    entries = list(it)
+                for entry in entries:
                     path = f"{rel}{entry.name}"
                     is_dir = entry.is_dir(follow_symlinks=False)
                     if _relpath_matches(path, entry.name, patterns):

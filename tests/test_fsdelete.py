@@ -144,7 +144,10 @@ def test_a_tree_deeper_than_path_max_and_the_fd_budget_is_deleted(tmp_path: Path
 
 
 @pytest.mark.root
-def test_read_only_directories_the_user_owns_are_deleted_as_that_user(shared_tmp: Path, throwaway_user: User) -> None:
+@pytest.mark.parametrize("workers", [1, 4])
+def test_read_only_directories_the_user_owns_are_deleted_as_that_user(
+    shared_tmp: Path, throwaway_user: User, workers: int
+) -> None:
     top = shared_tmp / "t"
     tree(top, dirs=3, files=3)
     subprocess.run(["chown", "-R", f"{throwaway_user.uid}:{throwaway_user.gid}", str(top)], check=True)
@@ -152,10 +155,10 @@ def test_read_only_directories_the_user_owns_are_deleted_as_that_user(shared_tmp
     (top / "d0" / "inner").chmod(0o500)
     (top / "d1" / "inner").chmod(0o000)
     (top / "d2").chmod(0o300)
-    out = throwaway_user.python(
-        "import sys; from controller import fsdelete; print(fsdelete.delete_tree(sys.argv[1], 't', workers=1))",
-        str(shared_tmp),
-    )
+    top.chmod(0o500)
+    code = "import sys; from controller import fsdelete\n"
+    code += "print(fsdelete.delete_tree(sys.argv[1], 't', workers=int(sys.argv[2])))"
+    out = throwaway_user.python(code, str(shared_tmp), str(workers))
     assert "ok=True" in out.stdout, out.stdout + out.stderr
     assert listing(shared_tmp) == []
 
