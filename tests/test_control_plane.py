@@ -327,12 +327,6 @@ def test_helm_template_and_lint_a_trivial_chart(tools: Path, tmp_path: Path) -> 
     assert "unclosed action" in broken.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hack/tools/build.sh does not stamp helm's default Kubernetes version (-X helm.sh/helm/v3/pkg/"
-    "chartutil.k8sVersionMinor and pkg/lint/rules.k8sVersionMinor), so offline `helm template`/`helm lint` "
-    "assume v1.20.0; remove this marker once it does",
-)
 def test_helm_defaults_to_a_current_kubernetes(tools: Path, tmp_path: Path) -> None:
     # Without --kube-version, `helm template` and `helm lint` check the chart's kubeVersion against the
     # version compiled into helm; a chart that requires a current Kubernetes must still render.

@@ -3,7 +3,7 @@
 # from the pinned wrapper modules beside this script, into a versioned cache.
 #
 # Idempotent: each tool lands in $SANDKEEP_TOOLS_DIR/<name>-<key>/, where <key> hashes its
-# wrapper's go.mod, go.sum and this script, and is skipped when already built. A second run
+# wrapper's go.mod and go.sum, its package and its link flags, and is skipped when already built. A second run
 # only prints the bin directory. Prints that directory (symlinks to every tool) on stdout.
 set -euo pipefail
 
@@ -18,7 +18,8 @@ export GOCACHE=${GOCACHE:-$cache/go-build}
 
 log() { printf '[tools %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
-key_of() { cat "$here/$1/go.mod" "$here/$1/go.sum" "$here/build.sh" | sha256sum | cut -c1-12; }
+# key_of MODULE_DIR PACKAGE LDFLAGS: what decides the binary, and nothing else.
+key_of() { { cat "$here/$1/go.mod" "$here/$1/go.sum"; printf '%s\n' "$2" "$3"; } | sha256sum | cut -c1-12; }
 
 kube_version() { awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v/ {print $2; exit}' "$here/kube/go.mod" | head -1; }
 
@@ -26,7 +27,7 @@ kube_version() { awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v/ {print $2; exit}' "
 build() {
 	local mod=$1 out=$2 pkg=$3 ldflags=${4:-}
 	local dest key
-	key=$(key_of "$mod")
+	key=$(key_of "$mod" "$pkg" "$ldflags")
 	dest=$cache/$out-$key
 	if [[ ! -x $dest/$out ]]; then
 		log "building $out from $pkg (module $mod) ..."
@@ -48,13 +49,21 @@ for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 	stamp+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
 done
 
+# helm: unstamped, offline `helm template`/`lint` assume Kubernetes v1.20 and refuse the chart's kubeVersion.
+hv=$(awk '$1 == "helm.sh/helm/v3" {print $2; exit}' "$here/helm/go.mod")
+[[ -n $hv ]] || hv=$(grep -E '^require helm.sh/helm/v3 ' "$here/helm/go.mod" | awk '{print $3}')
+helm_stamp="-X helm.sh/helm/v3/internal/version.version=$hv"
+for p in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+	helm_stamp+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
+done
+
 want=${*:-kube-apiserver kubectl etcd helm promtool}
 for tool in $want; do
 	case $tool in
 	kube-apiserver) build kube kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "$stamp" ;;
 	kubectl) build kube kubectl k8s.io/kubernetes/cmd/kubectl "$stamp" ;;
 	etcd) build etcd etcd go.etcd.io/etcd/server/v3 ;;
-	helm) build helm helm helm.sh/helm/v3/cmd/helm ;;
+	helm) build helm helm helm.sh/helm/v3/cmd/helm "$helm_stamp" ;;
 	promtool) build promtool promtool github.com/prometheus/prometheus/cmd/promtool ;;
 	*) log "unknown tool: $tool"; exit 2 ;;
 	esac
