@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from controller.contracts import DeadlineSource, Phase, Reason
-from controller.durations import Invalid, parse_instant
+from controller.durations import Invalid, format_duration, parse_instant
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
             cap = reference + policy.max_pin
             if pin > cap:
                 reasons.append(Reason.PIN_CAPPED)
-                messages.append(f"pin capped at maxPin ({policy.max_pin}) from when it was set")
+                messages.append(f"pin capped at maxPin ({format_duration(policy.max_pin)}) from when it was set")
                 pin = cap
             expired = pin <= now
             if expired:
