@@ -318,7 +318,15 @@ class Agent:
         self.last_orphans_published: str | None = None
         self.retrying: set[Key] = set()
         self.stopping = asyncio.Event()
+        self.started = time.monotonic()
+        self.last_pass: float | None = None
         self.tried_this_pass: set[str] = set()  # stuck tombstones already retried in the current pass
+
+    def healthy(self) -> bool:
+        """Live while passes keep completing: a wedged loop (or a pass stuck on a hung mount) fails /healthz."""
+        budget = max(3 * self.s.scan_interval.total_seconds(), 300.0)
+        last = self.last_pass if self.last_pass is not None else self.started
+        return time.monotonic() - last < budget
 
     # --- plumbing --------------------------------------------------------------------------------------
 
@@ -453,6 +461,7 @@ class Agent:
         self._report_strays(scan.strays, refused)
         self._update_metrics(scan.tombstones)
         await self._heartbeat()
+        self.last_pass = time.monotonic()
 
     async def _process_logged(self, key: Key) -> None:
         try:
@@ -1122,7 +1131,11 @@ def run(command: str, args: argparse.Namespace) -> int:
         agent_metrics = metrics.AgentMetrics(settings.node)
         agent = Agent(settings, client, root, agent_metrics)
         server = metrics.serve(
-            agent_metrics.registry, settings.metrics_port, settings.metrics_host, ready=lambda: agent.state.synced
+            agent_metrics.registry,
+            settings.metrics_port,
+            settings.metrics_host,
+            healthy=agent.healthy,
+            ready=lambda: agent.state.synced,
         )
         stack.callback(server.shutdown)
         logs.say(

@@ -58,8 +58,9 @@ class _Index(Generic[K]):
 
     def __init__(self, paths: Mapping[K, Path]) -> None:
         self.by_path: dict[str, list[K]] = {}
+        parents: dict[str, str] = {}
         for key, path in paths.items():
-            self.by_path.setdefault(os.path.realpath(path), []).append(key)
+            self.by_path.setdefault(_canonical(path, parents), []).append(key)
 
     def owners(self, target: str) -> list[K]:
         if target.endswith(_DELETED):
@@ -73,6 +74,17 @@ class _Index(Generic[K]):
             if probe == "/":
                 return found
             probe = probe.rsplit("/", 1)[0] or "/"
+
+
+def _canonical(path: Path, parents: dict[str, str]) -> str:
+    """realpath, resolving each parent directory once: thousands of sandboxes share a few parents."""
+    text = os.path.abspath(path)  # noqa: PTH100 (no resolving here: only the parents are resolved)
+    head, _, name = text.rpartition("/")
+    if not name or Path(text).is_symlink():
+        return os.path.realpath(text)
+    if head not in parents:
+        parents[head] = os.path.realpath(head or "/")
+    return f"{parents[head].rstrip('/')}/{name}"
 
 
 def _unescape(text: str) -> str:
@@ -129,11 +141,22 @@ class _Scan(Generic[K]):
         self.seen_ns: set[str] = set()
         own = self._read(proc / "self" / "mountinfo") or ""
         self.own_mounts = _mounts(own)
-        self.locations: dict[str, tuple[str, str]] = {}
+        # (device, path inside its filesystem) -> sandbox paths: how a bind in any namespace is recognised.
+        self.by_fs: dict[tuple[str, str], list[str]] = {}
+        points = {m.point for m in self.own_mounts}
+        parent_loc: dict[str, tuple[str, str] | None] = {}
         for path in self.index.by_path:
-            loc = _fs_location(path, self.own_mounts)
+            head, _, name = path.rpartition("/")
+            if path in points or not head:
+                loc = _fs_location(path, self.own_mounts)
+            else:
+                if head not in parent_loc:
+                    parent_loc[head] = _fs_location(head, self.own_mounts)
+                base = parent_loc[head]
+                loc = None if base is None else (base[0], f"{base[1].rstrip('/')}/{name}")
             if loc is not None:
-                self.locations[path] = loc
+                self.by_fs.setdefault(loc, []).append(path)
+        self.devs = {dev for dev, _ in self.by_fs}
         own_ns = self._link(proc / "self" / "ns" / "mnt")
         if own_ns is not None:
             self.seen_ns.add(own_ns)
@@ -159,14 +182,27 @@ class _Scan(Generic[K]):
 
     def _check_mounts(self, mounts: list[_Mount], whose: str, *, own_namespace: bool) -> None:
         """A bind of a sandbox (or of anything inside one) anywhere, or a mount on a directory inside one."""
-        for path, (dev, fs_path) in self.locations.items():
-            for m in mounts:
-                if m.dev == dev and _inside(m.root, fs_path) and not (own_namespace and _inside(path, m.point)):
-                    for key in self.index.by_path[path]:
-                        self.found.procs.setdefault(key, []).append(f"{whose} mounts {m.root} at {m.point}")
+        for m in mounts:
+            if m.dev not in self.devs:
+                continue
+            for path in self._sandboxes_above(m.dev, m.root):
+                if own_namespace and _inside(path, m.point):
+                    continue  # the mount that holds the sandbox itself (the root's filesystem), not a bind of it
+                for key in self.index.by_path[path]:
+                    self.found.procs.setdefault(key, []).append(f"{whose} mounts {m.root} at {m.point}")
         if own_namespace:
             for m in mounts:
                 self.hold(m.point, f"mount at {m.point}")
+
+    def _sandboxes_above(self, dev: str, fs_path: str) -> list[str]:
+        """Sandboxes at or above `fs_path` on `dev`: a mount of that path exposes (part of) them."""
+        found: list[str] = []
+        probe = fs_path.rstrip("/") or "/"
+        while True:
+            found.extend(self.by_fs.get((dev, probe), ()))
+            if probe == "/":
+                return found
+            probe = probe.rsplit("/", 1)[0] or "/"
 
     def process(self, pid: int) -> None:
         pid_dir = self.proc / str(pid)

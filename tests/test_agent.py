@@ -250,6 +250,9 @@ def test_untrusted_manifests_are_refused_and_a_missing_directory_is_reported(clu
     )
     assert ghost["metadata"]["finalizers"] == [c.FINALIZER]
     wait_for(lambda: "reason=ManifestMismatch" in a.log() and "reason=NamespaceMissing" in a.log())
+    text = a.metrics()
+    assert re.search(r'sandkeep_invalid_entries\{[^}]*reason="ManifestMismatch"\} 1\.0', text)
+    assert re.search(r'sandkeep_invalid_entries\{[^}]*reason="NamespaceMissing"\} 1\.0', text)
     assert get(cluster, namespace, "liar") is None and get(cluster, namespace, "victim") is None
     assert "victim" not in cluster.kubectl("get", "rsb", "-A", "-o", "name").stdout
 
@@ -470,6 +473,31 @@ def test_an_orphan_tombstone_is_cleared(cluster, namespace, nodes, agents):
     a = agents(n1)
     wait_for(lambda: tombstones(n1) == [], what="orphan cleared")
     wait_for(lambda: re.search(r'sandkeep_deletions_total\{[^}]*reason="TombstoneLeftover"\} 1\.0', a.metrics()))
+
+
+def test_a_tombstone_of_a_live_object_is_put_back_never_deleted(cluster, namespace, nodes, agents):
+    n1, _ = nodes
+    path = n1.retain(namespace, "back", {"work.txt": "precious"})
+    first = agents(n1)
+    obj = wait_for(lambda: (o := get(cluster, namespace, "back")) and o["metadata"].get("finalizers") and o)
+    first.stop()
+    # Renamed aside with no delete request (nothing the agent does leaves this; a person or a bug could).
+    n1.root.tombstone(namespace, "back", id=obj["metadata"]["uid"], now=datetime.now(UTC))
+    second = agents(n1)
+    wait_for(lambda: path.is_dir() and tombstones(n1) == [], what="restored")
+    assert (path / "workspace" / "work.txt").read_text() == "precious"
+    assert "tombstone_restored" in second.log()
+    assert not get(cluster, namespace, "back")["metadata"].get("deletionTimestamp")
+
+
+def test_the_benchmark_runs_small():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "hack" / "bench" / "agent_scan.py"), "--sandboxes", "30", "--no-cluster", "--json"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    assert result["entries"] == 30
+    assert result["listing"] > 0 and result["in_use"] > 0
 
 
 # --- trust nothing -------------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="sandkeep-bench-"))
+    workdir = Path(tempfile.mkdtemp(prefix="sandkeep-agent-bench-"))
     try:
         t0 = time.perf_counter()
         build_root(workdir / "root", args.sandboxes)
