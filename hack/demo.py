@@ -225,6 +225,13 @@ class Demo:
         assert proc.log is not None
         return proc.log.read_text(errors="replace")
 
+    @staticmethod
+    def seconds(duration: str) -> float:
+        """A duration setting (`40s`, `2m`) in seconds (validated when the arguments were parsed)."""
+        parsed = parse_duration(duration)
+        assert not isinstance(parsed, Invalid)
+        return parsed.total_seconds()
+
     def before_deadline(self, name: str, what: str) -> None:
         """Fail clearly when a set-up step comes after the sandbox it prepares has already expired."""
         text = ((self.sandbox_obj(name) or {}).get("status") or {}).get("deadline")
@@ -567,13 +574,14 @@ def expiry(demo: Demo) -> None:
         "renames the directory to a tombstone, deletes it, and lets the object go.",
     )
     demo.wait(f"build-1042 (its recorded {demo.recorded} deadline) to be deleted from the API and from node-a's disk",
-              lambda: demo.gone("build-1042"), timeout=60)  # fmt: skip
+              lambda: demo.gone("build-1042"), timeout=demo.seconds(demo.recorded) + 30)  # fmt: skip
     demo.sandboxes["build-1042"].deleted = True
     demo.ok("build-1042 deleted (API object and directory)")
     demo.kubectl("get", "events", "-n", NAMESPACE, "--field-selector=involvedObject.name=build-1042",
                  "--sort-by=.lastTimestamp", show=True)  # fmt: skip
     demo.say(f"...waiting for the {demo.window} window of the others to pass")
-    demo.wait("agent-run-17 to be Held (expired, but in use)", lambda: demo.phase("agent-run-17") == "Held", 75)
+    demo.wait("agent-run-17 to be Held (expired, but in use)", lambda: demo.phase("agent-run-17") == "Held",
+              demo.seconds(demo.window) + 30)  # fmt: skip
     demo.wait("agent-run-18 to be Held (expired, its orphan still runs in it)",
               lambda: demo.phase("agent-run-18") == "Held", 30)  # fmt: skip
     demo.wait(
