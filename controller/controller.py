@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import heapq
+import itertools
 import logging
 import os
 import time
@@ -309,8 +310,9 @@ class Reconciler:
         self.ceiling = settings.ceiling()
         self.is_leader: Callable[[], bool] = lambda: True
         self.before_delete: Callable[[Obj], Awaitable[None]] | None = None
-        self._queue: asyncio.Queue[Key] = asyncio.Queue()
-        self._queued: set[Key] = set()
+        self._queue: asyncio.PriorityQueue[tuple[int, int, Key]] = asyncio.PriorityQueue()
+        self._queued: dict[Key, int] = {}  # key -> the priority it is queued with
+        self._seq = itertools.count()
         self._active: set[Key] = set()
         self._heap: list[tuple[float, Key]] = []
         self._next_wake: dict[Key, float] = {}
@@ -382,13 +384,17 @@ class Reconciler:
             self.metrics.pins_active.inc()
 
     # --- the queue and the scheduler ---------------------------------------------------------------------
-    def enqueue(self, key: Key) -> None:
-        """Queue a key once; a key being reconciled is queued again when its current pass ends."""
-        if key in self._queued:
+    def enqueue(self, key: Key, priority: int = 1) -> None:
+        """Queue a key once; a key being reconciled is queued again when its current pass ends.
+
+        Keys whose deadline came (priority 0) go before watch-driven work (1): a policy change that
+        rewrites ten thousand statuses must not make due deletions wait behind it.
+        """
+        if self._queued.get(key, 2) <= priority:
             return
-        self._queued.add(key)
+        self._queued[key] = priority
         if key not in self._active:
-            self._queue.put_nowait(key)
+            self._queue.put_nowait((priority, next(self._seq), key))
 
     def enqueue_all(self) -> None:
         for key in list(self.view.sandboxes):
@@ -413,7 +419,7 @@ class Reconciler:
                 ts, key = heapq.heappop(self._heap)
                 if self._next_wake.get(key) == ts:
                     del self._next_wake[key]
-                    self.enqueue(key)
+                    self.enqueue(key, priority=0)
             timeout = self._heap[0][0] - now if self._heap else None
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -421,8 +427,10 @@ class Reconciler:
 
     async def worker(self) -> None:
         while True:
-            key = await self._queue.get()
-            self._queued.discard(key)
+            _priority, _seq, key = await self._queue.get()
+            if key not in self._queued or key in self._active:
+                continue  # a stale entry: the key was queued again with a higher priority, or is running
+            del self._queued[key]
             self._active.add(key)
             try:
                 await self.reconcile(key)
@@ -432,7 +440,7 @@ class Reconciler:
             finally:
                 self._active.discard(key)
                 if key in self._queued:
-                    self._queue.put_nowait(key)
+                    self._queue.put_nowait((self._queued[key], next(self._seq), key))
 
     def _retry_later(self, key: Key, err: Exception) -> None:
         """A failed pass is retried with exponential backoff; the error is counted and logged once."""
@@ -483,6 +491,11 @@ class Reconciler:
                 self.view.nodes.add(node)
                 self.view.node_gone_since.pop(node, None)
                 decision = decide(obj, self.context(obj, now), now)
+        if decision.delete:
+            # No status write first: the object is about to go, and if it stays (a 409, the agent's
+            # finalizer) the next pass or the agent writes the phase it then has.
+            await self._expire(key)
+            return
         if status_changed(obj, decision.status):
             events = transition_events(obj, decision.status)
             obj = await asyncio.to_thread(self.kube.apply_status, obj, decision.status, CONTROLLER_MANAGER)
@@ -493,8 +506,6 @@ class Reconciler:
                      deadline=decision.status.get("deadline"))  # fmt: skip
         if decision.wake_at is not None:
             self.wake_at(key, decision.wake_at)
-        if decision.delete:
-            await self._expire(key)
 
     async def _settle_pins(self, obj: Obj, now: datetime) -> Obj | None:
         """Turn `pin-for` into an absolute `pin-until` once, and stamp `pinned-at` where it is missing.
@@ -541,7 +552,7 @@ class Reconciler:
         self.remember(fresh)
         now = now_utc()
         decision = decide(fresh, self.context(fresh, now), now)
-        if is_deleting(fresh) or not decision.delete or status_changed(fresh, decision.status):
+        if is_deleting(fresh) or not decision.delete:
             self.enqueue(key)  # something moved since the watch said so: take the whole decision again
             return
         if self.before_delete is not None:
@@ -570,6 +581,8 @@ class Reconciler:
             f"{key[0]}/{key[1]} expired at {_when(decision.verdict.deadline)} ({cause}); "
             f"delete requested (resourceVersion {fresh['metadata']['resourceVersion']})"
         )
+        expired = next(cd for cd in decision.status["conditions"] if cd["type"] == "Expired")
+        self._post(fresh, Reason.EXPIRED, f"{key[0]}/{key[1]} expired: {expired['message']}", "Normal")
         self._post(fresh, Reason.DELETE_REQUESTED, message, "Normal")
         logs.say(log, "delete_requested", reason=cause, object=f"{key[0]}/{key[1]}",
                  deadline=_when(decision.verdict.deadline))  # fmt: skip

@@ -1,0 +1,31 @@
+"""The controller scale benchmark runs end to end at a small size (numbers are printed, never asserted).
+
+It checks the benchmark itself works: every sandbox reconciled, zero steady-state writes measured from
+kube-apiserver's metrics, every sandbox deleted after its deadline, and the RSS line printed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from controller_harness import install_crds
+from localcluster import LocalCluster
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_controller_scale_benchmark_runs_small(cluster: LocalCluster) -> None:
+    install_crds(cluster)
+    cmd = [
+        sys.executable, str(REPO / "hack" / "bench" / "controller_scale.py"), f"--kubeconfig={cluster.kubeconfig}",
+        "--objects=60", "--nodes=3", "--namespaces=2", "--spread=4", "--quiet=3", "--margin=6",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "time to reconcile all 60:" in out, out
+    assert "steady-state API writes per hour (sandboxes, policies, events): 0 " in out, out
+    assert "deleted 60/60" in out, out
+    assert "controller peak RSS:" in out, out
