@@ -63,7 +63,7 @@ def helm(
     cmd = [str(tools / "helm"), *args]
     if kubeconfig is not None:
         cmd.append(f"--kubeconfig={kubeconfig}")
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)  # the README's paths
     if check and result.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
     return result
@@ -394,6 +394,40 @@ def test_helm_install_creates_every_object(
         assert cluster.kubectl("get", c.SANDBOX_PLURAL, f"--namespace={namespace}").returncode == 0
     finally:
         helm(tools, "uninstall", release, f"--namespace={namespace}", kubeconfig=cluster.kubeconfig, check=False)
+
+
+def readme_helm_commands() -> list[list[str]]:
+    """The helm commands of the chart README's first shell block, split as a shell would split them."""
+    import shlex
+
+    block = (CHART / "README.md").read_text().split("```sh\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.replace("\\\n", " ").splitlines() if line.startswith("helm ")]
+    return [shlex.split(line) for line in lines]
+
+
+def test_the_readme_install_commands_work_as_written(tools: Path, cluster: LocalCluster, monitoring_crds: None) -> None:
+    # Only this test uses the README's release name and namespace (`sandkeep`) on this worker's cluster.
+    commands = readme_helm_commands()
+    assert [cmd[:2] for cmd in commands] == [["helm", "install"], ["helm", "upgrade"]]
+    try:
+        for cmd in commands:
+            result = helm(tools, *cmd[1:], kubeconfig=cluster.kubeconfig)
+            assert "STATUS: deployed" in result.stdout, result.stdout
+        for kind, name in (
+            ("deployment", "sandkeep-controller"),
+            ("daemonset", "sandkeep-agent"),
+            ("prometheusrule", "sandkeep"),
+            ("podmonitor", "sandkeep-agent"),
+            ("servicemonitor", "sandkeep-controller"),
+            ("configmap", "sandkeep-dashboard"),
+        ):
+            cluster.kubectl("get", kind, name, "--namespace=sandkeep")
+        assert (
+            cluster.kubectl_json("get", "deployment", "sandkeep-controller", "-n", "sandkeep")["spec"]["replicas"] == 2
+        )
+    finally:
+        helm(tools, "uninstall", "sandkeep", "--namespace=sandkeep", kubeconfig=cluster.kubeconfig, check=False)
+        cluster.kubectl("delete", "namespace", "sandkeep", "--wait=false", "--ignore-not-found", check=False)
 
 
 # --- alerts, runbooks, dashboard -----------------------------------------------------------------------

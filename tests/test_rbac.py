@@ -1,0 +1,512 @@
+"""The chart's RBAC proven on the real API server: the components do their whole job as the chart's
+ServiceAccounts (real TokenRequest tokens, never admin), every rule is needed, and nobody gets more.
+
+`helm template` renders the ServiceAccounts, (Cluster)Roles and bindings of a uniquely named release into
+the test's namespace; they are applied to the local control plane; a real `sandkeep controller` and a
+real `sandkeep agent` run with kubeconfigs holding their ServiceAccounts' tokens. The scenario: the agent
+adopts directories (with its finalizer) and renews its heartbeat; the controller takes its leader Lease,
+writes status, converts a `pin-for`, deletes an expired sandbox (the agent then removes it from disk and
+drops its finalizer) and releases a sandbox of a vanished node. The rule-removal tests take one verb of
+one rule away at a time and show the scenario then hits a refusal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from controller_harness import install_crds
+from localcluster import LocalCluster, kube_version, tools_bin
+
+from controller import contracts as c
+from controller.store import Root
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "sandkeep"
+RBAC_TEMPLATES = ("serviceaccounts.yaml", "rbac-controller.yaml", "rbac-agent.yaml", "rbac-aggregate.yaml")
+STEP_TIMEOUT = 30.0
+# A request refused by authorization, as the components log it (KubeError text, kopf's messages). A refusal
+# for a namespace being deleted is a 403 too, but not an RBAC one (leftovers of other tests on this cluster).
+_FORBIDDEN = re.compile(r"\b403\b|[Ff]orbidden")
+_NOT_RBAC = re.compile(r"because it is being terminated")
+
+
+# --- the chart's RBAC -----------------------------------------------------------------------------------
+def render_rbac(release: str, namespace: str) -> list[dict[str, Any]]:
+    """The chart's ServiceAccounts, (Cluster)Roles and bindings for `release` installed in `namespace`."""
+    args = [str(tools_bin() / "helm"), "template", release, str(CHART), f"--namespace={namespace}"]
+    args += [f"--kube-version={kube_version()}", *(f"--show-only=templates/{t}" for t in RBAC_TEMPLATES)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def rule_verbs() -> list[Any]:
+    """One pytest param per verb of every rule the components are granted: (role, rule index, verb)."""
+    out = []
+    for doc in render_rbac("x", "ns"):
+        if doc["kind"] in ("ClusterRole", "Role") and doc["metadata"]["name"].startswith("x-sandkeep-"):
+            suffix = doc["metadata"]["name"].removeprefix("x-sandkeep")
+            if suffix in ("-view", "-edit"):
+                continue  # the aggregated roles are for people; tested by the editor tests
+            role = f"{doc['kind']}{suffix}"
+            for i, rule in enumerate(doc["rules"]):
+                for verb in rule["verbs"]:
+                    label = f"{role}:{'/'.join(rule['resources'])}:{verb}"
+                    out.append(pytest.param(role, i, verb, id=label))
+    return out
+
+
+# Verbs the scenario cannot make a component use deterministically, each with the code path that uses it;
+# the test checks that path still exists (if it goes, so must the verb).
+NOT_REACHED_BY_THE_SCENARIO = {
+    "ClusterRole-agent:retainedsandboxes:get": (
+        ("controller.agent", "Agent._finish"),
+        "get_sandbox",
+        "the fresh read after a 409 on finalizer removal needs a write racing that removal",
+    ),
+}
+
+
+def without(docs: list[dict[str, Any]], role: str, index: int, verb: str) -> list[dict[str, Any]]:
+    """The same objects with one verb of one rule taken away (the whole rule when it was its last verb)."""
+    out = json.loads(json.dumps(docs))
+    for doc in out:
+        if f"{doc['kind']}{doc['metadata']['name'].partition('-sandkeep')[2]}" == role:
+            rule = doc["rules"][index]
+            rule["verbs"].remove(verb)
+            if not rule["verbs"]:
+                del doc["rules"][index]
+            return out
+    raise AssertionError(f"no {role} in the rendered chart")
+
+
+@dataclass
+class Install:
+    """The chart's RBAC applied for one release; cluster-scoped objects are deleted again by `remove`."""
+
+    cluster: LocalCluster
+    namespace: str
+    release: str
+    docs: list[dict[str, Any]]
+    dir: Path
+
+    def apply(self) -> None:
+        self.cluster.apply(self.docs)
+
+    def remove(self) -> None:
+        for doc in self.docs:
+            if doc["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+                self.cluster.kubectl("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)
+
+    def sa(self, component: str) -> str:
+        return f"{self.release}-sandkeep-{component}"
+
+    def user(self, component: str) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.sa(component)}"
+
+    def kubeconfig(self, component: str) -> Path:
+        """A kubeconfig with a real token of the component's ServiceAccount (TokenRequest)."""
+        token = self.cluster.token_for(self.namespace, self.sa(component))
+        return self.cluster.kubeconfig_for_token(token, self.dir / f"{component}.kubeconfig")
+
+
+@pytest.fixture
+def install(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Callable[..., Install]]:
+    made: list[Install] = []
+
+    def make(docs: list[dict[str, Any]] | None = None, release: str | None = None) -> Install:
+        release = release or f"rb{secrets.token_hex(3)}"
+        rendered = docs if docs is not None else render_rbac(release, namespace)
+        inst = Install(cluster, namespace, release, rendered, tmp_path)
+        made.append(inst)
+        inst.apply()
+        return inst
+
+    install_crds(cluster)
+    yield make
+    for inst in made:
+        inst.remove()
+
+
+# --- the components, as processes -------------------------------------------------------------------------
+def uninspectable_pids() -> list[int]:
+    """Processes of this machine nobody may inspect (the sandbox's supervisor): vouched for with --ignore-pid,
+    or they would make every sandbox's in-use answer "unknown" and hold it."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                (entry / "cwd").readlink()
+            except PermissionError:
+                out.append(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
+class Process:
+    """A real `sandkeep` subprocess in its own session, its output in a file; stopped by its pid."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "controller.cli", *args], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._log.close()
+
+
+class Refused(AssertionError):
+    """The scenario hit an authorization refusal (or a step did not happen): the rule was needed."""
+
+
+@dataclass
+class Scenario:
+    """The whole job of both components, run as the chart's ServiceAccounts, step by step."""
+
+    inst: Install
+    tmp: Path
+    processes: list[Process] = field(default_factory=list)
+    node: str = field(default_factory=lambda: f"rbac-node-{secrets.token_hex(3)}")
+    ghost: str = field(default_factory=lambda: f"gone-node-{secrets.token_hex(3)}")
+
+    @property
+    def cluster(self) -> LocalCluster:
+        return self.inst.cluster
+
+    @property
+    def ns(self) -> str:
+        return self.inst.namespace
+
+    # the steps' plumbing
+    def refusals(self) -> list[str]:
+        lines = [f"{p.name}: {line}" for p in self.processes for line in p.log().splitlines()]
+        return [line for line in lines if _FORBIDDEN.search(line) and not _NOT_RBAC.search(line)]
+
+    def step(self, what: str, probe: Callable[[], Any], timeout: float = STEP_TIMEOUT) -> Any:
+        """Poll `probe` until truthy; raise Refused at once when a component logs an authorization refusal."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if refused := self.refusals():
+                raise Refused(f"while waiting for {what}: refused: {refused[0][:400]}")
+            for p in self.processes:
+                if p.proc.poll() is not None:
+                    raise Refused(f"while waiting for {what}: {p.name} exited {p.proc.returncode}:\n{p.log()[-2000:]}")
+            value = probe()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise Refused(f"{what} did not happen within {timeout}s")
+            time.sleep(0.2)
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        result = self.cluster.kubectl("get", kind, name, "-n", namespace or self.ns, "-o", "json", check=False)
+        return json.loads(result.stdout) if result.returncode == 0 else None
+
+    # the scenario
+    def prepare(self) -> Root:
+        self.cluster.create_node(self.node, ready=True)
+        root = Root(self.tmp / "root")
+        for name, created in (("keep", timedelta(0)), ("expire", -timedelta(hours=2))):
+            src = self.tmp / f"job-{name}"
+            (src / "out").mkdir(parents=True)
+            (src / "out" / "result.txt").write_text(f"the results of {name}\n")
+            root.retain(
+                src, self.ns, name, job_id=f"job-{name}", created_at=datetime.now(UTC) + created,
+                retention=timedelta(hours=1), node=self.node,
+            )  # fmt: skip
+        return root
+
+    def start(self) -> None:
+        agent_args = [
+            "agent", f"--node={self.node}", f"--root={self.tmp / 'root'}", f"--namespace={self.ns}",
+            f"--kubeconfig={self.inst.kubeconfig('agent')}", "--metrics-port=0", "--scan-interval=1s",
+            "--orphan-timeout=2s", *(f"--ignore-pid={pid}" for pid in uninspectable_pids()),
+        ]  # fmt: skip
+        controller_args = [
+            "controller", f"--namespace={self.ns}", f"--kubeconfig={self.inst.kubeconfig('controller')}",
+            "--metrics-port=0", "--node-grace=1s", "--lease-duration=5",
+        ]  # fmt: skip
+        self.processes.append(Process("agent", agent_args, self.tmp / "agent.log"))
+        self.processes.append(Process("controller", controller_args, self.tmp / "controller.log"))
+
+    def stop(self) -> None:
+        for p in self.processes:
+            p.stop()
+
+    def run(self) -> None:
+        root = self.prepare()
+        self.start()
+        self.step("the controller to hold its leader Lease", lambda: self._holder(c.CONTROLLER_LEASE))
+        first = self.step("the agent's heartbeat", lambda: self._renewed(f"{c.AGENT_LEASE_PREFIX}{self.node}"))
+        self.step(
+            "the agent to adopt keep with its finalizer",
+            lambda: c.FINALIZER in ((self.get("rsb", "keep") or {}).get("metadata", {}).get("finalizers") or []),
+        )
+        self.step("the controller's status on keep", lambda: self._phase("keep") == "Retained")
+        self.step("the agent's observed status on keep", lambda: "sizeBytes" in self._status("keep"))
+        self.step(
+            "expire to be deleted (controller) and its finalizer dropped (agent)", lambda: not self.get("rsb", "expire")
+        )
+        assert not (root.path / self.ns / "expire").exists(), "expire is gone from the API but not from disk"
+        assert (root.path / self.ns / "keep" / "workspace").is_dir()
+        self.cluster.kubectl("annotate", "rsb", "keep", "-n", self.ns, f"{c.ANN_PIN_FOR}=2h")
+        self.step("the pin-for to be converted into pin-until", lambda: self._pinned("keep"))
+        self.step("keep to be Pinned", lambda: self._phase("keep") == "Pinned")
+        self.step("the heartbeat to be renewed", lambda: self._renewed(f"{c.AGENT_LEASE_PREFIX}{self.node}", first))
+        self._ghost_sandbox_is_released()
+        self.step("Events from both components", self._events_from_both)
+        assert not self.refusals()
+
+    def _ghost_sandbox_is_released(self) -> None:
+        """A sandbox of a vanished node: Lost, and on delete its disk finalizer is dropped by the controller."""
+        body = {
+            "apiVersion": c.API_VERSION, "kind": c.SANDBOX_KIND,
+            "metadata": {"name": "ghost", "namespace": self.ns, "finalizers": [c.FINALIZER]},
+            "spec": {"nodeName": self.ghost, "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
+        }  # fmt: skip
+        self.cluster.kubectl("create", "-f", "-", input=json.dumps(body))
+        self.step("the sandbox of a vanished node to be Lost", lambda: self._phase("ghost") == "Lost")
+        self.cluster.kubectl("delete", "rsb", "ghost", "-n", self.ns, "--wait=false")
+        self.step("the controller to release the lost sandbox", lambda: not self.get("rsb", "ghost"))
+
+    def _status(self, name: str) -> dict[str, Any]:
+        status: dict[str, Any] = (self.get("rsb", name) or {}).get("status") or {}
+        return status
+
+    def _phase(self, name: str) -> str | None:
+        return self._status(name).get("phase")
+
+    def _pinned(self, name: str) -> bool:
+        annotations = ((self.get("rsb", name) or {}).get("metadata") or {}).get("annotations") or {}
+        return c.ANN_PIN_UNTIL in annotations and c.ANN_PIN_FOR not in annotations
+
+    def _holder(self, lease: str) -> str | None:
+        return ((self.get("lease", lease) or {}).get("spec") or {}).get("holderIdentity")
+
+    def _renewed(self, lease: str, after: str | None = None) -> str | None:
+        renew = ((self.get("lease", lease) or {}).get("spec") or {}).get("renewTime")
+        return renew if renew and renew != after else None
+
+    def _events_from_both(self) -> bool:
+        events = json.loads(self.cluster.kubectl("get", "events", "-n", self.ns, "-o", "json").stdout)["items"]
+        sources = {(e.get("source") or {}).get("component") for e in events}
+        return {"sandkeep-controller", "sandkeep-agent"} <= sources
+
+
+@pytest.fixture
+def scenario(tmp_path: Path) -> Iterator[Callable[[Install], Scenario]]:
+    made: list[Scenario] = []
+
+    def make(inst: Install) -> Scenario:
+        made.append(Scenario(inst, tmp_path))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+# --- the tests ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_controller_and_agent_do_their_whole_job_as_the_charts_serviceaccounts(
+    install: Callable[..., Install], scenario: Callable[[Install], Scenario]
+) -> None:
+    run = scenario(install())
+    try:
+        run.run()
+    except Refused as err:
+        logs = "\n".join(f"----- {p.name}\n{p.log()[-3000:]}" for p in run.processes)
+        raise AssertionError(f"{err}\n{logs}") from None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("role", "index", "verb"), rule_verbs())
+def test_every_verb_of_every_rule_is_needed(
+    request: pytest.FixtureRequest,
+    install: Callable[..., Install],
+    scenario: Callable[[Install], Scenario],
+    namespace: str,
+    role: str,
+    index: int,
+    verb: str,
+) -> None:
+    label = request.node.callspec.id
+    if label in NOT_REACHED_BY_THE_SCENARIO:
+        (module, qualname), call, why = NOT_REACHED_BY_THE_SCENARIO[label]
+        target = functools.reduce(getattr, qualname.split("."), importlib.import_module(module))
+        assert call in inspect.getsource(target), f"{qualname} no longer calls {call} ({why}): drop {label}"
+        return
+    release = f"rb{secrets.token_hex(3)}"
+    inst = install(without(render_rbac(release, namespace), role, index, verb), release=release)
+    run = scenario(inst)
+    with pytest.raises(Refused) as refused:
+        run.run()
+    print(f"without {role} rule {index} verb {verb}: {refused.value}")
+
+
+# --- what nobody may do, and what people may do -------------------------------------------------------------
+def can_i(cluster: LocalCluster, kubeconfig: Path | None, *args: str, as_user: str | None = None) -> bool:
+    """`kubectl auth can-i` as the holder of `kubeconfig` (a real ServiceAccount token) or as `as_user`."""
+    result = cluster.kubectl("auth", "can-i", *args, kubeconfig=kubeconfig, as_user=as_user, check=False)
+    return result.stdout.strip() == "yes"
+
+
+def test_the_agent_cannot_delete_read_secrets_or_escalate(
+    install: Callable[..., Install], cluster: LocalCluster, namespace: str
+) -> None:
+    inst = install()
+    agent = inst.kubeconfig("agent")
+    # what it needs, so the refusals below are about rights and not a broken token
+    for needed in (
+        ("create", "retainedsandboxes.sandkeep.io", "-n", namespace),
+        ("patch", "retainedsandboxes.sandkeep.io", "-n", namespace),
+        ("list", "pods", "--all-namespaces"),
+        ("update", "leases.coordination.k8s.io", "-n", namespace),
+    ):
+        assert can_i(cluster, agent, *needed), f"the agent cannot {needed}"
+    for refused in (
+        ("delete", "retainedsandboxes.sandkeep.io", "-n", namespace),
+        ("deletecollection", "retainedsandboxes.sandkeep.io", "-n", namespace),
+        ("delete", "pods", "-n", namespace),
+        ("delete", "leases.coordination.k8s.io", "-n", namespace),
+        ("delete", "namespaces"),
+        ("delete", "nodes"),
+        ("get", "secrets", "-n", namespace),
+        ("list", "secrets", "--all-namespaces"),
+        ("get", "configmaps", "-n", namespace),
+        ("create", "pods", "-n", namespace),
+        ("patch", "nodes"),
+        ("create", "rolebindings.rbac.authorization.k8s.io", "-n", namespace),
+        ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+        ("escalate", "clusterroles.rbac.authorization.k8s.io"),
+        ("bind", "clusterroles.rbac.authorization.k8s.io"),
+        ("impersonate", "users"),
+        ("create", "serviceaccounts/token", "-n", namespace),
+        ("patch", "sandboxpolicies.sandkeep.io", "-n", namespace),
+    ):
+        assert not can_i(cluster, agent, *refused), f"the agent can {refused}"
+    # and the API server really refuses, not only the review
+    cluster.kubectl("create", "configmap", "not-yours", "-n", namespace)
+    result = cluster.kubectl("delete", "configmap", "not-yours", "-n", namespace, kubeconfig=agent, check=False)
+    assert result.returncode != 0 and "forbidden" in result.stderr
+    result = cluster.kubectl("get", "secrets", "-n", namespace, kubeconfig=agent, check=False)
+    assert result.returncode != 0 and "forbidden" in result.stderr
+
+
+def test_the_controller_cannot_create_sandboxes_read_secrets_or_escalate(
+    install: Callable[..., Install], cluster: LocalCluster, namespace: str
+) -> None:
+    controller = install().kubeconfig("controller")
+    assert can_i(cluster, controller, "delete", "retainedsandboxes.sandkeep.io", "-n", namespace)
+    for refused in (
+        ("create", "retainedsandboxes.sandkeep.io", "-n", namespace),  # adoption is the agent's
+        ("get", "secrets", "-n", namespace),
+        ("delete", "pods", "-n", namespace),
+        ("update", "leases.coordination.k8s.io/sandkeep-agent-node-a", "-n", namespace),  # not its heartbeat
+        ("create", "rolebindings.rbac.authorization.k8s.io", "-n", namespace),
+        ("escalate", "clusterroles.rbac.authorization.k8s.io"),
+        ("patch", "sandboxpolicies.sandkeep.io", "-n", namespace),
+    ):
+        assert not can_i(cluster, controller, *refused), f"the controller can {refused}"
+
+
+def aggregate_by_hand(cluster: LocalCluster, name: str) -> None:
+    """Do what kube-controller-manager's clusterrole-aggregation controller does (it does not run here):
+    set the rules of ClusterRole `name` to the rules of every ClusterRole its aggregationRule selects."""
+    role = cluster.kubectl_json("get", "clusterrole", name)
+    rules: list[Any] = []
+    for selector in role["aggregationRule"]["clusterRoleSelectors"]:
+        labels = ",".join(f"{k}={v}" for k, v in selector["matchLabels"].items())
+        for source in sorted(cluster.kubectl_json("get", "clusterroles", "-l", labels)["items"], key=_name):
+            rules += [r for r in source.get("rules") or [] if r not in rules]
+    cluster.kubectl("patch", "clusterrole", name, "--type=merge", "-p", json.dumps({"rules": rules}))
+
+
+def _name(obj: dict[str, Any]) -> str:
+    name: str = obj["metadata"]["name"]
+    return name
+
+
+@pytest.fixture
+def other_namespace(cluster: LocalCluster) -> Iterator[str]:
+    name = f"t-other-{secrets.token_hex(3)}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def test_a_namespace_editor_can_pin_in_their_namespace_and_not_in_another(
+    install: Callable[..., Install], cluster: LocalCluster, namespace: str, other_namespace: str
+) -> None:
+    # The chart's -view and -edit ClusterRoles reach people through the built-in view/edit/admin roles
+    # (aggregation, done by hand here in the order the roles nest: view into edit, edit into admin).
+    install()
+    for role in ("view", "edit", "admin"):
+        aggregate_by_hand(cluster, role)
+    editor, viewer = f"alice-{secrets.token_hex(2)}", f"bob-{secrets.token_hex(2)}"
+    cluster.kubectl("create", "rolebinding", "alice-edits", "--clusterrole=edit", f"--user={editor}", "-n", namespace)
+    cluster.kubectl("create", "rolebinding", "bob-views", "--clusterrole=view", f"--user={viewer}", "-n", namespace)
+    for ns in (namespace, other_namespace):
+        body = {
+            "apiVersion": c.API_VERSION, "kind": c.SANDBOX_KIND, "metadata": {"name": "run-42", "namespace": ns},
+            "spec": {"nodeName": "node-a", "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
+        }  # fmt: skip
+        cluster.kubectl("create", "-f", "-", input=json.dumps(body))
+
+    def kubectl_as(user: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return cluster.kubectl(*args, as_user=user, check=False)
+
+    pin = ("annotate", "rsb", "run-42", f"{c.ANN_PIN_FOR}=72h")
+    assert kubectl_as(editor, *pin, "-n", namespace).returncode == 0
+    assert cluster.kubectl_json("get", "rsb", "run-42", "-n", namespace)["metadata"]["annotations"][c.ANN_PIN_FOR]
+    refused = kubectl_as(editor, *pin, "-n", other_namespace)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr
+    assert kubectl_as(editor, "annotate", "rsb", "run-42", f"{c.ANN_PIN_FOR}-", "-n", namespace).returncode == 0
+    status = kubectl_as(
+        editor, "patch", "rsb", "run-42", "-n", namespace, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": {"phase": "Pinned"}}),
+    )  # fmt: skip
+    assert status.returncode != 0 and "forbidden" in status.stderr, "status is the components' alone"
+    # a viewer lists and reads, and cannot pin
+    assert "run-42" in kubectl_as(viewer, "get", "rsb", "-n", namespace).stdout
+    assert kubectl_as(viewer, "get", "sandboxpolicies", "-n", namespace).returncode == 0
+    viewer_pin = kubectl_as(viewer, *pin, "-n", namespace)
+    assert viewer_pin.returncode != 0 and "forbidden" in viewer_pin.stderr
+    assert kubectl_as(viewer, "get", "rsb", "-n", other_namespace).returncode != 0
+    # the editor may delete one now, in their namespace only
+    assert kubectl_as(editor, "delete", "rsb", "run-42", "-n", other_namespace).returncode != 0
+    assert kubectl_as(editor, "delete", "rsb", "run-42", "-n", namespace, "--wait=false").returncode == 0
