@@ -47,6 +47,7 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 Kill = Callable[[int, int], None]
+EXEC_KILL: list[Kill] = [os.kill]  # how `sandkeep exec` signals orphans; a test swaps it to make a survivor
 
 
 @dataclass(frozen=True)
@@ -479,7 +480,7 @@ def run(command: str, args: argparse.Namespace) -> int:
             "run `sandkeep ls` to see the sandboxes of this root"
         )
         return EXIT_USAGE
-    reaped = reap_orphans(sandbox, timeout=timeout.total_seconds())
+    reaped = reap_orphans(sandbox, timeout=timeout.total_seconds(), kill=EXEC_KILL[0])
     if reaped.signalled:
         logs.say(log, "orphans_reaped", reason=Reason.ORPHAN_REAPED, sandbox=f"{ns}/{name}", signalled=reaped.signalled)
     if reaped.survivors:

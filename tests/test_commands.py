@@ -223,3 +223,29 @@ def test_exec_reaps_what_a_killed_exec_left_before_starting(sandbox, pids):
     assert second.wait(timeout=30) == 0
     assert not any(_alive(pid) for pid in left)
     assert _records(box) == []
+
+
+def test_exec_refuses_to_start_beside_a_survivor_and_names_it(sandbox, pids, monkeypatch, capsys):
+    import argparse
+
+    from controller import commands
+
+    root, box = sandbox
+    victim = subprocess.Popen(["sleep", "309"], start_new_session=True)
+    pids.append(victim.pid)
+    _write_record(
+        box,
+        f"{victim.pid}-1.json",
+        {"boot": boot_id(), "leader": {"pid": victim.pid, "start": _start_ticks(victim.pid)}, "members": []},
+    )
+    monkeypatch.setattr(commands, "EXEC_KILL", [lambda target, sig: None])  # SIGKILL that does not kill
+    marker = box / "workspace" / "ran"
+    args = argparse.Namespace(
+        rest=["ns/box", "--root", str(root), "--orphan-timeout", "1s", "--", "touch", str(marker)],
+        root=None,
+        orphan_timeout="10s",
+    )
+    assert commands.run("exec", args) == commands.EXIT_HELD
+    err = capsys.readouterr().err
+    assert "refused to start" in err and f"pid {victim.pid} (sleep 309)" in err and f"kill -9 {victim.pid}" in err
+    assert not marker.exists()
