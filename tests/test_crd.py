@@ -153,3 +153,11 @@ def test_crd_files_are_the_ones_installed(crds: LocalCluster) -> None:
     served = crds.kubectl_json("get", "crd", f"{c.SANDBOX_PLURAL}.{c.GROUP}")
     assert served["spec"]["names"]["shortNames"] == [c.SANDBOX_SHORT]
     assert served["spec"]["versions"][0]["selectableFields"] == [{"jsonPath": ".spec.nodeName"}]
+
+
+def test_created_at_is_immutable_so_nobody_stretches_the_window(crds: LocalCluster, namespace: str) -> None:
+    create(crds, namespace, {"metadata": {"name": "aged"}, "spec": {"nodeName": "n1", "createdAt": instant()}})
+    with pytest.raises(KubectlError) as refused:
+        patch = '{"spec":{"createdAt":"2099-01-01T00:00:00Z"}}'
+        crds.kubectl("patch", "rsb", "aged", "-n", namespace, "--type=merge", "-p", patch)
+    assert "spec.createdAt is immutable" in str(refused.value)
