@@ -209,6 +209,7 @@ def test_alert_labels_are_added_to_every_alert(tools: Path) -> None:
         ("monitoring.enabeld=true", "enabeld"),
         ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
         ("settings.dryRun=maybe", "/settings/dryRun"),
+        ("agent.appArmorProfile.type=Localhost", "localhostProfile"),
     ],
 )
 def test_a_wrong_value_fails_at_template_time(tools: Path, value: str, complaint: str) -> None:
@@ -255,6 +256,7 @@ def test_agent_drops_every_capability_and_adds_back_only_four_each_justified(too
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert sorted(sc["capabilities"]["add"]) == ["DAC_OVERRIDE", "FOWNER", "KILL", "SYS_PTRACE"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False and not sc["privileged"]
+    assert sc["appArmorProfile"] == {"type": "Unconfined"}  # the default profile hides other processes' /proc
     node_env = next(e for e in container["env"] if e["name"] == "NODE_NAME")
     assert node_env["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert "--node=$(NODE_NAME)" in container["args"]
