@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
@@ -413,6 +412,7 @@ class Reconciler:
 
     async def scheduler(self) -> None:
         """The one timer: sleeps until the earliest deadline in the heap, then queues the keys that are due."""
+        loop = asyncio.get_running_loop()
         while True:
             now = time.time()
             while self._heap and self._heap[0][0] <= now:
@@ -420,10 +420,13 @@ class Reconciler:
                 if self._next_wake.get(key) == ts:
                     del self._next_wake[key]
                     self.enqueue(key, priority=0)
-            timeout = self._heap[0][0] - now if self._heap else None
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            # A timer callback, not wait_for: wait_for spawns a task per sleep, and kopf's shutdown waits
+            # 5 s for every task it did not start.
+            timer = loop.call_later(self._heap[0][0] - now, self._wake.set) if self._heap else None
+            await self._wake.wait()
+            if timer is not None:
+                timer.cancel()
 
     async def worker(self) -> None:
         while True:
@@ -487,7 +490,7 @@ class Reconciler:
         decision = decide(obj, self.context(obj, now), now)
         if decision.node_lost and (obj.get("status") or {}).get("phase") != Phase.LOST:
             node = obj["spec"]["nodeName"]
-            if await asyncio.to_thread(self.kube.get_node, node) is not None:  # confirm before declaring Lost
+            if await self._node_exists(node):  # confirm with a fresh read before declaring Lost
                 self.view.nodes.add(node)
                 self.view.node_gone_since.pop(node, None)
                 decision = decide(obj, self.context(obj, now), now)
@@ -599,7 +602,7 @@ class Reconciler:
             self.wake_at(key_of(obj), lost_at)
             return
         node = obj["spec"]["nodeName"]
-        if await asyncio.to_thread(self.kube.get_node, node) is not None:
+        if await self._node_exists(node):
             self.view.nodes.add(node)
             self.view.node_gone_since.pop(node, None)
             return
@@ -618,6 +621,17 @@ class Reconciler:
         )
         self._post(released, Reason.FINALIZER_REMOVED, message, "Warning")
         logs.say(log, "finalizer_removed", reason=Reason.LOST, object="/".join(key_of(obj)), node=node)
+
+    async def _node_exists(self, node: str) -> bool:
+        """A fresh read of the Node; a controller not allowed to read Nodes never declares one gone."""
+        try:
+            return await asyncio.to_thread(self.kube.get_node, node) is not None
+        except KubeError as err:
+            if err.status in (401, 403):
+                logs.say(log, "node_unreadable", level=logging.WARNING, reason=Reason.NODE_GONE, node=node,
+                         error=err.message[:200], hint="grant get/list/watch on nodes")  # fmt: skip
+                return True
+            raise
 
     def _post(self, obj: Obj, reason: Reason, message: str, type_: str) -> None:
         """Post an Event in the background: Events report decisions, they never delay them."""
