@@ -453,3 +453,20 @@ def test_a_standby_takes_over_within_30s_of_the_leader_being_killed(kube: Kube, 
     assert took < 30, took
     assert "leader_elected" in second.log()
     print(f"failover took {took:.1f}s")
+
+
+def test_an_expired_sandbox_the_agent_sees_in_use_is_held_until_released(
+    kube: Kube, namespace: str, start: Any
+) -> None:
+    from controller.kube import AGENT_MANAGER
+
+    start("--retention=3s")
+    obj = kube.create_sandbox(namespace, sandbox("busy"))
+    kube.apply_status(obj, {"inUse": True, "heldBy": ["pid 4242 (cwd)"]}, AGENT_MANAGER)
+    status = phase_is(kube, namespace, "busy", c.Phase.HELD)
+    assert status["inUse"] is True and status["heldBy"] == ["pid 4242 (cwd)"], "the agent's fields were kept"
+    wait_for("a Held event", lambda: c.Reason.HELD in reasons_for(kube, namespace, "busy"))
+    time.sleep(1)
+    assert not gone(kube, namespace, "busy")
+    kube.apply_status(obj, {"inUse": False}, AGENT_MANAGER)
+    wait_for("the released sandbox to be deleted", lambda: gone(kube, namespace, "busy"))
