@@ -253,6 +253,31 @@ class Kube:
             raise
         return result
 
+    def add_finalizer(self, obj: Obj, finalizer: str = c.FINALIZER) -> Obj:
+        """Add one finalizer (no-op when present), guarded by resourceVersion like every metadata write."""
+        meta = obj["metadata"]
+        finalizers = list(meta.get("finalizers") or [])
+        if finalizer in finalizers:
+            return obj
+        add = (
+            {"op": "add", "path": "/metadata/finalizers/-", "value": finalizer}
+            if finalizers
+            else {"op": "add", "path": "/metadata/finalizers", "value": [finalizer]}
+        )
+        ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}, add]
+        try:
+            result: Obj = self.request(
+                "PATCH",
+                sandbox_path(meta["namespace"], meta["name"]),
+                body=ops,
+                content_type="application/json-patch+json",
+            )
+        except KubeError as err:
+            if err.status == 422:
+                raise KubeError(409, err.message) from err
+            raise
+        return result
+
     # --- policies and nodes --------------------------------------------------------------------------------
     def list_policies(self, namespace: str | None = None) -> list[Obj]:
         items: list[Obj] = self.request("GET", policy_path(namespace)).get("items", [])

@@ -84,10 +84,16 @@ def test_stale_patches_and_deletes_get_409(kube: Kube, namespace: str) -> None:
     assert kube.get_sandbox(namespace, "guarded") is None
 
 
-def test_remove_finalizer_is_guarded_and_keeps_others(kube: Kube, namespace: str) -> None:
+def test_finalizers_are_added_and_removed_guarded_keeping_others(kube: Kube, namespace: str) -> None:
     body = sandbox("final")
-    body["metadata"]["finalizers"] = ["example.com/other", c.FINALIZER]
-    obj = kube.create_sandbox(namespace, body)
+    body["metadata"]["finalizers"] = ["example.com/other"]
+    created = kube.create_sandbox(namespace, body)
+    obj = kube.add_finalizer(created)
+    assert obj["metadata"]["finalizers"] == ["example.com/other", c.FINALIZER]
+    assert kube.add_finalizer(obj) is obj
+    with pytest.raises(KubeError) as stale_add:
+        kube.add_finalizer(created, "example.com/third")
+    assert stale_add.value.conflict
     moved = kube.patch_annotations(obj, {"note": "x"})
     with pytest.raises(KubeError) as stale:
         kube.remove_finalizer(obj)
