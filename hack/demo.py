@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -113,8 +114,9 @@ class Demo:
     def ok(self, text: str) -> None:
         print(f"    ok [{self.elapsed()}]: {text}", flush=True)
 
-    def show(self, title: str, text: str) -> None:
-        print(f"    $ {_short_paths(title, self)}")
+    def show(self, title: str, text: str, *, command: bool = True) -> None:
+        """A command (`$ ...`) or a labelled excerpt (`# ...`) and its output, indented under the step."""
+        print(f"    {'$' if command else '#'} {_short_paths(title, self)}")
         for line in _short_paths(text, self).rstrip("\n").splitlines():
             print(f"      {line}")
         sys.stdout.flush()
@@ -124,7 +126,7 @@ class Demo:
         """The real kubectl against the demo's API server; `show` prints the command and its output."""
         result = self.cluster.kubectl(*args, check=check)
         if show:
-            self.show("kubectl " + " ".join(args), result.stdout + result.stderr)
+            self.show("kubectl " + shlex.join(args), result.stdout + result.stderr)
         return result.stdout
 
     def run_sandkeep(self, *args: str, show: bool = True, ok_codes: Sequence[int] = (0,)) -> str:
@@ -471,10 +473,7 @@ def pin(demo: Demo) -> None:
     demo.kubectl("get", "rsb", "build-1043", "-n", NAMESPACE, "-o", columns, show=True)
     obj = demo.sandbox_obj("build-1043") or {}
     ann = obj["metadata"].get("annotations") or {}
-    demo.show(
-        "kubectl get rsb build-1043 -n demo -o jsonpath='{.metadata.annotations}'",
-        json.dumps({k: v for k, v in ann.items() if k.startswith(c.GROUP)}, indent=2),
-    )
+    demo.kubectl("get", "rsb", "build-1043", "-n", NAMESPACE, "-o", "jsonpath={.metadata.annotations}", show=True)
     if c.ANN_PIN_FOR in ann or c.ANN_PIN_UNTIL not in ann:
         raise DemoFailed(f"pin-for should have become pin-until, annotations are {ann}")
     demo.ok(f"deadline moved from {before} to {obj['status']['deadline']} (source: pin)")
@@ -496,10 +495,10 @@ def hold_in_use(demo: Demo) -> Proc:
         lambda: (o := demo.sandbox_obj("agent-run-17")) and o.get("status", {}).get("inUse") and o,
         timeout=30,
     )
-    demo.show(
-        "kubectl get rsb agent-run-17 -n demo -o jsonpath='{.status.inUse} {.status.heldBy}'",
-        f"{obj['status']['inUse']} {json.dumps(obj['status'].get('heldBy'))}",
-    )
+    demo.kubectl("get", "rsb", "agent-run-17", "-n", NAMESPACE, "-o", "jsonpath={.status.inUse} {.status.heldBy}",
+                 show=True)  # fmt: skip
+    if f"pid {sleeper.popen.pid} " not in " ".join(obj["status"].get("heldBy") or []):
+        raise DemoFailed(f"agent-run-17 should be held by pid {sleeper.popen.pid}, status says {obj['status']}")
     demo.ok(f"agent on node-b reports agent-run-17 in use by pid {sleeper.popen.pid}")
     return sleeper
 
@@ -525,18 +524,19 @@ def orphan(demo: Demo) -> list[tuple[int, int]]:
     )
     commands_dir = root / NAMESPACE / "agent-run-18" / c.COMMANDS_DIR
 
-    def recorded() -> list[tuple[int, int]] | None:
+    def recorded() -> tuple[str, list[tuple[int, int]]] | None:
         for record in commands_dir.glob("*.json"):
-            with contextlib.suppress(ValueError, OSError):
-                body = json.loads(record.read_text())
+            with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+                text = record.read_text()
+                body = json.loads(text)
                 marks = [body["leader"], *body.get("members", [])]
                 if len(marks) >= 3:  # the shell and both sleeps
-                    return [(int(m["pid"]), int(m["start"])) for m in marks]
+                    return text, [(int(m["pid"]), int(m["start"])) for m in marks]
         return None
 
-    marks = demo.wait("the command's three processes to be recorded", recorded, timeout=20)
+    text, marks = demo.wait("the command's three processes to be recorded", recorded, timeout=20)
     demo.extra_pids.extend(marks)
-    demo.show(f"cat $DEMO/node-b-root/demo/agent-run-18/{c.COMMANDS_DIR}/*.json", json.dumps(recorded()))
+    demo.show(f"cat $DEMO/node-b-root/demo/agent-run-18/{c.COMMANDS_DIR}/*.json", text)
     demo.stop(next(p for p in demo.procs if p is recorder), signal.SIGKILL)
     demo.procs.remove(recorder)
     # stop() signals the group the recorder leads; the command runs in a session of its own and lives on
@@ -604,16 +604,15 @@ def stuck(demo: Demo) -> None:
     cond = next((x for x in obj.get("status", {}).get("conditions", []) if x["type"] == "TombstoneStuck"), None)
     if cond is None:
         raise DemoFailed("build-1044 is Stuck but has no TombstoneStuck condition")
-    demo.show(
-        "kubectl get rsb build-1044 -n demo -o jsonpath='{.status.conditions[?(@.type==\"TombstoneStuck\")]}'",
-        _short_paths(json.dumps({k: cond[k] for k in ("type", "status", "reason", "message")}, indent=2), demo),
-    )
+    stuck_message = 'jsonpath={.status.phase}: {.status.conditions[?(@.type=="TombstoneStuck")].message}'
+    demo.kubectl("get", "rsb", "build-1044", "-n", NAMESPACE, "-o", stuck_message, show=True)
     lines = demo.wait(
         "the agent on node-b to export a stuck tombstone",
         lambda: stuck_lines_when(demo, "node-b", lambda stuck: stuck >= 1),
         timeout=30,
     )
-    demo.show("curl -s http://127.0.0.1:<agent node-b>/metrics | grep stuck", "\n".join(lines))
+    demo.show(f"curl -s http://127.0.0.1:{demo.metrics_ports['node-b']}/metrics | grep '^sandkeep_.*stuck'",
+              "\n".join(lines))  # fmt: skip
     out = demo.run_sandkeep("doctor", f"--kubeconfig={demo.cluster.kubeconfig}", show=False, ok_codes=(1,))
     demo.show("sandkeep doctor", _short_paths(out, demo))
     if "build-1044" not in out.split("Held sandboxes")[0]:
@@ -642,7 +641,8 @@ def recover(demo: Demo) -> None:
         lambda: stuck_lines_when(demo, "node-b", lambda stuck: stuck == 0),
         timeout=20,
     )
-    demo.show("curl -s http://127.0.0.1:<agent node-b>/metrics | grep stuck", "\n".join(lines))
+    demo.show(f"curl -s http://127.0.0.1:{demo.metrics_ports['node-b']}/metrics | grep '^sandkeep_.*stuck'",
+              "\n".join(lines))  # fmt: skip
     demo.ok("build-1044 deleted; no stuck tombstone left on node-b")
 
 
@@ -676,7 +676,8 @@ def reap(demo: Demo, marks: list[tuple[int, int]]) -> None:
     lines += [x for x in log_lines(demo.agent_log("node-b"), "deleted") if "agent-run-18" in x]
     if not lines or "orphans_reaped" not in lines[0]:
         raise DemoFailed("the agent on node-b should have logged orphans_reaped for agent-run-18")
-    demo.show("grep agent-run-18 <agent node-b log>", "\n".join(lines))
+    demo.show("the agent's log on node-b, its decisions about agent-run-18 (timestamps cut):", "\n".join(lines),
+              command=False)  # fmt: skip
     demo.ok(f"orphans {' '.join(str(p) for p, _ in marks)} killed, then agent-run-18 deleted")
 
 
