@@ -438,7 +438,12 @@ class Agent:
                 await self.process(key)
             except Exception as err:
                 logs.say(
-                    log, "process_failed", level=logging.ERROR, reason=Reason.CONFLICT, object=key, error=repr(err)
+                    log,
+                    "process_failed",
+                    level=logging.ERROR,
+                    reason=Reason.CONFLICT,
+                    object="/".join(key),
+                    error=repr(err),
                 )
                 self._later(key)
 
@@ -467,7 +472,14 @@ class Agent:
         try:
             await self.process(key)
         except Exception as err:
-            logs.say(log, "process_failed", level=logging.ERROR, reason=Reason.CONFLICT, object=key, error=repr(err))
+            logs.say(
+                log,
+                "process_failed",
+                level=logging.ERROR,
+                reason=Reason.CONFLICT,
+                object="/".join(key),
+                error=repr(err),
+            )
             self._later(key)
 
     async def _each(self, keys: list[Key], fn: Callable[[Key], Any], limit: int = PARALLEL) -> None:
@@ -743,7 +755,9 @@ class Agent:
                 tomb = await asyncio.to_thread(self.root.tombstone, *key, id=uid, now=datetime.now(UTC))
             except StoreError as err:
                 self.m.deletion_failures.labels(self.s.node, str(err.reason)).inc()
-                self._say_limited(f"rename:{uid}", "rename_failed", reason=err.reason, object=key, error=str(err))
+                self._say_limited(
+                    f"rename:{uid}", "rename_failed", reason=err.reason, object="/".join(key), error=str(err)
+                )
                 await self._apply(obj, self._deleting_status(obj, Phase.DELETING), deleting=True)
                 self._later(key)
                 return
@@ -762,7 +776,9 @@ class Agent:
         timeout = self.s.orphan_timeout.total_seconds()
         reaped = await asyncio.to_thread(commands.reap_orphans, path, timeout=timeout, kill=self.kill)
         if reaped.signalled:
-            logs.say(log, "orphans_reaped", reason=Reason.ORPHAN_REAPED, object=key, signalled=reaped.signalled)
+            logs.say(
+                log, "orphans_reaped", reason=Reason.ORPHAN_REAPED, object="/".join(key), signalled=reaped.signalled
+            )
         if reaped.survivors:
             where = f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held"
             message = commands.survivors_message(where, reaped.survivors, timeout)
@@ -776,7 +792,7 @@ class Agent:
                 f"survivors:{obj['metadata']['uid']}",
                 "deletion_held",
                 reason=Reason.ORPHAN_SURVIVOR,
-                object=key,
+                object="/".join(key),
                 survivors=" ".join(str(s.pid) for s in reaped.survivors),
             )
             self._later(key)
@@ -797,7 +813,7 @@ class Agent:
                 f"held:{obj['metadata']['uid']}",
                 "deletion_held",
                 reason=usage.reason,
-                object=key,
+                object="/".join(key),
                 holders=len(usage.holders),
             )
             self._later(key)
@@ -956,7 +972,7 @@ class Agent:
             f"restore:{tomb.name}",
             "tombstone_restored" if restored else "tombstone_held",
             reason=Reason.RESTORED if restored else Reason.TOMBSTONE_PINNED,
-            object=key,
+            object="/".join(key),
             tombstone=tomb.name,
         )
 
