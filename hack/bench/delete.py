@@ -23,13 +23,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from controller import fsdelete
 
 TICK = 0.005
+T = TypeVar("T")
 
 
 def build_tree(top: Path, files: int) -> int:
@@ -55,6 +58,16 @@ def build_tree(top: Path, files: int) -> int:
 
 async def delete_with_ticker(parent: Path, name: str) -> tuple[float, float, fsdelete.DeleteResult]:
     """sandkeep's async delete with a ticker beside it: (seconds, longest stall in seconds, result)."""
+    return await _ticking(fsdelete.delete_tree_async(parent, name))
+
+
+async def idle_stall(seconds: float) -> float:
+    """The longest stall of the same ticker with nothing else running: what the machine alone costs."""
+    _, stall, _ = await _ticking(asyncio.sleep(seconds))
+    return stall
+
+
+async def _ticking(work: Awaitable[T]) -> tuple[float, float, T]:
     stall = 0.0
     done = asyncio.Event()
 
@@ -70,11 +83,15 @@ async def delete_with_ticker(parent: Path, name: str) -> tuple[float, float, fsd
     tick = asyncio.create_task(ticker())
     await asyncio.sleep(0)
     start = time.perf_counter()
-    result = await fsdelete.delete_tree_async(parent, name)
+    result = await work
     seconds = time.perf_counter() - start
     done.set()
     await tick
     return seconds, stall, result
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def rm_rf(path: Path) -> float:
@@ -93,6 +110,7 @@ def main() -> int:
     rm_rates: list[float] = []
     sk_rates: list[float] = []
     stalls: list[float] = []
+    idles: list[float] = []
     try:
         for r in range(args.rounds):
             a, b = base / f"rm-{r}", base / f"sk-{r}"
@@ -110,9 +128,10 @@ def main() -> int:
                         return 1
                     sk_rates.append(n / seconds)
                     stalls.append(stall)
+                    idles.append(asyncio.run(idle_stall(min(seconds, 10.0))))
             print(
                 f"round {r + 1}: rm -rf {rm_rates[-1]:,.0f} files/s, sandkeep {sk_rates[-1]:,.0f} files/s, "
-                f"stall {stalls[-1] * 1000:.1f} ms",
+                f"stall {stalls[-1] * 1000:.1f} ms (idle ticker alone: {idles[-1] * 1000:.1f} ms), load {_load()}",
                 flush=True,
             )
     finally:
@@ -123,6 +142,7 @@ def main() -> int:
     print(f"sandkeep median: {sk_med:,.0f} files/s")
     print(f"ratio {sk_med / rm_med:.2f} (sandkeep / rm -rf; target >= 1.0)")
     print(f"longest event-loop stall: {max(stalls) * 1000:.1f} ms (target < 100 ms)")
+    print(f"longest stall of the ticker alone, same machine, same run: {max(idles) * 1000:.1f} ms")
     return 0
 
 
