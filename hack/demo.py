@@ -65,7 +65,6 @@ class Sandbox:
 
     name: str
     node: str
-    role: str  # a few words for the summary
     files: int = 3
     recorded: str | None = None  # `retain --retention`: a recorded deadline
     size: int = 0  # the last status.sizeBytes seen while it existed
@@ -83,6 +82,8 @@ class Proc:
 
 @dataclass
 class Demo:
+    """The running story: what it started (to stop it by pid), where things are, and the narration."""
+
     workdir: Path
     cluster: LocalCluster
     sandkeep: list[str]
@@ -710,12 +711,12 @@ def finale(demo: Demo) -> None:
 
 
 STORY: tuple[Sandbox, ...] = (
-    Sandbox("build-1042", "node-a", "many files, a recorded deadline", files=MANY_FILES, recorded="set by --recorded"),
-    Sandbox("build-1043", "node-a", "pinned"),
-    Sandbox("build-1045", "node-a", "plain"),
-    Sandbox("agent-run-17", "node-b", "in use"),
-    Sandbox("agent-run-18", "node-b", "orphan command"),
-    Sandbox("build-1044", "node-b", "undeletable"),
+    Sandbox("build-1042", "node-a", files=MANY_FILES, recorded="set by --recorded"),  # goes first, by its own deadline
+    Sandbox("build-1043", "node-a"),  # pinned for an hour: kept
+    Sandbox("build-1045", "node-a"),  # plain: deleted when the window closes
+    Sandbox("agent-run-17", "node-b"),  # in use by a live process: held, deleted after it exits
+    Sandbox("agent-run-18", "node-b"),  # an orphan command: held, reaped, then deleted
+    Sandbox("build-1044", "node-b"),  # an immutable file: stuck, then recovers
 )
 
 
