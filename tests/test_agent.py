@@ -447,7 +447,7 @@ def test_an_undeletable_file_makes_the_tombstone_stuck_and_it_recovers(cluster, 
 
 def test_an_agent_killed_after_the_rename_and_mid_delete_is_finished_by_the_next(cluster, namespace, nodes, agents):
     n1, _ = nodes
-    files = {f"d{i // 500}/f{i}": "z" for i in range(6000)}
+    files = {f"d{i // 500}/f{i}": "z" for i in range(20000)}
     path = n1.retain(namespace, "crashy", files)
     first = agents(n1, env={agent_mod.SEAM_KILL_AFTER_RENAME: "1"})
     wait_for(lambda: (get(cluster, namespace, "crashy") or {}).get("metadata", {}).get("finalizers"))
@@ -456,7 +456,7 @@ def test_an_agent_killed_after_the_rename_and_mid_delete_is_finished_by_the_next
     (tomb,) = tombstones(n1)
     assert not path.exists() and get(cluster, namespace, "crashy") is not None
 
-    second = agents(n1, env={agent_mod.SEAM_KILL_DURING_DELETE: "0.05"})
+    second = agents(n1, env={agent_mod.SEAM_KILL_DURING_DELETE: "0.01"})
     assert second.proc.wait(timeout=30) == -signal.SIGKILL
     assert tombstones(n1) == [tomb]  # the delete was cut short
     assert get(cluster, namespace, "crashy") is not None
