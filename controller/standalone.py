@@ -159,7 +159,7 @@ class Sweeper:
 
     def _decide(self, entry: str, action: str, reason: Reason, *, level: int = logging.INFO, **detail: Any) -> None:
         self._report.decisions.append(Decision(entry, action, reason, detail))
-        if level >= 0:
+        if level >= 0 and log.isEnabledFor(level):
             logs.say(log, f"sweep_{action.replace('-', '_')}", level=level, reason=reason, entry=entry, **detail)
 
     def _decide_once(self, entry: str, action: str, reason: Reason, now: datetime, **detail: Any) -> None:
