@@ -188,6 +188,8 @@ class Sweeper:
             self._stray(stray, now)
         for t in held_pinned:
             self._leftover(t, self.clock())
+        seen = {d.entry for d in self._report.decisions} | {d.detail.get("tombstone") for d in self._report.decisions}
+        self._said = {k: v for k, v in self._said.items() if k in seen}  # forget what is gone: bounded memory
         if not self.policy.dry_run:  # rmdir removes only an empty one: a namespace this pass emptied, say
             for ns in sorted({e.namespace for e in scan.sandboxes} | set(scan.empty_namespaces)):
                 self.root.remove_empty_namespace(ns)
