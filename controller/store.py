@@ -16,16 +16,22 @@ Public API (names are stable; the node agent builds on them):
   the path, what was refused, why and what to do next. `StoreError` is the base of every store failure.
 - `Root(path, *, create=True)`: `.path`, `.lock(wait=None)` (context manager; `wait` seconds, None =
   forever, 0 = once), `.sandbox_path(ns, name)`, `.retain(source, ns, name, *, job_id, created_at,
-  retention, node=None, exclude=()) -> Manifest`, `.read(ns, name) -> Read`, `.scan() -> Scan`,
+  retention, node=None, exclude=(), now=None) -> Manifest`, `.read(ns, name) -> Read`, `.scan() -> Scan`,
   `.pin(ns, name, until, *, now) -> Manifest` (`until=None` removes the pin), `.tombstone(ns, name, *, id,
   now) -> Tombstone`, `.read_tombstone(t) -> Read`, `.restore(t, ns, name) -> bool`, `.tombstones()`,
-  `.remove_stray(stray) -> bool`, `.remove_empty_namespace(ns) -> bool`, `.size(ns, name) -> int`.
+  `.delete_tombstone(t) -> fsdelete.DeleteResult` (sync; the agent awaits
+  `fsdelete.delete_tree_async(root.path, t.name)` instead), `.remove_stray(stray) -> bool`,
+  `.remove_empty_namespace(ns) -> bool`, `.size(ns, name) -> int` (allocated bytes).
+  Store failures raise `StoreError` (e.g. RENAME_FAILED with `.errno`); bad names raise ValueError.
 - Reads: `Present(manifest, text)`, `Absent(reason)`, `Unparsed(text)`, `Unreadable(errno)`,
   `Transient(errno)`, `Mismatch(manifest, text)`; each has `.reason`. `same_read(a, b)` is the
   byte-for-byte "nothing changed" test the sweep uses before acting.
 - Scan: `Scan(sandboxes: list[Entry], strays: list[Stray], tombstones: list[Tombstone], empty_namespaces)`.
 - Tombstones: `Tombstone(name, id, made_at, path)` (`.pid`, `.age(now)`), `tombstone_name(id, now)`,
-  `parse_tombstone(name)`, `standalone_id()` (`p<pid>-<hex>`: names the process that made it).
+  `parse_tombstone(name, root=None)`, `standalone_id()` (`p<pid>-<hex>`: names the process that made it;
+  a cluster uses the object's uid). `retain` stages under a tombstone name too (`p<pid>-<hex>-stage`), so a
+  crash mid-retain leaves an ordinary leftover.
+- `TRANSIENT_ERRNOS`: the errnos a read reports as `Transient` (held, read again next pass).
 
 Everything below the root is reached fd-relative with O_NOFOLLOW: a symlink planted anywhere in the tree is
 never followed to read, write, rename or delete a file elsewhere.
