@@ -168,13 +168,15 @@ def cond(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
     return None if obj is None else kube.condition_of(obj, type_)
 
 
-def make_object(cluster: Any, namespace: str, name: str, node: str) -> None:
-    body = {
+def make_object(cluster: Any, namespace: str, name: str, node: str, workspace: str | None = None) -> None:
+    body: dict[str, Any] = {
         "apiVersion": c.API_VERSION,
         "kind": c.SANDBOX_KIND,
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"nodeName": node, "createdAt": "2026-01-01T00:00:00Z"},
     }
+    if workspace is not None:
+        body["spec"]["workspace"] = {"path": workspace}
     cluster.kubectl("create", "-f", "-", input=json.dumps(body))
 
 
@@ -241,6 +243,10 @@ def test_untrusted_manifests_are_refused_and_a_missing_directory_is_reported(clu
     (liar / "manifest.json").write_text(json.dumps(body))
     n1.retain("no-such-namespace", "orphan")
     make_object(cluster, namespace, "ghost", n1.name)  # an object whose directory does not exist
+    outside = n1.root.path.parent / "outside-the-root"
+    outside.mkdir()
+    (outside / "data").write_text("not the agent's")
+    make_object(cluster, namespace, "pointer", n1.name, workspace=str(outside))  # spec points out of the root
     a = agents(n1)
 
     ghost = wait_for(
@@ -258,6 +264,10 @@ def test_untrusted_manifests_are_refused_and_a_missing_directory_is_reported(clu
 
     delete(cluster, namespace, "ghost")  # nothing on disk: the finalizer simply goes
     wait_for(lambda: get(cluster, namespace, "ghost") is None, what="ghost deleted")
+    wait_for(lambda: "spec_path_refused" in a.log() and "reason=PathOutsideRoot" in a.log())
+    delete(cluster, namespace, "pointer")  # the agent works on <root>/<ns>/pointer only, never on the spec's path
+    wait_for(lambda: get(cluster, namespace, "pointer") is None, what="pointer deleted")
+    assert (outside / "data").read_text() == "not the agent's"
 
 
 # --- deletion ------------------------------------------------------------------------------------------
@@ -379,6 +389,35 @@ class InProcessAgent:
         assert self.stop_event is not None
         self.loop.call_soon_threadsafe(self.stop_event.set)
         self.thread.join(timeout=30)
+
+
+def test_a_pod_on_the_node_with_a_hostpath_inside_holds_deletion(cluster, namespace, nodes, agents):
+    n1, n2 = nodes
+    path = n1.retain(namespace, "mounted")
+    other = n2.retain(namespace, "elsewhere-mounted")
+
+    def pod(name: str, node: Node, host_path: Path) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "nodeName": node.name, "automountServiceAccountToken": False,
+                "containers": [{"name": "c", "image": "busybox", "volumeMounts": [{"name": "w", "mountPath": "/w"}]}],
+                "volumes": [{"name": "w", "hostPath": {"path": str(host_path)}}],
+            },
+        }  # fmt: skip
+
+    cluster.apply(pod("runner", n1, path / "workspace"))
+    cluster.apply(pod("not-here", n2, path))  # another node's Pod: the same path there is another disk
+    agents(n1)
+    wait_for(lambda: (get(cluster, namespace, "mounted") or {}).get("metadata", {}).get("finalizers"))
+    delete(cluster, namespace, "mounted")
+    held = wait_for(lambda: (o := get(cluster, namespace, "mounted")) and o["status"].get("phase") == "Held" and o)
+    assert held["status"]["heldBy"] == [f"pod {namespace}/runner hostPath {path / 'workspace'}"]
+    assert (cond(held, "InUse") or {}).get("reason") == "PodMount"
+    assert path.is_dir()
+    cluster.kubectl("delete", "pod", "runner", "-n", namespace, "--grace-period=0", "--force")
+    wait_for(lambda: get(cluster, namespace, "mounted") is None, what="deleted once the Pod is gone")
+    assert other.is_dir()
 
 
 def test_a_survivor_holds_deletion_with_a_clear_condition(cluster, namespace, nodes, procs):
@@ -513,12 +552,17 @@ def test_a_symlink_inside_a_sandbox_pointing_outside_the_root_is_never_followed(
     path = n1.retain(namespace, "linky")
     (path / "workspace" / "escape").symlink_to(outside)
     (path / "workspace" / "escape-file").symlink_to(outside / "keep.txt")
+    (n1.root.path / namespace / "evil").symlink_to(outside)  # a sandbox name that is a link out of the root
+    make_object(cluster, namespace, "evil", n1.name)
     agents(n1)
     wait_for(lambda: (get(cluster, namespace, "linky") or {}).get("metadata", {}).get("finalizers"))
+    wait_for(lambda: (get(cluster, namespace, "evil") or {}).get("metadata", {}).get("finalizers"))
     delete(cluster, namespace, "linky")
-    wait_for(lambda: get(cluster, namespace, "linky") is None)
+    delete(cluster, namespace, "evil")
+    wait_for(lambda: get(cluster, namespace, "linky") is None and get(cluster, namespace, "evil") is None)
     assert (outside / "keep.txt").read_text() == "keep me"
     assert not path.exists()
+    assert (n1.root.path / namespace / "evil").is_symlink()  # never followed, never renamed: only reported
 
 
 def test_a_second_agent_on_the_same_root_waits_for_the_lock(cluster, namespace, nodes, agents):
