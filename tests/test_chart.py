@@ -158,6 +158,8 @@ def test_defaults_render_every_component(tools: Path) -> None:
         "Service/sk-sandkeep-controller-metrics",
         "ServiceAccount/sk-sandkeep-agent",
         "ServiceAccount/sk-sandkeep-controller",
+        "ValidatingAdmissionPolicy/sk-sandkeep-agent-node-scope",
+        "ValidatingAdmissionPolicyBinding/sk-sandkeep-agent-node-scope",
     ]
     deployment = find(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 2
@@ -314,6 +316,14 @@ def test_agent_role_cannot_delete_read_secrets_or_grant(tools: Path) -> None:
         assert "secrets" not in rule["resources"] and "*" not in rule["resources"]
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
         assert "rbac.authorization.k8s.io" not in rule["apiGroups"]
+
+
+def test_agent_node_scope_policy_uses_the_contracts_lease_prefix(tools: Path) -> None:
+    policy = find(objects(render(tools)), "ValidatingAdmissionPolicy")
+    lease_rule = next(v["expression"] for v in policy["spec"]["validations"] if "coordination" in v["expression"])
+    assert f"'{c.AGENT_LEASE_PREFIX}' + variables.node" in lease_rule
+    agent = "system:serviceaccount:sandkeep:sk-sandkeep-agent"
+    assert policy["spec"]["matchConditions"][0]["expression"] == f'request.userInfo.username == "{agent}"'
 
 
 def test_aggregated_roles_carry_the_aggregation_labels(tools: Path) -> None:

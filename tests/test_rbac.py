@@ -40,7 +40,10 @@ from controller.store import Root
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "sandkeep"
-RBAC_TEMPLATES = ("serviceaccounts.yaml", "rbac-controller.yaml", "rbac-agent.yaml", "rbac-aggregate.yaml")
+RBAC_TEMPLATES = (
+    "serviceaccounts.yaml", "rbac-controller.yaml", "rbac-agent.yaml", "rbac-aggregate.yaml", "agent-node-scope.yaml",
+)  # fmt: skip
+CLUSTER_SCOPED = ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 STEP_TIMEOUT = 30.0
 # A request refused by authorization, as the components log it (KubeError text, kopf's messages). A refusal
 # for a namespace being deleted is a 403 too, but not an RBAC one (leftovers of other tests on this cluster).
@@ -112,7 +115,7 @@ class Install:
 
     def remove(self) -> None:
         for doc in self.docs:
-            if doc["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            if doc["kind"] in CLUSTER_SCOPED:
                 self.cluster.kubectl("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)
 
     def sa(self, component: str) -> str:
@@ -125,6 +128,24 @@ class Install:
         """A kubeconfig with a real token of the component's ServiceAccount (TokenRequest)."""
         token = self.cluster.token_for(self.namespace, self.sa(component))
         return self.cluster.kubeconfig_for_token(token, self.dir / f"{component}.kubeconfig")
+
+    def agent_kubeconfig(self, node: str) -> Path:
+        """A kubeconfig with the token a real agent pod on `node` gets: bound to a Pod of the DaemonSet's
+        ServiceAccount scheduled there, so the API server records the node in it (no kubelet runs the Pod)."""
+        pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"agent-{node}", "namespace": self.namespace},
+            "spec": {
+                "nodeName": node, "serviceAccountName": self.sa("agent"),
+                "containers": [{"name": "agent", "image": "sandkeep:test"}],
+            },
+        }  # fmt: skip
+        self.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        token = self.cluster.kubectl(
+            "create", "token", self.sa("agent"), "-n", self.namespace, "--bound-object-kind=Pod",
+            f"--bound-object-name=agent-{node}", "--duration=1h",
+        ).stdout.strip()  # fmt: skip
+        return self.cluster.kubeconfig_for_token(token, self.dir / f"agent-{node}.kubeconfig")
 
 
 @pytest.fixture
@@ -253,7 +274,7 @@ class Scenario:
     def start(self) -> None:
         agent_args = [
             "agent", f"--node={self.node}", f"--root={self.tmp / 'root'}", f"--namespace={self.ns}",
-            f"--kubeconfig={self.inst.kubeconfig('agent')}", "--metrics-port=0", "--scan-interval=1s",
+            f"--kubeconfig={self.inst.agent_kubeconfig(self.node)}", "--metrics-port=0", "--scan-interval=1s",
             "--orphan-timeout=2s", *(f"--ignore-pid={pid}" for pid in uninspectable_pids()),
         ]  # fmt: skip
         controller_args = [
@@ -510,3 +531,46 @@ def test_a_namespace_editor_can_pin_in_their_namespace_and_not_in_another(
     # the editor may delete one now, in their namespace only
     assert kubectl_as(editor, "delete", "rsb", "run-42", "-n", other_namespace).returncode != 0
     assert kubectl_as(editor, "delete", "rsb", "run-42", "-n", namespace, "--wait=false").returncode == 0
+
+
+def test_an_agent_writes_only_its_own_nodes_sandboxes_and_heartbeat(
+    install: Callable[..., Install], cluster: LocalCluster, namespace: str
+) -> None:
+    # RBAC lets the agent write any RetainedSandbox and any Lease of the lease namespace; the chart's
+    # ValidatingAdmissionPolicy narrows that to its own node, read from its pod-bound token.
+    inst = install()
+    mine, other = f"scope-a-{secrets.token_hex(3)}", f"scope-b-{secrets.token_hex(3)}"
+    for node in (mine, other):
+        cluster.create_node(node)
+    agent = inst.agent_kubeconfig(mine)
+
+    def sandbox(name: str, node: str) -> dict[str, Any]:
+        return {
+            "apiVersion": c.API_VERSION, "kind": c.SANDBOX_KIND, "metadata": {"name": name, "namespace": namespace},
+            "spec": {"nodeName": node, "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
+        }  # fmt: skip
+
+    def lease(name: str) -> dict[str, Any]:
+        meta = {"name": name, "namespace": namespace}
+        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": {}}
+
+    def create(obj: dict[str, Any], kubeconfig: Path | None = agent) -> subprocess.CompletedProcess[str]:
+        return cluster.kubectl("create", "-f", "-", input=json.dumps(obj), kubeconfig=kubeconfig, check=False)
+
+    # a new policy takes a moment to load: wait until the other node's sandbox is refused, with its reason
+    deadline = time.monotonic() + 20
+    while (result := create(sandbox("theirs", other))).returncode == 0:
+        cluster.kubectl("delete", "rsb", "theirs", "-n", namespace, "--wait=false")
+        assert time.monotonic() < deadline, "the agent node-scope policy never took effect"
+        time.sleep(0.3)
+    assert f"may only write RetainedSandboxes of its own node; theirs is on node {other}" in result.stderr
+    assert create(sandbox("ours", mine)).returncode == 0
+    assert create(lease(f"{c.AGENT_LEASE_PREFIX}{mine}")).returncode == 0
+    for name in (f"{c.AGENT_LEASE_PREFIX}{other}", c.CONTROLLER_LEASE):
+        refused = create(lease(name))
+        assert refused.returncode != 0 and "may only write its own heartbeat Lease" in refused.stderr, name
+    # a token not bound to a pod names no node: refused, however the object looks
+    unbound = create(sandbox("unbound", mine), kubeconfig=inst.kubeconfig("agent"))
+    assert unbound.returncode != 0 and "names no node" in unbound.stderr
+    # the policy is about the agent only: others (here admin) still create sandboxes anywhere
+    assert create(sandbox("admins", other), kubeconfig=None).returncode == 0

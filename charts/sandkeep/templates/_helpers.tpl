@@ -62,3 +62,8 @@ app.kubernetes.io/component: {{ .component }}
 - name: SANDKEEP_DRY_RUN
   value: {{ .Values.settings.dryRun | quote }}
 {{- end }}
+
+{{/* The agents' heartbeat Lease names are this prefix + the node (controller/contracts.py AGENT_LEASE_PREFIX). */}}
+{{- define "sandkeep.agentLeasePrefix" -}}
+sandkeep-agent-
+{{- end }}
