@@ -3,6 +3,7 @@
 #
 #   hack/kind-e2e.sh                 # create the cluster, test, delete the cluster
 #   KEEP_CLUSTER=1 hack/kind-e2e.sh  # leave the cluster up afterwards (kubectl --context kind-sandkeep-e2e)
+#   KIND_NODE_IMAGE=kindest/node:v1.32.0 hack/kind-e2e.sh   # the chart needs Kubernetes >= 1.31
 #
 # What it proves, on real kubelets and a real node disk: the image builds and both components start; the
 # agent adopts a sandbox retained on a node's disk (written there with `docker exec` into the kind node);
@@ -68,7 +69,9 @@ cleanup() {
 
 create_cluster() {
 	log "creating kind cluster $cluster (one control plane, one worker)"
-	kind create cluster --name "$cluster" --wait 120s --config - <<-EOF
+	local image_args=()
+	[[ -z ${KIND_NODE_IMAGE:-} ]] || image_args=(--image "$KIND_NODE_IMAGE")
+	kind create cluster --name "$cluster" "${image_args[@]}" --wait 120s --config - <<-EOF
 		kind: Cluster
 		apiVersion: kind.x-k8s.io/v1alpha4
 		nodes:
