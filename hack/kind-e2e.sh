@@ -71,7 +71,7 @@ create_cluster() {
 	log "creating kind cluster $cluster (one control plane, one worker)"
 	local image_args=()
 	[[ -z ${KIND_NODE_IMAGE:-} ]] || image_args=(--image "$KIND_NODE_IMAGE")
-	kind create cluster --name "$cluster" "${image_args[@]}" --wait 120s --config - <<-EOF
+	kind create cluster --name "$cluster" ${image_args[@]+"${image_args[@]}"} --wait 120s --config - <<-EOF
 		kind: Cluster
 		apiVersion: kind.x-k8s.io/v1alpha4
 		nodes:
