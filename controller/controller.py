@@ -329,6 +329,7 @@ class Reconciler:
             self._count(key, None)
             return
         self.remember(obj)
+        self.schedule(key)
         self.enqueue(key)
 
     def remember(self, obj: Obj) -> None:
@@ -348,6 +349,7 @@ class Reconciler:
             policies[name] = obj
         for key in list(self.view.sandboxes):
             if key[0] == namespace:
+                self.schedule(key)
                 self.enqueue(key)
 
     def on_node(self, event_type: str | None, obj: Obj) -> None:
@@ -360,6 +362,7 @@ class Reconciler:
             self.view.node_gone_since.pop(name, None)
         for key, sandbox in list(self.view.sandboxes.items()):
             if (sandbox.get("spec") or {}).get("nodeName") == name:
+                self.schedule(key)
                 self.enqueue(key)
 
     def _count(self, key: Key, obj: Obj | None) -> None:
@@ -394,6 +397,22 @@ class Reconciler:
         self._queued[key] = priority
         if key not in self._active:
             self._queue.put_nowait((priority, next(self._seq), key))
+
+    def schedule(self, key: Key) -> None:
+        """Put the key's next deadline in the heap straight from the view: pure, no API call.
+
+        A policy change queues every sandbox of its namespace for a status rewrite; their new deadlines
+        must not wait for that rewrite, or sandboxes at the back of the queue would expire late.
+        """
+        obj = self.view.sandboxes.get(key)
+        if obj is None or is_deleting(obj):
+            return
+        now = now_utc()
+        decision = decide(obj, self.context(obj, now), now)
+        if decision.delete:
+            self.enqueue(key, priority=0)
+        elif decision.wake_at is not None:
+            self.wake_at(key, decision.wake_at)
 
     def enqueue_all(self) -> None:
         for key in list(self.view.sandboxes):
