@@ -397,6 +397,8 @@ def test_helm_install_creates_every_object(
     )
     try:
         assert "STATUS: deployed" in install.stdout
+        assert f"is installed in namespace {namespace}" in install.stdout, "NOTES.txt did not render"
+        assert "sandkeep.io/pin-for=72h" in install.stdout and "Alerts: PrometheusRule" in install.stdout
         manifest = helm(tools, "get", "manifest", release, f"--namespace={namespace}", kubeconfig=cluster.kubeconfig)
         for doc in objects(manifest.stdout):
             ns_args = [f"--namespace={doc['metadata'].get('namespace', namespace)}"]
