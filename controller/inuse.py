@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,43 @@ def _fs_location(path: str, mounts: list[_Mount]) -> tuple[str, str] | None:
     return best.dev, f"{best.root.rstrip('/')}/{rel}" if rel else best.root
 
 
+def _ancestors_in(
+    directory: str, ids: Mapping[tuple[int, int], list[K]], memo: dict[tuple[int, int], list[K]]
+) -> list[K]:
+    """The sandboxes among `directory` and its ancestors, found by `..` from an O_PATH descriptor.
+
+    Every directory passed on the way is remembered in `memo` with the answer, so the dozens of fds a
+    deep delete holds along one chain cost one walk of it, not one each.
+    """
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    passed: list[tuple[int, int]] = []
+    answer: list[K] = []
+    fd = os.open(directory, flags)
+    try:
+        here = os.fstat(fd)
+        while True:
+            node = (here.st_dev, here.st_ino)
+            if node in memo:
+                answer = memo[node]
+                break
+            passed.append(node)
+            if node in ids:
+                answer = list(ids[node])
+                break
+            parent = os.open("..", flags, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            above = os.fstat(fd)
+            if (above.st_dev, above.st_ino) == node:
+                break  # `..` of the root is the root: no sandbox above
+            here = above
+    finally:
+        os.close(fd)
+    for node in passed:
+        memo[node] = answer
+    return answer
+
+
 def _comm(pid_dir: Path) -> str:
     try:
         return (pid_dir / "comm").read_text().strip()
@@ -139,6 +177,8 @@ class _Scan(Generic[K]):
         self.found: _Found[K] = _Found()
         self.proc = proc
         self.seen_ns: set[str] = set()
+        self._ids: dict[tuple[int, int], list[K]] | None = None
+        self._deep: dict[tuple[int, int], list[K]] = {}
         own = self._read(proc / "self" / "mountinfo") or ""
         self.own_mounts = _mounts(own)
         # (device, path inside its filesystem) -> sandbox paths: how a bind in any namespace is recognised.
@@ -179,6 +219,38 @@ class _Scan(Generic[K]):
     def hold(self, target: str, holder: str) -> None:
         for key in self.index.owners(target):
             self.found.procs.setdefault(key, []).append(holder)
+
+    def hold_deep(self, link: str, holder: str) -> None:
+        """A /proc link whose target path is longer than PATH_MAX (ENAMETOOLONG): decide by identity.
+
+        readlink cannot name such a target, but the kernel still resolves the link: a directory is
+        walked up by `..`, comparing (device, inode) with the sandboxes' directories. A file stays
+        unknown (which holds). Without this, one process with a deep directory open anywhere (a build,
+        a delete of a deep tree) made every sandbox on the node unknown.
+        """
+        try:
+            st = Path(link).stat()
+        except OSError as e:
+            if e.errno in _GONE:
+                return
+            raise
+        if not stat.S_ISDIR(st.st_mode):
+            # a file cannot be walked up from: where it sits stays unknown, which holds
+            raise OSError(errno.ENAMETOOLONG, "a file deeper than PATH_MAX", link)
+        for key in _ancestors_in(link, self._sandbox_ids(), self._deep):
+            self.found.procs.setdefault(key, []).append(f"{holder} (deeper than PATH_MAX)")
+
+    def _sandbox_ids(self) -> dict[tuple[int, int], list[K]]:
+        """(device, inode) of every sandbox directory, stat-ed once per scan and only when needed."""
+        if self._ids is None:
+            self._ids = {}
+            for path, keys in self.index.by_path.items():
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                self._ids.setdefault((st.st_dev, st.st_ino), []).extend(keys)
+        return self._ids
 
     def _check_mounts(self, mounts: list[_Mount], whose: str, *, own_namespace: bool) -> None:
         """A bind of a sandbox (or of anything inside one) anywhere, or a mount on a directory inside one."""
@@ -225,6 +297,9 @@ class _Scan(Generic[K]):
                 # a kernel thread has no exe, a zombie no cwd: nothing to hold
                 if e.errno in _GONE:
                     continue
+                if e.errno == errno.ENAMETOOLONG:
+                    self.hold_deep(str(pid_dir / what), f"{who} {what}")
+                    continue
                 raise
             self.hold(target, f"{who} {what}")
         with os.scandir(pid_dir / "fd") as fds:
@@ -234,6 +309,9 @@ class _Scan(Generic[K]):
                 except OSError as e:
                     if e.errno in _GONE:
                         continue  # closed between the listing and the readlink
+                    if e.errno == errno.ENAMETOOLONG:
+                        self.hold_deep(fd.path, f"{who} fd {fd.name}")
+                        continue
                     raise
                 self.hold(target, f"{who} fd {fd.name}")
         maps = (pid_dir / "maps").read_text()

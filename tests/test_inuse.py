@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -186,3 +187,60 @@ def test_one_pass_answers_many_sandboxes(tmp_path):
     usage = scan_usage(paths, ignore=IGNORE)
     assert len(usage) == 2000
     assert all(u.in_use is False for u in usage.values())
+
+
+# --- targets deeper than PATH_MAX: readlink says ENAMETOOLONG, the kernel still knows where they are ------
+
+DEEP_CWD = (
+    "import os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+    "for _ in range(int(sys.argv[2])):\n"
+    "    below = os.open('d', os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)\n"
+    "    os.close(fd)\n"
+    "    fd = below\n"
+    "os.fchdir(fd)  # the cwd, and an open fd, both deeper than PATH_MAX\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+DEPTH = 2100  # "d/" x 2100: 4200+ bytes, past PATH_MAX (4096) whatever the tmp path
+
+
+def _deep_chain(top: Path, depth: int) -> None:
+    """`top/d/d/.../d`, built fd-relative (no path to it fits in PATH_MAX)."""
+    top.mkdir(parents=True)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+    finally:
+        os.close(fd)
+
+
+def _deep_process(top: Path, procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen([sys.executable, "-c", DEEP_CWD, str(top), str(DEPTH)], stdout=subprocess.PIPE)
+    procs.append(p)
+    _wait_ready(p)
+    with pytest.raises(OSError) as err:
+        (Path(f"/proc/{p.pid}") / "cwd").readlink()
+    assert err.value.errno == errno.ENAMETOOLONG  # the case under test: its cwd cannot be named
+    return p
+
+
+def test_a_process_deep_in_another_tree_leaves_every_sandbox_free_not_unknown(sandboxes, tmp_path, procs):
+    _deep_chain(tmp_path / "elsewhere", DEPTH)
+    _deep_process(tmp_path / "elsewhere", procs)
+    usage = scan_usage(sandboxes, ignore=IGNORE)
+    assert usage["a"].in_use is False and usage["b"].in_use is False, usage
+
+
+def test_a_process_deep_inside_a_sandbox_holds_that_sandbox(sandboxes, procs):
+    top = sandboxes["a"] / "workspace" / "deep"
+    _deep_chain(top, DEPTH)
+    p = _deep_process(top, procs)
+    usage = scan_usage(sandboxes, ignore=IGNORE)
+    assert usage["a"].in_use is True and usage["a"].reason is Reason.IN_USE
+    assert f"pid {p.pid} (python3) cwd (deeper than PATH_MAX)" in usage["a"].holders
+    assert usage["b"].in_use is False
