@@ -146,3 +146,20 @@ def test_a_root_owned_by_another_uid_is_refused_by_every_command(tmp_path: Path,
         assert out.returncode == 3, out.stderr
         assert f"owned by uid {throwaway_user.uid}" in out.stderr and "Traceback" not in out.stderr
     assert listing(root) == []
+
+
+def test_ls_names_tombstones_stuck_ones_and_strays(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    sandkeep("retain", str(make_job(tmp_path)), "--root", str(root), "--namespace", "ns", "--name", "r", check=True)
+    old_ms = int((time.time() - 3600) * 1000)
+    (root / f".reap-p1-abcd1234-{old_ms}").mkdir()
+    (root / f".reap-0f1e2d3c-4b5a-{int(time.time() * 1000)}").mkdir()
+    (root / "ns" / "link").symlink_to("/etc")
+    out = sandkeep("ls", "--root", str(root), check=True).stdout
+    (stuck_line,) = [line for line in out.splitlines() if f".reap-p1-abcd1234-{old_ms}" in line]
+    assert stuck_line.startswith("tombstone ") and " age 1h" in stuck_line and stuck_line.endswith("STUCK")
+    assert "tombstone .reap-0f1e2d3c-4b5a-" in out and out.count("STUCK") == 1
+    assert "not a sandbox: ns/link (Symlink)" in out
+    data = json.loads(sandkeep("ls", "--root", str(root), "-o", "json", check=True).stdout)
+    assert [t["stuck"] for t in data["tombstones"]] == [True, False]
+    assert data["sandboxes"][0]["state"] == "Retained" and data["sandboxes"][0]["size"] > 0
