@@ -38,10 +38,11 @@ from pydantic import Field, field_validator
 from controller import commands, fsdelete, kube, leases, logs, metrics
 from controller import contracts as c
 from controller.contracts import FINALIZER, Phase, Reason
+from controller.durations import Invalid, parse_instant
 from controller.inuse import Usage, scan_usage
 from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj
 from controller.models import Settings, _duration
-from controller.store import Mismatch, Present, Root, RootRefused, StoreError, Tombstone, Transient
+from controller.store import Mismatch, Present, Read, Root, RootRefused, StoreError, Tombstone, Transient
 
 log = logging.getLogger("sandkeep.agent")
 
@@ -134,6 +135,33 @@ def stuck_message(sandbox: str, node: str, tombstone: str, errno: int | None, pa
         f"{_errno_name(errno)} at {path}. Retried every pass; fix the cause "
         "(e.g. `chattr -i`, a mount, a file owned by another account) and it goes."
     )
+
+
+def same_run(obj: Obj, read: Read) -> bool | None:
+    """Whether the directory (or tombstone) read is the run this object describes; None: cannot tell now.
+
+    A valid manifest must carry the object's createdAt (and jobId when both have one): a job retained
+    again under the same name is another run, which deleting this object must not delete. A manifest
+    naming another sandbox is never ours. No manifest, or one that does not parse, is the object's
+    (its name owns the path, and nothing says it is another run).
+    """
+    if isinstance(read, Transient):
+        return None
+    if isinstance(read, Mismatch):
+        return False
+    if not isinstance(read, Present):
+        return True
+    spec = obj.get("spec") or {}
+    ours, theirs = _when(spec.get("createdAt")), _when(read.manifest.created_at)
+    if ours is not None and theirs is not None and ours != theirs:
+        return False
+    job = spec.get("jobId")
+    return not (job and read.manifest.job_id and job != read.manifest.job_id)
+
+
+def _when(text: Any) -> datetime | None:
+    parsed = parse_instant(text) if isinstance(text, str) else None
+    return None if parsed is None or isinstance(parsed, Invalid) else parsed
 
 
 def _pid_alive(pid: int) -> bool:
@@ -749,6 +777,17 @@ class Agent:
             if not is_dir:
                 await self._finish(obj, None)
                 return
+            same = same_run(obj, await asyncio.to_thread(self.root.read, *key))
+            if same is None:
+                self._later(key)  # the manifest could not be read just now: decide on a read that worked
+                return
+            if not same:
+                # Another run retained under this name since the object was made: not this object's to delete.
+                self._say_limited(f"other-run:{uid}", "deletion_skipped", reason=Reason.MANIFEST_CHANGED,
+                                  object="/".join(key), action="the directory holds another run; it stays on disk "
+                                  "and is adopted as its own object")  # fmt: skip
+                await self._finish(obj, None)
+                return
             if not await self._clear_to_rename(obj, path):
                 return
             try:
@@ -855,6 +894,8 @@ class Agent:
         if stuck and tomb.name in self.tried_this_pass:
             return
         self.tried_this_pass.add(tomb.name)
+        if not await self._tombstone_is_this_run(obj, tomb):
+            return
         if not stuck:
             status = self._deleting_status(obj, Phase.DELETING, tombstone=tomb.name)
             obj = await self._apply(obj, status, deleting=True)
@@ -873,6 +914,24 @@ class Agent:
             log, "deleted", reason=Reason.DELETED, object=f"{key[0]}/{key[1]}", tombstone=tomb.name, files=result.files
         )
         await self._finish(obj, tomb)
+
+    async def _tombstone_is_this_run(self, obj: Obj, tomb: Tombstone) -> bool:
+        """Read the manifest through the tombstone before deleting it: the one change a rename cannot see
+        is a re-retain landing between the fresh read and the rename. Another run's tombstone is put
+        back under its name (or, when the name is taken, held and said); never deleted here."""
+        key = _key(obj)
+        same = same_run(obj, await asyncio.to_thread(self.root.read_tombstone, tomb))
+        if same:
+            return True
+        if same is None:
+            self._later(key)
+            return False
+        restored = await asyncio.to_thread(self.root.restore, tomb, *key)
+        self._say_limited(f"restore:{tomb.name}", "tombstone_restored" if restored else "tombstone_held",
+                          reason=Reason.MANIFEST_CHANGED, object="/".join(key), tombstone=tomb.name)  # fmt: skip
+        if restored:
+            await self._finish(obj, None)
+        return False
 
     async def _stuck(self, obj: Obj, tomb: Tombstone, result: fsdelete.DeleteResult) -> None:
         key = _key(obj)

@@ -514,6 +514,32 @@ def test_an_orphan_tombstone_is_cleared(cluster, namespace, nodes, agents):
     wait_for(lambda: re.search(r'sandkeep_deletions_total\{[^}]*reason="TombstoneLeftover"\} 1\.0', a.metrics()))
 
 
+def test_a_run_retained_again_under_the_same_name_is_not_deleted_with_the_old_object(cluster, namespace, nodes, agents):
+    n1, _ = nodes
+    path = n1.retain(namespace, "again", {"v": "first run"})
+    first = agents(n1)
+    old = wait_for(lambda: (o := get(cluster, namespace, "again")) and o["metadata"].get("finalizers") and o)
+    first.stop()
+    # The job ran again: its new workspace replaces the old one under the same name (a new createdAt).
+    time.sleep(0.01)
+    src = n1.root.path.parent / "job-again-2"
+    src.mkdir()
+    (src / "v").write_text("second run")
+    n1.root.retain(src, namespace, "again", job_id="job-again", created_at=datetime.now(UTC), retention=None)
+    a = agents(n1)
+    delete(cluster, namespace, "again")  # the request was about the first run
+
+    def readopted() -> dict[str, Any] | None:
+        o = get(cluster, namespace, "again")
+        return o if o and o["metadata"]["uid"] != old["metadata"]["uid"] else None
+
+    new = wait_for(readopted, what="the second run adopted as its own object")
+    assert (path / "workspace" / "v").read_text() == "second run"
+    assert new["spec"]["createdAt"] != old["spec"]["createdAt"]
+    assert "deletion_skipped" in a.log() and "reason=ManifestChanged" in a.log()
+    assert tombstones(n1) == []
+
+
 def test_a_tombstone_of_a_live_object_is_put_back_never_deleted(cluster, namespace, nodes, agents):
     n1, _ = nodes
     path = n1.retain(namespace, "back", {"work.txt": "precious"})
