@@ -50,6 +50,7 @@ Key = tuple[str, str]
 OWNED_CONDITIONS = ("DiskPresent", "InUse", "TombstoneStuck", "OrphansSurvived")
 OWNED_FIELDS = ("sizeBytes", "fileCount", "inUse", "heldBy", "tombstone")
 ORPHANS_ANNOTATION = c.ANN_ORPHAN_TOMBSTONES
+HEARTBEAT_EVERY = 15.0  # seconds between heartbeat renewals (the Lease says 60 s)
 PARALLEL = 8  # API requests in flight at once during a pass
 RETRY_HELD = 5.0  # seconds before a held or failed deletion is tried again (besides every pass)
 
@@ -439,6 +440,7 @@ class Agent:
         watcher = Watcher(self.kube, self.s.node, self._deliver)
         watcher.start()
         interval = self.s.scan_interval.total_seconds()
+        beat = asyncio.create_task(self._heartbeat_loop(stop))
         try:
             while not self.state.synced and not stop.is_set():
                 await asyncio.sleep(0.05)
@@ -451,6 +453,19 @@ class Agent:
                 await self._drain(stop, started + interval)
         finally:
             watcher.stopping.set()
+            beat.cancel()
+
+    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        """Renew the heartbeat Lease every HEARTBEAT_EVERY while passes keep completing (`healthy`).
+
+        Apart from the passes, so a long first pass (adopting a full root) does not look like a dead
+        agent; tied to `healthy`, so a wedged agent does stop reporting.
+        """
+        while not stop.is_set():
+            if self.healthy():
+                await self._heartbeat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=HEARTBEAT_EVERY)
 
     async def _drain(self, stop: asyncio.Event, until: float) -> None:
         """Process queued objects until the next pass is due."""
@@ -490,11 +505,24 @@ class Agent:
         self.state.usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
         refused = await self.adopt(scan.sandboxes)
         self.sizer.request(keys)
+        self._prune(set(keys))
         await self._each(list(self.state.objects), self._process_logged)
         self._report_strays(scan.strays, refused)
         self._update_metrics(scan.tombstones)
         await self._heartbeat()
         self.last_pass = time.monotonic()
+
+    def _prune(self, present: set[Key]) -> None:
+        """Forget what belongs to sandboxes and objects that are gone, so a churning node's agent stays small."""
+        for key in list(self.sizer.sizes):  # list(): one C-level copy, safe beside the sizer thread
+            if key not in present:
+                self.sizer.sizes.pop(key, None)
+        uids = {o["metadata"].get("uid") for o in self.state.objects.values()}
+        for event_key in [k for k in self.state.events if k[0] not in uids]:
+            self.state.events.pop(event_key, None)
+        horizon = time.monotonic() - self.s.relog_every.total_seconds()
+        for subject in [k for k, t in self.state.said.items() if t < horizon]:
+            self.state.said.pop(subject, None)
 
     async def _process_logged(self, key: Key) -> None:
         try:

@@ -218,6 +218,9 @@ def test_a_retained_directory_is_adopted_and_the_agent_sees_only_its_node(cluste
     assert o["status"]["inUse"] is False
     assert (cond(o, "InUse") or {}).get("status") == "False"
 
+    lease = wait_for(lambda: cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace,
+                                             "-o", "json", check=False).stdout, what="heartbeat Lease")  # fmt: skip
+    assert json.loads(lease)["spec"]["renewTime"]
     time.sleep(2.5)  # two more passes: n2's directory and object stay untouched by n1's agent
     assert get(cluster, namespace, "run-2") is None
     other = get(cluster, namespace, "elsewhere")
