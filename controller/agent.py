@@ -25,6 +25,7 @@ import os
 import queue
 import signal
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -1217,10 +1218,10 @@ def run(command: str, args: argparse.Namespace) -> int:
     try:
         settings = settings_from(args)
     except ValueError as err:
-        print(f"sandkeep agent: invalid settings: {err}")
+        print(f"sandkeep agent: invalid settings: {err}", file=sys.stderr)
         return 2
     if not settings.node:
-        print("sandkeep agent: --node (or SANDKEEP_NODE) is required: the name of the node this agent runs on")
+        print("sandkeep agent: --node (or SANDKEEP_NODE) is required: the node this agent runs on", file=sys.stderr)
         return 2
     try:
         root = Root(settings.root)

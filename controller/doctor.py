@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -156,14 +157,14 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
 def run(command: str, args: argparse.Namespace) -> int:
     stale_after = parse_duration(args.stale_after)
     if isinstance(stale_after, Invalid):
-        print(f"sandkeep doctor: --stale-after {stale_after}")
+        print(f"sandkeep doctor: --stale-after {stale_after}", file=sys.stderr)
         return 2
     try:
         client = Kube(kube.load_config(args.kubeconfig), component="sandkeep-doctor")
         sandboxes = client.list_sandboxes(namespace=args.sandbox_namespace)
         heartbeats = leases.agent_heartbeats(client, args.namespace)
     except Exception as err:  # a bad kubeconfig, no route, no access: all the same to a person here
-        print(f"sandkeep doctor: cannot read the cluster: {err}; check --kubeconfig and your access")
+        print(f"sandkeep doctor: cannot read the cluster: {err}; check --kubeconfig and your access", file=sys.stderr)
         return 2
     report = build_report(sandboxes, heartbeats, stale_after)
     print(render(report), end="")

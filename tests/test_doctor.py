@@ -125,4 +125,4 @@ def test_doctor_says_when_it_cannot_reach_the_cluster(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "cannot read the cluster" in result.stdout
+    assert "cannot read the cluster" in result.stderr
