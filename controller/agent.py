@@ -502,7 +502,7 @@ class Agent:
         self.m.scan_duration.labels(self.s.node).observe(time.monotonic() - t0)
         keys = {(e.namespace, e.name): e.path for e in scan.sandboxes}
         self.state.present = set(keys)
-        pods = await self._pod_paths()
+        pods = await self._pod_paths() or []  # for reporting; a deletion asks again and holds without an answer
         self.state.usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
         refused = await self.adopt(scan.sandboxes)
         self.sizer.request(keys)
@@ -552,8 +552,8 @@ class Agent:
 
         await asyncio.gather(*(one(k) for k in keys))
 
-    async def _pod_paths(self) -> list[tuple[str, Path]]:
-        """hostPath volumes of the Pods on this node: a Pod that mounts a sandbox uses it."""
+    async def _pod_paths(self) -> list[tuple[str, Path]] | None:
+        """hostPath volumes of the Pods on this node: a Pod that mounts a sandbox uses it. None: unlisted."""
         try:
             pods = await self._api(
                 self.kube.request, "GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={self.s.node}"}
@@ -561,7 +561,7 @@ class Agent:
         except KubeError as err:
             # Without the Pod list a mount cannot be ruled out: holds come from /proc alone this pass.
             self._say_limited("pods", "pods_unlisted", reason=Reason.IN_USE_UNKNOWN, error=str(err)[:200])
-            return []
+            return None
         out = []
         for pod in pods.get("items", []):
             meta = pod.get("metadata", {})
@@ -866,7 +866,10 @@ class Agent:
             self._later(key)
             return False
         pods = await self._pod_paths()
-        usage = (await asyncio.to_thread(scan_usage, {key: path}, pods, Path("/proc"), self.ignore))[key]
+        usage = (await asyncio.to_thread(scan_usage, {key: path}, pods or [], Path("/proc"), self.ignore))[key]
+        if pods is None and not usage.in_use:
+            # No Pod list, no way to rule out a Pod that mounts it: unknown, which holds.
+            usage = Usage(None, ("the Pods on this node could not be listed",), Reason.IN_USE_UNKNOWN)
         self.state.usage[key] = usage
         if usage.holds:
             message = (

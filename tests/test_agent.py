@@ -99,10 +99,18 @@ def nodes(cluster: Any, crd: None, tmp_path: Path) -> Iterator[tuple[Node, Node]
 class AgentProcess:
     """`sandkeep agent` as a real process; its log in a file; stopped by pid."""
 
-    def __init__(self, cluster: Any, node: Node, namespace: str, log: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        cluster: Any,
+        node: Node,
+        namespace: str,
+        log: Path,
+        env: dict[str, str] | None = None,
+        kubeconfig: Path | None = None,
+    ):
         args = [
             sys.executable, "-m", "controller.cli", "agent", "--node", node.name, "--root", str(node.root.path),
-            "--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace, "--metrics-port", "0",
+            "--kubeconfig", str(kubeconfig or cluster.kubeconfig), "--namespace", namespace, "--metrics-port", "0",
             "--scan-interval", "1s", "--stuck-after", "2s", "--orphan-timeout", "2s", "--lock-wait", "0",
         ]  # fmt: skip
         for pid in IGNORE:
@@ -139,8 +147,8 @@ class AgentProcess:
 def agents(cluster: Any, namespace: str, tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
     started: list[AgentProcess] = []
 
-    def start(node: Node, env: dict[str, str] | None = None) -> AgentProcess:
-        a = AgentProcess(cluster, node, namespace, tmp_path / f"agent-{node.name}-{len(started)}.log", env)
+    def start(node: Node, env: dict[str, str] | None = None, kubeconfig: Path | None = None) -> AgentProcess:
+        a = AgentProcess(cluster, node, namespace, tmp_path / f"agent-{node.name}-{len(started)}.log", env, kubeconfig)
         started.append(a)
         return a
 
@@ -421,6 +429,42 @@ def test_a_pod_on_the_node_with_a_hostpath_inside_holds_deletion(cluster, namesp
     cluster.kubectl("delete", "pod", "runner", "-n", namespace, "--grace-period=0", "--force")
     wait_for(lambda: get(cluster, namespace, "mounted") is None, what="deleted once the Pod is gone")
     assert other.is_dir()
+
+
+def test_an_agent_that_cannot_list_pods_holds_deletion_as_unknown(cluster, namespace, nodes, agents, tmp_path):
+    # Everything the agent needs except Pods: without the Pod list a hostPath mount cannot be ruled out.
+    n1, _ = nodes
+    path = n1.retain(namespace, "blind")
+    rules = [
+        {"apiGroups": [c.GROUP], "resources": [c.SANDBOX_PLURAL], "verbs": ["get", "list", "watch", "create", "patch"]},
+        {"apiGroups": [c.GROUP], "resources": [f"{c.SANDBOX_PLURAL}/status"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update", "patch"]},
+    ]
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "agent", "namespace": namespace}}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": namespace},
+            "rules": rules}  # fmt: skip
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": namespace},
+        "subjects": [{"kind": "ServiceAccount", "name": "agent", "namespace": namespace}],
+    }  # fmt: skip
+    cluster.apply([sa, role, binding])
+    try:
+        kubeconfig = cluster.kubeconfig_for_token(cluster.token_for(namespace, "agent"), tmp_path / "agent.kubeconfig")
+        a = agents(n1, kubeconfig=kubeconfig)
+        wait_for(lambda: (get(cluster, namespace, "blind") or {}).get("metadata", {}).get("finalizers"))
+        delete(cluster, namespace, "blind")
+        held = wait_for(lambda: (o := get(cluster, namespace, "blind")) and o["status"].get("phase") == "Held" and o)
+        in_use = cond(held, "InUse")
+        assert in_use["status"] == "Unknown" and in_use["reason"] == "InUseUnknown"
+        assert "could not be listed" in in_use["message"]
+        assert "pods_unlisted" in a.log()
+        time.sleep(2)
+        assert path.is_dir() and tombstones(n1) == []
+    finally:
+        cluster.kubectl("delete", "clusterrolebinding,clusterrole", namespace, "--ignore-not-found", check=False)
 
 
 def test_a_survivor_holds_deletion_with_a_clear_condition(cluster, namespace, nodes, procs):
