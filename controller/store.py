@@ -335,18 +335,29 @@ def _read_manifest_at(parent_fd: int, name: str) -> Read:
         return Absent(Reason.NOT_A_DIRECTORY)
     try:
         with _fd(_open_dir(name, parent_fd)) as dir_fd:
-            fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-            with _fd(fd):
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return Unreadable(E.EINVAL)
-                chunks: list[bytes] = []
-                size = 0
-                while size <= MAX_MANIFEST_BYTES:
-                    chunk = os.read(fd, 65536)
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    size += len(chunk)
+            return _read_manifest_in(dir_fd)
+    except OSError as err:
+        code = _errno_of(err)
+        if code in TRANSIENT_ERRNOS:
+            return Transient(code)
+        return Absent() if code in (E.ENOENT, E.ENOTDIR) else Unreadable(code)
+
+
+def _read_manifest_in(dir_fd: int) -> Read:
+    """Read `manifest.json` of the open sandbox directory `dir_fd` (never through a link, never a FIFO)."""
+    try:
+        fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        with _fd(fd):
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return Unreadable(E.EINVAL)
+            chunks: list[bytes] = []
+            size = 0
+            while size <= MAX_MANIFEST_BYTES:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
     except OSError as err:
         code = _errno_of(err)
         if code in TRANSIENT_ERRNOS:
@@ -657,36 +668,42 @@ class Root:
         root leaves a manifest the sweeping uid can still read. Raises StoreError when there is no readable
         manifest of this sandbox to pin.
         """
-        read = self.read(namespace, name)
+        _check_names(namespace, name)
         where = self.path / namespace / name / MANIFEST_NAME
-        if not isinstance(read, Present):
-            raise StoreError(
-                read.reason,
-                f"sandbox {namespace}/{name}: cannot pin it, its manifest is {type(read).__name__.lower()} "
-                f"({read.reason}); check `sandkeep ls` for what is there",
-                errno=getattr(read, "errno", None),
-                path=where,
-            )
-        body = json.loads(read.text)
-        if until is None:
-            body["keepUntil"], body["pinnedAt"] = None, None
-        else:
-            body["keepUntil"], body["pinnedAt"] = format_instant(until), format_instant(now)
-        data = (json.dumps(body, indent=2) + "\n").encode()
         try:
             with (
                 _fd(self._open()) as root_fd,
                 _fd(_open_dir(namespace, root_fd)) as ns_fd,
                 _fd(_open_dir(name, ns_fd)) as dir_fd,
             ):
+                # Read and rewrite through ONE directory fd: a retry that replaces the sandbox in between
+                # never gets the old run's manifest written over its own.
+                read = _read_manifest_in(dir_fd)
+                if isinstance(read, Present) and (read.manifest.namespace, read.manifest.name) != (namespace, name):
+                    read = Mismatch(read.manifest, read.text)
+                if not isinstance(read, Present):
+                    raise StoreError(
+                        read.reason,
+                        f"sandbox {namespace}/{name}: cannot pin it, its manifest is {type(read).__name__.lower()} "
+                        f"({read.reason}); check `sandkeep ls` for what is there",
+                        errno=getattr(read, "errno", None),
+                        path=where,
+                    )
+                body = json.loads(read.text)
+                if until is None:
+                    body["keepUntil"], body["pinnedAt"] = None, None
+                else:
+                    body["keepUntil"], body["pinnedAt"] = format_instant(until), format_instant(now)
+                data = (json.dumps(body, indent=2) + "\n").encode()
                 st = os.stat(MANIFEST_NAME, dir_fd=dir_fd, follow_symlinks=False)
                 _write_atomic(dir_fd, MANIFEST_NAME, data, mode=stat.S_IMODE(st.st_mode), owner=(st.st_uid, st.st_gid))
         except OSError as err:
+            code = _errno_of(err)
             raise StoreError(
-                Reason.MANIFEST_UNREADABLE,
-                f"sandbox {namespace}/{name}: could not rewrite {MANIFEST_NAME} ({os.strerror(_errno_of(err))}); "
-                "nothing was changed",
-                errno=_errno_of(err),
+                Reason.MANIFEST_ABSENT if code in (E.ENOENT, E.ELOOP, E.ENOTDIR) else Reason.MANIFEST_UNREADABLE,
+                f"sandbox {namespace}/{name}: cannot pin it ({os.strerror(code)}); nothing was changed. "
+                "Check `sandkeep ls` for what is there",
+                errno=code,
                 path=where,
             ) from err
         return Manifest.model_validate(body)

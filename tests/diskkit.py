@@ -93,12 +93,17 @@ def throwaway_user() -> Iterator[User]:
 
 
 @pytest.fixture
-def immutable() -> Iterator[list[Path]]:
-    """Paths made `chattr +i` by the test; always made mutable again in teardown."""
+def immutable(tmp_path: Path) -> Iterator[list[Path]]:
+    """Paths made `chattr +i` by the test; always made mutable again in teardown.
+
+    The whole tmp_path is cleared too (`chattr -R` ignores links): an immutable file may have moved into a
+    tombstone, and one left behind would make pytest's own clean-up of old temp dirs fail for everyone.
+    """
     made: list[Path] = []
     yield made
     for path in made:
         subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    subprocess.run(["chattr", "-R", "-i", str(tmp_path)], capture_output=True)
 
 
 def make_immutable(made: list[Path], path: Path) -> None:
