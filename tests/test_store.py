@@ -443,3 +443,22 @@ def test_restore_displaces_only_an_empty_directory(tmp_path: Path) -> None:
     assert not root.restore(t, "ns", "run") and t.path.is_dir()
     (root.path / "ns" / "run").unlink()
     assert root.restore(t, "ns", "run")
+
+
+def test_a_pin_never_writes_through_a_linked_sandbox_or_a_foreign_manifest(tmp_path: Path) -> None:
+    root = Root(tmp_path / "root")
+    elsewhere = Root(tmp_path / "elsewhere")
+    retain(elsewhere, tmp_path, "ns", "target", age=H)
+    before = _manifest(elsewhere, "ns", "target").read_text()
+    (root.path / "ns").mkdir()
+    (root.path / "ns" / "linked").symlink_to(elsewhere.path / "ns" / "target")
+    with pytest.raises(StoreError) as linked:
+        root.pin("ns", "linked", NOW + H, now=NOW)
+    assert "cannot pin it" in str(linked.value)
+    retain(root, tmp_path, "ns", "moved", age=H)
+    body = json.loads(_manifest(root, "ns", "moved").read_text())
+    _manifest(root, "ns", "moved").write_text(json.dumps({**body, "name": "other"}))
+    with pytest.raises(StoreError) as foreign:
+        root.pin("ns", "moved", NOW + H, now=NOW)
+    assert foreign.value.reason is Reason.MANIFEST_MISMATCH
+    assert _manifest(elsewhere, "ns", "target").read_text() == before
