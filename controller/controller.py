@@ -75,7 +75,7 @@ class ControllerSettings(models.Settings):
     metrics_port: int = 8080
     metrics_host: str = "127.0.0.1"
     lease_duration: int = 15
-    workers: int = 8
+    workers: int = 16
     identity: str | None = None
     watch_namespaces: tuple[str, ...] = ()  # empty: the whole cluster
 
@@ -318,7 +318,9 @@ class Reconciler:
         self._wake = asyncio.Event()
         self._failures: dict[Key, int] = {}
         self._phases: dict[Key, tuple[str, str]] = {}  # key -> (phase, node) as the metric counts it
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future[None]] = set()
+        # Events get their own few threads: under load they queue there, never in front of a DELETE.
+        self._events_pool = ThreadPoolExecutor(4, "events")
 
     # --- feeding the view ----------------------------------------------------------------------------------
     def on_sandbox(self, event_type: str | None, obj: Obj) -> None:
@@ -654,9 +656,10 @@ class Reconciler:
 
     def _post(self, obj: Obj, reason: Reason, message: str, type_: str) -> None:
         """Post an Event in the background: Events report decisions, they never delay them."""
-        task = asyncio.create_task(asyncio.to_thread(self.kube.post_event, obj, reason, message, type_, COMPONENT))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._events_pool, self.kube.post_event, obj, reason, message, type_, COMPONENT)
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
 
     def idle(self) -> bool:
         """Nothing queued, being reconciled or being posted (for tests and the benchmark)."""
@@ -820,7 +823,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", default=None, help="decide and report, delete nothing")
     parser.add_argument("--node-grace", help="how long a node may be gone before its sandboxes are Lost")
     parser.add_argument("--lease-duration", type=int, help="leader Lease duration in seconds (default 15)")
-    parser.add_argument("--workers", type=int, help="concurrent reconciles (default 8)")
+    parser.add_argument("--workers", type=int, help="concurrent reconciles (default 16)")
     parser.add_argument("--identity", help="leader-election identity (default hostname_pid)")
 
 
