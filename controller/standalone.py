@@ -178,7 +178,7 @@ class Sweeper:
         now = self.clock()
         scan = self.root.scan()
         held_pinned = [t for t in scan.tombstones if self._leftover(t, now) == "pinned-held"]
-        reads = {(e.namespace, e.name): self.root.read(e.namespace, e.name) for e in scan.sandboxes}
+        reads = self.root.read_many(scan.sandboxes)
         for entry in scan.sandboxes:
             try:
                 self._consider(entry, reads[(entry.namespace, entry.name)])

@@ -16,7 +16,8 @@ Public API (names are stable; the node agent builds on them):
   the path, what was refused, why and what to do next. `StoreError` is the base of every store failure.
 - `Root(path, *, create=True)`: `.path`, `.lock(wait=None)` (context manager; `wait` seconds, None =
   forever, 0 = once), `.sandbox_path(ns, name)`, `.retain(source, ns, name, *, job_id, created_at,
-  retention, node=None, exclude=(), now=None) -> Manifest`, `.read(ns, name) -> Read`, `.scan() -> Scan`,
+  retention, node=None, exclude=(), now=None) -> Manifest`, `.read(ns, name) -> Read`,
+  `.read_many(entries) -> {(ns, name): Read}`, `.scan() -> Scan`,
   `.pin(ns, name, until, *, now) -> Manifest` (`until=None` removes the pin), `.tombstone(ns, name, *, id,
   now) -> Tombstone`, `.read_tombstone(t) -> Read`, `.restore(t, ns, name) -> bool`, `.tombstones()`,
   `.delete_tombstone(t) -> fsdelete.DeleteResult` (sync; the agent awaits
@@ -50,7 +51,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -516,6 +517,32 @@ class Root:
         if isinstance(result, Present) and (result.manifest.namespace, result.manifest.name) != (namespace, name):
             return Mismatch(result.manifest, result.text)
         return result
+
+    def read_many(self, entries: Iterable[Entry]) -> dict[tuple[str, str], Read]:
+        """`read` for many sandboxes (a scan's), opening the root and each namespace directory once."""
+        by_ns: dict[str, list[str]] = {}
+        for e in entries:
+            by_ns.setdefault(e.namespace, []).append(e.name)
+        out: dict[tuple[str, str], Read] = {}
+        with _fd(self._open()) as root_fd:
+            for ns, names in by_ns.items():
+                try:
+                    ns_fd = _open_dir(ns, root_fd)
+                except OSError as err:
+                    code = _errno_of(err)
+                    failed: Read = Transient(code) if code in TRANSIENT_ERRNOS else Absent()
+                    out.update({(ns, n): failed for n in names})
+                    continue
+                with _fd(ns_fd):
+                    for name in names:
+                        result = _read_manifest_at(ns_fd, name)
+                        if isinstance(result, Present) and (result.manifest.namespace, result.manifest.name) != (
+                            ns,
+                            name,
+                        ):
+                            result = Mismatch(result.manifest, result.text)
+                        out[(ns, name)] = result
+        return out
 
     def read_tombstone(self, t: Tombstone) -> Read:
         """Read the manifest inside a tombstone (it keeps the namespace/name of the sandbox it was)."""

@@ -462,3 +462,18 @@ def test_a_pin_never_writes_through_a_linked_sandbox_or_a_foreign_manifest(tmp_p
         root.pin("ns", "moved", NOW + H, now=NOW)
     assert foreign.value.reason is Reason.MANIFEST_MISMATCH
     assert _manifest(elsewhere, "ns", "target").read_text() == before
+
+
+def test_read_many_answers_what_read_answers_for_each(tmp_path: Path) -> None:
+    root = Root(tmp_path / "root")
+    for ns, name in (("a", "ok"), ("a", "garbage"), ("a", "gone"), ("b", "elsewhere"), ("b", "empty")):
+        retain(root, tmp_path, ns, name, age=H)
+    _manifest(root, "a", "garbage").write_text("{")
+    _manifest(root, "b", "empty").unlink()
+    body = json.loads(_manifest(root, "b", "elsewhere").read_text())
+    _manifest(root, "b", "elsewhere").write_text(json.dumps({**body, "namespace": "a"}))
+    scan = root.scan()
+    subprocess.run(["rm", "-rf", str(root.path / "a" / "gone")], check=True)  # vanished after the scan
+    many = root.read_many(scan.sandboxes)
+    assert many == {(e.namespace, e.name): root.read(e.namespace, e.name) for e in scan.sandboxes}
+    assert [type(many[k]).__name__ for k in sorted(many)] == ["Unparsed", "Absent", "Present", "Mismatch", "Absent"]
