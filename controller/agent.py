@@ -450,7 +450,7 @@ class Agent:
                 try:
                     await self.full_pass()
                 except Exception as err:
-                    logs.say(log, "pass_failed", level=logging.ERROR, reason=Reason.CONFLICT, error=repr(err)[:500])
+                    logs.say(log, "pass_failed", level=logging.ERROR, reason=Reason.AGENT_ERROR, error=repr(err)[:500])
                 await self._drain(stop, started + interval)
         finally:
             watcher.stopping.set()
@@ -478,18 +478,7 @@ class Agent:
                 key = await asyncio.wait_for(self.queue.get(), timeout=min(left, 0.5))
             except TimeoutError:
                 continue
-            try:
-                await self.process(key)
-            except Exception as err:
-                logs.say(
-                    log,
-                    "process_failed",
-                    level=logging.ERROR,
-                    reason=Reason.CONFLICT,
-                    object="/".join(key),
-                    error=repr(err),
-                )
-                self._later(key)
+            await self._process_logged(key)
 
     # --- one pass --------------------------------------------------------------------------------------
 
@@ -533,7 +522,7 @@ class Agent:
                 log,
                 "process_failed",
                 level=logging.ERROR,
-                reason=Reason.CONFLICT,
+                reason=Reason.AGENT_ERROR,
                 object="/".join(key),
                 error=repr(err),
             )
@@ -660,7 +649,7 @@ class Agent:
             self._say_limited(
                 f"adopt:{key}",
                 "adoption_failed",
-                reason=Reason.CONFLICT if err.conflict else Reason.ADOPTED,
+                reason=Reason.CONFLICT if err.conflict else Reason.ADOPTION_FAILED,
                 object=f"{key[0]}/{key[1]}",
                 error=err.message[:300],
             )

@@ -128,6 +128,8 @@ class Reason(StrEnum):
     # controller bookkeeping (issue 4)
     INVALID_POLICY = "InvalidPolicy"  # a SandboxPolicy field that does not parse: the default applies
     FINALIZER_REMOVED = "FinalizerRemoved"  # the node is gone, so the disk finalizer can never be honoured
+    AGENT_ERROR = "AgentError"  # an agent step that raised: logged, retried on the next pass
+    ADOPTION_FAILED = "AdoptionFailed"  # the API refused an adoption's create (not AlreadyExists)
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------
