@@ -405,7 +405,9 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--retention", type=_duration_arg, default=None, help="the window recorded now (72h)")
         parser.add_argument("--created-at", type=_instant_arg, default=None, help="when the job ran (default: now)")
         parser.add_argument("--node", default=None, help="the node name recorded in the manifest")
-        parser.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="remove these first")
+        parser.add_argument(
+            "--exclude", action="extend", nargs="+", default=[], metavar="GLOB", help="remove these first (transcripts)"
+        )
     elif command == "pin":
         parser.add_argument("sandbox", type=_ref_arg, metavar="NAMESPACE/NAME")
         how = parser.add_mutually_exclusive_group(required=True)
