@@ -638,6 +638,29 @@ def test_a_symlink_inside_a_sandbox_pointing_outside_the_root_is_never_followed(
     assert (n1.root.path / namespace / "evil").is_symlink()  # never followed, never renamed: only reported
 
 
+def test_a_mount_inside_a_sandbox_holds_deletion_and_its_files_survive(cluster, namespace, nodes, agents, tmp_path):
+    n1, _ = nodes
+    other_fs = tmp_path / "other-filesystem"
+    other_fs.mkdir()
+    (other_fs / "data").write_text("not the sandbox's")
+    path = n1.retain(namespace, "mounted-in", {"sub/.keep": ""})
+    point = path / "workspace" / "sub"
+    subprocess.run(["mount", "--bind", str(other_fs), str(point)], check=True)
+    try:
+        agents(n1)
+        wait_for(lambda: (get(cluster, namespace, "mounted-in") or {}).get("metadata", {}).get("finalizers"))
+        delete(cluster, namespace, "mounted-in")
+        held = wait_for(
+            lambda: (o := get(cluster, namespace, "mounted-in")) and o["status"].get("phase") == "Held" and o
+        )
+        assert f"mount at {point}" in held["status"]["heldBy"]
+        assert (other_fs / "data").read_text() == "not the sandbox's"
+    finally:
+        subprocess.run(["umount", str(point)], check=False)
+    wait_for(lambda: get(cluster, namespace, "mounted-in") is None, what="deleted once unmounted")
+    assert (other_fs / "data").read_text() == "not the sandbox's"
+
+
 def test_a_second_agent_on_the_same_root_waits_for_the_lock(cluster, namespace, nodes, agents):
     n1, _ = nodes
     first = agents(n1)
