@@ -279,7 +279,7 @@ class Sizer(threading.Thread):
         self.root = root
         self.changed = changed
         self.sizes: dict[Key, tuple[int, int]] = {}
-        self.todo: queue.Queue[Key] = queue.Queue()
+        self.todo: queue.Queue[Key | None] = queue.Queue()  # None: stop
         self.pending: set[Key] = set()
         self.lock = threading.Lock()
 
@@ -290,9 +290,14 @@ class Sizer(threading.Thread):
                     self.pending.add(k)
                     self.todo.put(k)
 
+    def stop(self) -> None:
+        self.todo.put(None)
+
     def run(self) -> None:
         while True:
             key = self.todo.get()
+            if key is None:
+                return
             with self.lock:
                 self.pending.discard(key)
             size = measure(self.root, *key)
@@ -454,6 +459,7 @@ class Agent:
                 await self._drain(stop, started + interval)
         finally:
             watcher.stopping.set()
+            self.sizer.stop()
             beat.cancel()
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
