@@ -9,6 +9,7 @@ uses is the one mistake that cannot be undone. A process that exits mid-scan is 
 
 from __future__ import annotations
 
+import bisect
 import errno
 import os
 import stat
@@ -64,17 +65,22 @@ class _Index(Generic[K]):
             self.by_path.setdefault(_canonical(path, parents), []).append(key)
 
     def owners(self, target: str) -> list[K]:
-        if target.endswith(_DELETED):
-            target = target[: -len(_DELETED)]
-        if not target.startswith("/"):
-            return []  # socket:[..], pipe:[..], anon_inode:..: not a path
-        found: list[K] = []
-        probe = target.rstrip("/") or "/"
-        while True:
-            found.extend(self.by_path.get(probe, ()))
-            if probe == "/":
-                return found
-            probe = probe.rsplit("/", 1)[0] or "/"
+        return _owners(self.by_path, target)
+
+
+def _owners(by_path: Mapping[str, list[K]], target: str) -> list[K]:
+    """The sandboxes at or above `target`, by walking its ancestors through `by_path`."""
+    if target.endswith(_DELETED):
+        target = target[: -len(_DELETED)]
+    if not target.startswith("/"):
+        return []  # socket:[..], pipe:[..], anon_inode:..: not a path
+    found: list[K] = []
+    probe = target.rstrip("/") or "/"
+    while True:
+        found.extend(by_path.get(probe, ()))
+        if probe == "/":
+            return found
+        probe = probe.rsplit("/", 1)[0] or "/"
 
 
 def _canonical(path: Path, parents: dict[str, str]) -> str:
@@ -198,8 +204,12 @@ class _Scan(Generic[K]):
                 self.by_fs.setdefault(loc, []).append(path)
         self.devs = {dev for dev, _ in self.by_fs}
         own_ns = self._link(proc / "self" / "ns" / "mnt")
+        self.own_ns = own_ns
         if own_ns is not None:
             self.seen_ns.add(own_ns)
+        # Another mount namespace's paths: sandbox paths as that namespace sees them (see `_view`).
+        self.views: dict[str, dict[str, list[K]]] = {}
+        self.fs_sorted = sorted(self.by_fs)
         self._check_mounts(self.own_mounts, "the agent's mount namespace", own_namespace=True)
 
     @staticmethod
@@ -216,9 +226,41 @@ class _Scan(Generic[K]):
         except OSError:
             return None
 
-    def hold(self, target: str, holder: str) -> None:
-        for key in self.index.owners(target):
+    def hold(self, target: str, holder: str, view: Mapping[str, list[K]] | None = None) -> None:
+        keys = self.index.owners(target)
+        if view:
+            keys = keys + _owners(view, target)
+        for key in dict.fromkeys(keys):
             self.found.procs.setdefault(key, []).append(holder)
+
+    def _view(self, mounts: list[_Mount]) -> dict[str, list[K]]:
+        """Where the sandboxes appear in a namespace that mounts one of their ancestors elsewhere.
+
+        A container that binds the whole root (or a namespace directory) at `/data` has its cwd and
+        files under `/data/<ns>/<name>`, which the host's paths never match. Each such mount maps the
+        sandboxes below its source to paths under its mount point; identical paths are left to the
+        host index.
+        """
+        view: dict[str, list[K]] = {}
+        for m in mounts:
+            if m.dev not in self.devs:
+                continue
+            top = m.root.rstrip("/")
+            prefix = f"{top}/"  # everything strictly below the mount's source: one contiguous sorted run
+            start = bisect.bisect_left(self.fs_sorted, (m.dev, prefix))
+            below = []
+            for dev, fs_path in self.fs_sorted[start:]:
+                if dev != m.dev or not fs_path.startswith(prefix):
+                    break
+                below.append(fs_path)
+            if (m.dev, top or "/") in self.by_fs:
+                below.append(top or "/")
+            for fs_path in below:
+                seen_as = f"{m.point.rstrip('/')}{fs_path[len(top) :]}" or "/"
+                for host_path in self.by_fs[(m.dev, fs_path)]:
+                    if seen_as != host_path:
+                        view.setdefault(seen_as, []).extend(self.index.by_path[host_path])
+        return view
 
     def hold_deep(self, link: str, holder: str) -> None:
         """A /proc link whose target path is longer than PATH_MAX (ENAMETOOLONG): decide by identity.
@@ -290,6 +332,13 @@ class _Scan(Generic[K]):
     def _process(self, pid: int, pid_dir: Path) -> None:
         comm = _comm(pid_dir)
         who = f"pid {pid} ({comm})"
+        ns = self._link(pid_dir / "ns" / "mnt")
+        if ns is not None and ns not in self.seen_ns:
+            self.seen_ns.add(ns)
+            mounts = _mounts((pid_dir / "mountinfo").read_text())
+            self._check_mounts(mounts, f"{who} (mount namespace {ns})", own_namespace=False)
+            self.views[ns] = self._view(mounts)
+        view = self.views.get(ns) if ns is not None and ns != self.own_ns else None
         for what in ("cwd", "root", "exe"):
             try:
                 target = str((pid_dir / what).readlink())
@@ -301,7 +350,7 @@ class _Scan(Generic[K]):
                     self.hold_deep(str(pid_dir / what), f"{who} {what}")
                     continue
                 raise
-            self.hold(target, f"{who} {what}")
+            self.hold(target, f"{who} {what}", view)
         with os.scandir(pid_dir / "fd") as fds:
             for fd in fds:
                 try:
@@ -313,17 +362,12 @@ class _Scan(Generic[K]):
                         self.hold_deep(fd.path, f"{who} fd {fd.name}")
                         continue
                     raise
-                self.hold(target, f"{who} fd {fd.name}")
+                self.hold(target, f"{who} fd {fd.name}", view)
         maps = (pid_dir / "maps").read_text()
         for line in maps.splitlines():
             parts = line.split(None, 5)
             if len(parts) == 6 and parts[5].startswith("/"):
-                self.hold(parts[5], f"{who} maps a file")
-        ns = self._link(pid_dir / "ns" / "mnt")
-        if ns is not None and ns not in self.seen_ns:
-            self.seen_ns.add(ns)
-            text = (pid_dir / "mountinfo").read_text()
-            self._check_mounts(_mounts(text), f"{who} (mount namespace {ns})", own_namespace=False)
+                self.hold(parts[5], f"{who} maps a file", view)
 
 
 def scan_usage(

@@ -148,6 +148,22 @@ def test_a_bind_of_a_sandbox_in_another_mount_namespace_holds(sandboxes, tmp_pat
     assert usage["a"].in_use is False
 
 
+def test_a_process_inside_a_sandbox_seen_through_another_namespaces_bind_of_the_root_holds(sandboxes, tmp_path, procs):
+    # A container-like namespace binds the whole root at another path and works inside one sandbox
+    # through it: its cwd reads as the bind's path, which no host path matches.
+    root = sandboxes["a"].parent.parent
+    view = tmp_path / "view"
+    view.mkdir()
+    script = f"mount --bind {root} {view} && cd {view}/ns/a/workspace && echo ready && exec sleep 60"
+    p = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd="/", stdout=subprocess.PIPE)
+    procs.append(p)
+    _wait_ready(p)
+    usage = scan_usage(sandboxes, ignore=IGNORE)
+    assert usage["a"].in_use is True
+    assert any(h.startswith(f"pid {p.pid} (sleep) cwd") for h in usage["a"].holders)
+    assert usage["b"].in_use is False
+
+
 def test_a_process_the_scan_cannot_inspect_makes_the_answer_unknown(sandboxes):
     # A scan with no capabilities cannot read the processes that have some: "unknown", never "free".
     code = (
