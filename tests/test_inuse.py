@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from controller.contracts import Reason
+from controller.fsdelete import delete_tree
 from controller.inuse import scan_usage
 
 
@@ -221,9 +222,20 @@ DEEP_CWD = (
 DEPTH = 2100  # "d/" x 2100: 4200+ bytes, past PATH_MAX (4096) whatever the tmp path
 
 
-def _deep_chain(top: Path, depth: int) -> None:
+@pytest.fixture
+def deep_trees() -> Iterator[list[Path]]:
+    """Deep chains are deleted by the test itself: pytest's recursive tmp clean-up cannot (RecursionError)."""
+    made: list[Path] = []
+    yield made
+    for top in made:
+        result = delete_tree(top.parent, top.name)
+        assert result.ok, result
+
+
+def _deep_chain(top: Path, depth: int, made: list[Path]) -> None:
     """`top/d/d/.../d`, built fd-relative (no path to it fits in PATH_MAX)."""
     top.mkdir(parents=True)
+    made.append(top)
     fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for _ in range(depth):
@@ -245,16 +257,16 @@ def _deep_process(top: Path, procs: list[subprocess.Popen[bytes]]) -> subprocess
     return p
 
 
-def test_a_process_deep_in_another_tree_leaves_every_sandbox_free_not_unknown(sandboxes, tmp_path, procs):
-    _deep_chain(tmp_path / "elsewhere", DEPTH)
+def test_a_process_deep_in_another_tree_leaves_every_sandbox_free_not_unknown(sandboxes, tmp_path, procs, deep_trees):
+    _deep_chain(tmp_path / "elsewhere", DEPTH, deep_trees)
     _deep_process(tmp_path / "elsewhere", procs)
     usage = scan_usage(sandboxes, ignore=IGNORE)
     assert usage["a"].in_use is False and usage["b"].in_use is False, usage
 
 
-def test_a_process_deep_inside_a_sandbox_holds_that_sandbox(sandboxes, procs):
+def test_a_process_deep_inside_a_sandbox_holds_that_sandbox(sandboxes, procs, deep_trees):
     top = sandboxes["a"] / "workspace" / "deep"
-    _deep_chain(top, DEPTH)
+    _deep_chain(top, DEPTH, deep_trees)
     p = _deep_process(top, procs)
     usage = scan_usage(sandboxes, ignore=IGNORE)
     assert usage["a"].in_use is True and usage["a"].reason is Reason.IN_USE
