@@ -28,7 +28,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -164,6 +164,32 @@ def same_run(obj: Obj, read: Read) -> bool | None:
 def _when(text: Any) -> datetime | None:
     parsed = parse_instant(text) if isinstance(text, str) else None
     return None if parsed is None or isinstance(parsed, Invalid) else parsed
+
+
+def discount_orphans(usage: Mapping[Key, Usage], paths: Mapping[Key, Path]) -> dict[Key, Usage]:
+    """The pass's answers, with a sandbox used only by its own recorded orphans reported as not in use.
+
+    Orphans (what a killed `sandkeep exec` left running) are debris: they are SIGKILLed on the way to
+    deletion, before the in-use check right before the rename. Counting them as users would hold an
+    expired sandbox forever, since only a deletion reaps them. Any other holder (a live command, a
+    process nobody recorded, a Pod, a mount, a process that cannot be inspected) keeps it in use.
+    Reads the records only for sandboxes held by processes alone; signals nothing.
+    """
+    out = dict(usage)
+    for key, answer in usage.items():
+        if answer.in_use is True and answer.only_pids and answer.held_only_by(commands.orphan_pids(paths[key])):
+            out[key] = orphans_pending(answer.pids)
+    return out
+
+
+def orphans_pending(pids: frozenset[int]) -> Usage:
+    """Not in use; heldBy and the InUse condition say which orphans a deletion will reap first."""
+    listed = ",".join(str(p) for p in sorted(pids))
+    why = (
+        f"only orphans of a killed `sandkeep exec` use it: pids {listed}, "
+        "which are killed (SIGKILL) before the sandbox is deleted"
+    )
+    return Usage(False, (why,), Reason.ORPHANS_PENDING, pids)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -498,7 +524,8 @@ class Agent:
         keys = {(e.namespace, e.name): e.path for e in scan.sandboxes}
         self.state.present = set(keys)
         pods = await self._pod_paths() or []  # for reporting; a deletion asks again and holds without an answer
-        self.state.usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
+        usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
+        self.state.usage = await asyncio.to_thread(discount_orphans, usage, keys)
         refused = await self.adopt(scan.sandboxes)
         self.sizer.request(keys)
         self._prune(set(keys))
@@ -749,6 +776,8 @@ class Agent:
 
     def _in_use_condition(self, obj: Obj, usage: Usage | None) -> Obj:
         prev = self._conditions(obj)
+        if usage is not None and usage.in_use is False and usage.reason is not None:  # e.g. OrphansPending
+            return kube.condition("InUse", False, usage.reason, "; ".join(usage.holders), previous=prev)
         if usage is None or usage.in_use is False:
             return kube.condition("InUse", False, Reason.RETAINED, "nothing on the node uses it", previous=prev)
         status: bool | str = True if usage.in_use else "Unknown"

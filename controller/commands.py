@@ -12,6 +12,8 @@ when nothing in it is alive.
 leader is still the recorded process, and so is each recorded descendant that still is. Survivors
 after the timeout hold the sandbox. Never pid <= 1 (`kill(-1)` is every process), never this process
 or its own group. A record whose recorder is still alive (its lock is held) is not an orphan.
+`orphan_pids` answers, without signalling, which pids a reap would end: the agent does not count them
+as users of an expired sandbox, since they are killed before it is deleted.
 """
 
 from __future__ import annotations
@@ -270,6 +272,59 @@ class _Pending:
     members: list[Mark] = field(default_factory=list)
 
 
+def _orphan_records(cfd: int, boot: str | None) -> Iterator[tuple[str, tuple[str, Mark | None, list[Mark]] | None]]:
+    """Each record in `.commands` whose recorder is gone: (name, (boot, leader, members)), or (name, None)
+    when it is torn or of another boot (or this boot is unknown): it names nothing on this boot.
+
+    One reading for the reaper and for `orphan_pids`, so what is reported as an orphan is exactly what
+    a reap would signal.
+    """
+    for name in sorted(os.listdir(cfd)):
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        if _recorder_alive(cfd, name):
+            continue
+        text = _read_text(cfd, name)
+        parsed = None if text is None else _parse_record(text)
+        yield name, None if parsed is None or boot is None or parsed[0] != boot else parsed
+
+
+def _still_recorded(proc: Path, leader: Mark | None, members: list[Mark]) -> tuple[Mark | None, list[Mark]]:
+    """The leader (if it is still the recorded process) and the members that still are, leader not twice."""
+    live_leader = leader if leader is not None and _same(proc, leader) else None
+    live_members = [m for m in members if (leader is None or m.pid != leader.pid) and _same(proc, m)]
+    return live_leader, live_members
+
+
+def _never_signalled(target: int, mark: Mark, own: _Stat | None) -> bool:
+    """Never pid <= 1, never this process or its group: kill(0) and kill(-1) reach far more than a record."""
+    return mark.pid <= 1 or mark.pid == os.getpid() or (own is not None and target < 0 and -target == own.pgrp)
+
+
+def orphan_pids(sandbox_dir: Path, proc: Path = Path("/proc")) -> frozenset[int]:
+    """The pids `sandbox_dir/.commands` names that are orphans right now; read-only, nothing is signalled.
+
+    An orphan is a process a record of this boot names, whose recorder is gone, and that is still the
+    recorded process (pid, start ticks): what the next reap would SIGKILL by name. The agent uses it to
+    tell a sandbox held only by such debris (reaped on the way to deletion, so it must not keep an
+    expired sandbox from being deleted) from one a live command or anything else uses. Torn records,
+    records of another boot and reused pids name nothing; processes a reap never signals are left out.
+    """
+    with _open_commands_dir(sandbox_dir, create=False) as cfd:
+        if cfd is None:
+            return frozenset()
+        own = _stat(proc, os.getpid())
+        found: set[int] = set()
+        for _name, parsed in _orphan_records(cfd, boot_id(proc)):
+            if parsed is None:
+                continue
+            leader, members = _still_recorded(proc, parsed[1], parsed[2])
+            if leader is not None and not _never_signalled(-leader.pid, leader, own):
+                found.add(leader.pid)
+            found.update(m.pid for m in members if not _never_signalled(m.pid, m, own))
+        return frozenset(found)
+
+
 def reap_orphans(
     sandbox_dir: Path,
     *,
@@ -298,8 +353,7 @@ def _reap(cfd: int, timeout: float, kill: Kill, proc: Path) -> ReapResult:
 
     def signal_once(target: int, mark: Mark) -> None:
         nonlocal signalled
-        # Never pid <= 1, never this process or its group: kill(0) and kill(-1) reach far more than a record.
-        if mark.pid <= 1 or mark.pid == os.getpid() or (own is not None and target < 0 and -target == own.pgrp):
+        if _never_signalled(target, mark, own):
             return
         try:
             kill(target, signal.SIGKILL)
@@ -308,22 +362,15 @@ def _reap(cfd: int, timeout: float, kill: Kill, proc: Path) -> ReapResult:
             pass  # gone between the check and the kill, or not ours: a survivor if it is still alive
 
     pending: list[_Pending] = []
-    for name in sorted(os.listdir(cfd)):
-        if not name.endswith(".json") or name.startswith("."):
-            continue
-        if _recorder_alive(cfd, name):
-            continue
-        text = _read_text(cfd, name)
-        parsed = None if text is None else _parse_record(text)
-        if parsed is None or boot is None or parsed[0] != boot:
+    for name, parsed in _orphan_records(cfd, boot):
+        if parsed is None:
             _remove(cfd, name)  # a torn record names nothing; another boot's pids mean nothing on this one
             dropped += 1
             continue
         rboot, leader, members = parsed
-        live_leader = leader if leader is not None and _same(proc, leader) else None
+        live_leader, live_members = _still_recorded(proc, leader, members)
         if live_leader is not None:
             signal_once(-live_leader.pid, live_leader)
-        live_members = [m for m in members if (leader is None or m.pid != leader.pid) and _same(proc, m)]
         for m in live_members:
             signal_once(m.pid, m)
         pending.append(_Pending(name, rboot, live_leader, live_members))

@@ -130,6 +130,7 @@ class Reason(StrEnum):
     FINALIZER_REMOVED = "FinalizerRemoved"  # the node is gone, so the disk finalizer can never be honoured
     AGENT_ERROR = "AgentError"  # an agent step that raised: logged, retried on the next pass
     ADOPTION_FAILED = "AdoptionFailed"  # the API refused an adoption's create (not AlreadyExists)
+    ORPHANS_PENDING = "OrphansPending"  # used only by recorded orphans: not in use, they are reaped before deletion
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------

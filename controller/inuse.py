@@ -34,18 +34,37 @@ class Usage:
     in_use: bool | None
     holders: tuple[str, ...] = ()
     reason: Reason | None = None
+    pids: frozenset[int] = frozenset()  # the processes among the holders (Pods, mounts, unknowns carry none)
+    only_pids: bool = False  # nothing but those processes holds: no Pod, no mount, nothing uninspectable
 
     @property
     def holds(self) -> bool:
         """Whether this answer must keep the sandbox from being renamed or deleted."""
         return self.in_use is not False
 
+    def held_only_by(self, pids: Collection[int]) -> bool:
+        """Whether every holder is one of `pids` (and no process that could not be inspected might hold it).
+
+        How the agent tells a sandbox used only by processes it is about to kill (recorded orphans) from
+        one in use: anything else among the holders, or anything unknown on the node, keeps it in use.
+        """
+        return self.in_use is True and self.only_pids and bool(self.pids) and self.pids <= frozenset(pids)
+
 
 @dataclass
 class _Found(Generic[K]):
     procs: dict[K, list[str]] = field(default_factory=dict)
+    pids: dict[K, set[int]] = field(default_factory=dict)  # the process behind each of procs' holders...
+    not_pids: set[K] = field(default_factory=set)  # ...except these keys': a holder without one (a mount)
     pods: dict[K, list[str]] = field(default_factory=dict)
     unknown: list[str] = field(default_factory=list)
+
+    def hold(self, key: K, holder: str, pid: int | None) -> None:
+        self.procs.setdefault(key, []).append(holder)
+        if pid is None:
+            self.not_pids.add(key)
+        else:
+            self.pids.setdefault(key, set()).add(pid)
 
 
 @dataclass(frozen=True)
@@ -226,12 +245,12 @@ class _Scan(Generic[K]):
         except OSError:
             return None
 
-    def hold(self, target: str, holder: str, view: Mapping[str, list[K]] | None = None) -> None:
+    def hold(self, target: str, holder: str, view: Mapping[str, list[K]] | None = None, pid: int | None = None) -> None:
         keys = self.index.owners(target)
         if view:
             keys = keys + _owners(view, target)
         for key in dict.fromkeys(keys):
-            self.found.procs.setdefault(key, []).append(holder)
+            self.found.hold(key, holder, pid)
 
     def _view(self, mounts: list[_Mount]) -> dict[str, list[K]]:
         """Where the sandboxes appear in a namespace that mounts one of their ancestors elsewhere.
@@ -262,7 +281,7 @@ class _Scan(Generic[K]):
                         view.setdefault(seen_as, []).extend(self.index.by_path[host_path])
         return view
 
-    def hold_deep(self, link: str, holder: str) -> None:
+    def hold_deep(self, link: str, holder: str, pid: int) -> None:
         """A /proc link whose target path is longer than PATH_MAX (ENAMETOOLONG): decide by identity.
 
         readlink cannot name such a target, but the kernel still resolves the link: a directory is
@@ -280,7 +299,7 @@ class _Scan(Generic[K]):
             # a file cannot be walked up from: where it sits stays unknown, which holds
             raise OSError(errno.ENAMETOOLONG, "a file deeper than PATH_MAX", link)
         for key in _ancestors_in(link, self._sandbox_ids(), self._deep):
-            self.found.procs.setdefault(key, []).append(f"{holder} (deeper than PATH_MAX)")
+            self.found.hold(key, f"{holder} (deeper than PATH_MAX)", pid)
 
     def _sandbox_ids(self) -> dict[tuple[int, int], list[K]]:
         """(device, inode) of every sandbox directory, stat-ed once per scan and only when needed."""
@@ -303,7 +322,7 @@ class _Scan(Generic[K]):
                 if own_namespace and _inside(path, m.point):
                     continue  # the mount that holds the sandbox itself (the root's filesystem), not a bind of it
                 for key in self.index.by_path[path]:
-                    self.found.procs.setdefault(key, []).append(f"{whose} mounts {m.root} at {m.point}")
+                    self.found.hold(key, f"{whose} mounts {m.root} at {m.point}", None)  # outlives any one pid
         if own_namespace:
             for m in mounts:
                 self.hold(m.point, f"mount at {m.point}")
@@ -347,10 +366,10 @@ class _Scan(Generic[K]):
                 if e.errno in _GONE:
                     continue
                 if e.errno == errno.ENAMETOOLONG:
-                    self.hold_deep(str(pid_dir / what), f"{who} {what}")
+                    self.hold_deep(str(pid_dir / what), f"{who} {what}", pid)
                     continue
                 raise
-            self.hold(target, f"{who} {what}", view)
+            self.hold(target, f"{who} {what}", view, pid)
         with os.scandir(pid_dir / "fd") as fds:
             for fd in fds:
                 try:
@@ -359,15 +378,15 @@ class _Scan(Generic[K]):
                     if e.errno in _GONE:
                         continue  # closed between the listing and the readlink
                     if e.errno == errno.ENAMETOOLONG:
-                        self.hold_deep(fd.path, f"{who} fd {fd.name}")
+                        self.hold_deep(fd.path, f"{who} fd {fd.name}", pid)
                         continue
                     raise
-                self.hold(target, f"{who} fd {fd.name}", view)
+                self.hold(target, f"{who} fd {fd.name}", view, pid)
         maps = (pid_dir / "maps").read_text()
         for line in maps.splitlines():
             parts = line.split(None, 5)
             if len(parts) == 6 and parts[5].startswith("/"):
-                self.hold(parts[5], f"{who} maps a file", view)
+                self.hold(parts[5], f"{who} maps a file", view, pid)
 
 
 def scan_usage(
@@ -397,7 +416,9 @@ def _answer(key: K, found: _Found[K]) -> Usage:
     procs, pods = found.procs.get(key, []), found.pods.get(key, [])
     if procs or pods:
         reason = Reason.IN_USE if procs else Reason.POD_MOUNT
-        return Usage(True, _bounded(procs + pods), reason)
+        pids = frozenset(found.pids.get(key, ()))
+        only = bool(pids) and not pods and key not in found.not_pids and not found.unknown
+        return Usage(True, _bounded(procs + pods), reason, pids, only)
     if found.unknown:
         return Usage(None, _bounded(found.unknown), Reason.IN_USE_UNKNOWN)
     return Usage(False)

@@ -1,8 +1,9 @@
 """The node agent against the real local control plane, real directories, real processes and signals.
 
 Two simulated nodes with separate roots; agents run as real `sandkeep agent` processes (stopped by
-pid), or in-process where a test needs the kill seam. No controller runs: deleting an object is the
-delete request (`kubectl delete --wait=false`).
+pid), or in-process where a test needs the kill seam. Mostly no controller runs: deleting an object is
+the delete request (`kubectl delete --wait=false`); where expiry is the point, a real `sandkeep
+controller` makes that request.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from controller_harness import Controller, install_crds
 
 from controller import agent as agent_mod
 from controller import contracts as c
@@ -337,21 +339,27 @@ def test_an_open_file_descriptor_holds_deletion(cluster, namespace, nodes, agent
     assert not path.exists()
 
 
-def test_a_recorded_orphan_process_group_is_killed_before_deletion(cluster, namespace, nodes, agents):
-    n1, _ = nodes
-    path = n1.retain(namespace, "orphans")
+def orphans_of_a_killed_exec(node: Node, namespace: str, name: str, script: str) -> list[int]:
+    """Run `script` (which prints "ready" and leaves two children) with `sandkeep exec` in the sandbox,
+    wait until its leader and both children are recorded, SIGKILL the recorder; the recorded pids."""
     recorder = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "exec", f"{namespace}/orphans", "--root", str(n1.root.path), "--",
-         "sh", "-c", "sleep 200 & sleep 201 & echo ready; exec sleep 202"],
+        [sys.executable, "-m", "controller.cli", "exec", f"{namespace}/{name}", "--root", str(node.root.path), "--",
+         "sh", "-c", script],
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert recorder.stdout is not None and recorder.stdout.readline().strip() == "ready"
-    records = path / ".commands"
+    records = node.root.path / namespace / name / c.COMMANDS_DIR
     wait_for(lambda: any(len(json.loads(f.read_text())["members"]) >= 2 for f in records.glob("*.json")))
     record = json.loads(next(records.glob("*.json")).read_text())
-    pids = [record["leader"]["pid"], *(m["pid"] for m in record["members"])]
     recorder.kill()  # the recorder dies; its command group runs on, cwd inside the sandbox
     recorder.wait()
+    return [record["leader"]["pid"], *(m["pid"] for m in record["members"])]
+
+
+def test_a_recorded_orphan_process_group_is_killed_before_deletion(cluster, namespace, nodes, agents):
+    n1, _ = nodes
+    path = n1.retain(namespace, "orphans")
+    pids = orphans_of_a_killed_exec(n1, namespace, "orphans", "sleep 200 & sleep 201 & echo ready; exec sleep 202")
     try:
         agents(n1)
         wait_for(lambda: (get(cluster, namespace, "orphans") or {}).get("metadata", {}).get("finalizers"))
@@ -359,6 +367,50 @@ def test_a_recorded_orphan_process_group_is_killed_before_deletion(cluster, name
         wait_for(lambda: get(cluster, namespace, "orphans") is None, what="deleted after reaping")
         assert not path.exists()
         assert not any(Path(f"/proc/{pid}").exists() and _running(pid) for pid in pids)
+    finally:
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_orphans_alone_do_not_hold_an_expired_sandbox_they_are_reaped_and_it_is_deleted(
+    cluster, namespace, nodes, agents, tmp_path
+):
+    install_crds(cluster)  # the controller also watches SandboxPolicies
+    n1, _ = nodes
+    src = tmp_path / "job-leftover"
+    src.mkdir()
+    n1.root.retain(src, namespace, "leftover", job_id="job-leftover", created_at=datetime.now(UTC),
+                   retention=timedelta(seconds=20))  # fmt: skip
+    path = n1.root.path / namespace / "leftover"
+    pids = orphans_of_a_killed_exec(n1, namespace, "leftover", "sleep 204 & sleep 205 & echo ready; exec sleep 206")
+    try:
+        a = agents(n1)
+
+        def reported() -> dict[str, Any] | None:
+            o = get(cluster, namespace, "leftover")
+            return o if (cond(o, "InUse") or {}).get("reason") == str(c.Reason.ORPHANS_PENDING) else None
+
+        obj = wait_for(reported, what="the orphans reported as pending, not as users")
+        in_use = cond(obj, "InUse") or {}
+        assert obj["status"]["inUse"] is False
+        assert in_use["status"] == "False"
+        assert f"pids {','.join(str(p) for p in sorted(pids))}," in in_use["message"]
+        assert obj["status"]["heldBy"] == [in_use["message"]]
+        assert all(_running(pid) for pid in pids)  # reported, not signalled: only a deletion reaps
+        assert obj["status"].get("phase") != "Held"
+
+        controller = Controller(cluster, namespace, tmp_path / "controller.log")
+        try:
+            controller.wait_leader()
+            wait_for(lambda: get(cluster, namespace, "leftover") is None, 60, "deleted at expiry, by the controller")
+        finally:
+            controller.stop()
+        assert not path.exists() and tombstones(n1) == []
+        assert not any(_running(pid) for pid in pids)
+        lines = [line for line in a.log().splitlines() if f"{namespace}/leftover" in line]
+        reaped = next(i for i, line in enumerate(lines) if "orphans_reaped" in line)
+        assert reaped < next(i for i, line in enumerate(lines) if "tombstoned" in line)  # killed, then renamed
     finally:
         for pid in pids:
             if _running(pid):

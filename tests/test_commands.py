@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.commands import Mark, boot_id, reap_orphans
+from controller.commands import Mark, boot_id, orphan_pids, reap_orphans
 from controller.store import Root
 
 SANDKEEP = [sys.executable, "-m", "controller.cli"]
@@ -249,3 +249,44 @@ def test_exec_refuses_to_start_beside_a_survivor_and_names_it(sandbox, pids, mon
     err = capsys.readouterr().err
     assert "refused to start" in err and f"pid {victim.pid} (sleep 309)" in err and f"kill -9 {victim.pid}" in err
     assert not marker.exists()
+
+
+# --- orphan_pids: which processes a reap would end, read without signalling -----------------------------
+
+
+def test_orphan_pids_lists_a_killed_recorders_live_group_and_nothing_while_it_runs(sandbox, pids):
+    root, box = sandbox
+    p = _exec(root, "sh", "-c", "sleep 310 & setsid sleep 311 & echo ready; exec sleep 312")
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    _wait_for(lambda: len(_records(box)) == 1 and len(_records(box)[0]["members"]) >= 2)  # type: ignore[arg-type]
+    record = _records(box)[0]
+    marks = [record["leader"], *record["members"]]  # type: ignore[list-item]
+    recorded = {m["pid"] for m in marks}  # type: ignore[index]
+    pids.extend(recorded)
+
+    assert orphan_pids(box) == frozenset()  # its recorder holds the lock: a running command, not an orphan
+
+    p.kill()
+    p.wait(timeout=10)
+    assert orphan_pids(box) == recorded
+    assert all(_alive(pid) for pid in recorded)  # only read: nothing was signalled
+    assert len(_records(box)) == 1  # ... and nothing removed
+
+    assert reap_orphans(box, timeout=10).survivors == ()
+    assert orphan_pids(box) == frozenset()
+
+
+def test_orphan_pids_names_nothing_for_another_boot_a_torn_record_or_a_reused_pid(sandbox, pids):
+    _root, box = sandbox
+    victims = [subprocess.Popen(["sleep", str(313 + i)], start_new_session=True) for i in range(2)]
+    pids.extend(v.pid for v in victims)
+    reused, orphan = ({"pid": v.pid, "start": _start_ticks(v.pid)} for v in victims)
+    _write_record(box, "old.json", {"boot": "another-boot", "leader": reused, "members": []})
+    _write_record(box, "torn.json", '{"boot": "' + (boot_id() or "") + '", "lead')
+    stale = {"pid": reused["pid"], "start": reused["start"] - 1}  # same pid, another start: another process
+    _write_record(box, "reused.json", {"boot": boot_id(), "leader": None, "members": [stale]})
+    _write_record(box, "orphan.json", {"boot": boot_id(), "leader": orphan, "members": []})
+
+    assert orphan_pids(box) == {orphan["pid"]}  # only the one a reap would kill by its record
+    assert len(list((box / ".commands").glob("*.json"))) == 4  # read-only: even torn records stay
+    assert all(_alive(v.pid) for v in victims)
