@@ -4,7 +4,8 @@ It starts etcd + kube-apiserver (hack/localcluster.py), installs the CRDs with t
 two Node objects, and runs the controller and one agent per simulated node (each with its own root
 directory) as real `sandkeep` processes. Then it retains real job workspaces with `sandkeep retain`, pins
 one with `kubectl annotate`, keeps one in use with a live process, leaves an orphan command in one and
-SIGKILLs its recorder, makes one undeletable with `chattr +i`, and shows what sandkeep does about each.
+SIGKILLs its recorder (the orphans do not hold it: they are killed when it expires), makes one
+undeletable with `chattr +i`, and shows what sandkeep does about each.
 
 Every step checks its expected outcome with a timeout; the demo exits 1 (saying which step and why) if
 one does not happen. Every process and directory it created is removed on exit, on Ctrl-C and on SIGTERM.
@@ -508,8 +509,9 @@ def orphan(demo: Demo) -> list[tuple[int, int]]:
         "Leave an orphan: run a command with `sandkeep exec`, then SIGKILL the recorder",
         "`sandkeep exec` runs a command in a sandbox as its own process group and records every process "
         "of it (pid + start time + boot id) on disk while it runs. If the recorder is killed, the "
-        "command's background processes live on, untracked by anyone else: before this sandbox is ever "
-        "deleted, the agent kills exactly the recorded processes, never a reused pid.",
+        "command's background processes live on, untracked by anyone else. They are debris, not users: "
+        "the agent reports the sandbox not in use (naming the orphans), and before it is deleted kills "
+        "exactly the recorded processes, never a reused pid.",
     )
     root = demo.roots["node-b"]
     demo.before_deadline("agent-run-18", "starting the command")
@@ -546,7 +548,22 @@ def orphan(demo: Demo) -> list[tuple[int, int]]:
                         capture_output=True, text=True, check=False)  # fmt: skip
     demo.show(f"kill -9 {recorder.popen.pid}; ps -o pid,pgid,args -p ...", ps.stdout)
     demo.ok(f"recorder killed; orphans {' '.join(str(p) for p, _ in marks)} still running inside agent-run-18")
+    demo.wait(
+        "the agent on node-b to report agent-run-18 not in use, its orphans pending",
+        lambda: orphans_pending(demo, "agent-run-18"),
+        timeout=20,
+    )
+    demo.kubectl("get", "rsb", "agent-run-18", "-n", NAMESPACE, "-o", "jsonpath={.status.inUse} {.status.heldBy}",
+                 show=True)  # fmt: skip
+    demo.ok("agent-run-18 reported not in use: its orphans will be reaped before it is deleted")
     return marks
+
+
+def orphans_pending(demo: Demo, name: str) -> bool:
+    """The agent reports `name` used only by recorded orphans: inUse false, InUse reason OrphansPending."""
+    status = (demo.sandbox_obj(name) or {}).get("status") or {}
+    cond: dict[str, Any] = next((x for x in status.get("conditions") or [] if x.get("type") == "InUse"), {})
+    return status.get("inUse") is False and cond.get("reason") == str(c.Reason.ORPHANS_PENDING)
 
 
 def undeletable(demo: Demo) -> None:
@@ -582,15 +599,16 @@ def expiry(demo: Demo) -> None:
     demo.say(f"...waiting for the {demo.window} window of the others to pass")
     demo.wait("agent-run-17 to be Held (expired, but in use)", lambda: demo.phase("agent-run-17") == "Held",
               demo.seconds(demo.window) + 30)  # fmt: skip
-    demo.wait("agent-run-18 to be Held (expired, its orphan still runs in it)",
-              lambda: demo.phase("agent-run-18") == "Held", 30)  # fmt: skip
+    demo.wait("agent-run-18 to be deleted (expired; its orphans do not hold it, nobody ran kubectl delete)",
+              lambda: demo.gone("agent-run-18"), 30)  # fmt: skip
+    demo.sandboxes["agent-run-18"].deleted = True
     demo.wait(
         "build-1044 to be Stuck (its tombstone cannot be deleted)", lambda: demo.phase("build-1044") == "Stuck", 30
     )
     demo.table()
     if demo.phase("build-1043") != "Pinned":
         raise DemoFailed(f"build-1043 is pinned for an hour and must still be Pinned, it is {demo.phase('build-1043')}")
-    demo.ok("pinned one kept; two in use Held; the undeletable one Stuck")
+    demo.ok("pinned one kept; the one in use Held; the orphans' one deleted; the undeletable one Stuck")
 
 
 def stuck(demo: Demo) -> None:
@@ -661,14 +679,12 @@ def release(demo: Demo, sleeper: Proc) -> None:
 
 def reap(demo: Demo, marks: list[tuple[int, int]]) -> None:
     demo.step(
-        "Delete the orphan's sandbox now: kubectl delete rsb/agent-run-18",
-        "agent-run-18 is expired but Held: its orphans keep it in use. Deleting the object is the request "
-        "to delete the directory; before renaming it, the agent kills the recorded orphan processes (whole "
-        "group first), checks nothing else uses it, and only then deletes.",
+        "How the orphans' sandbox went: orphans killed first, then the directory",
+        "agent-run-18 expired with its orphans still running in it. Orphans do not count as users, so the "
+        "controller asked for the deletion at the deadline like for any other sandbox; before renaming "
+        "the directory, the agent killed the recorded orphan processes (whole group first), checked that "
+        "nothing else uses it, and only then deleted it.",
     )
-    demo.kubectl("delete", "rsb/agent-run-18", "-n", NAMESPACE, "--wait=false", show=True)
-    demo.wait("agent-run-18 to be deleted after its orphans were reaped", lambda: demo.gone("agent-run-18"), 30)
-    demo.sandboxes["agent-run-18"].deleted = True
     survivors = [pid for pid, ticks in marks if alive(pid, ticks)]
     if survivors:
         raise DemoFailed(f"the orphans {survivors} should have been killed before agent-run-18 was deleted")
@@ -700,7 +716,8 @@ def finale(demo: Demo) -> None:
     print()
     print(f"    sandboxes retained : {len(demo.sandboxes)} (on {len(NODES)} nodes)")
     print("    pinned             : 1 (build-1043, kept for an hour)")
-    print("    held while in use  : 2 (agent-run-17 by a live process, agent-run-18 by an orphan until reaped)")
+    print("    held while in use  : 1 (agent-run-17 by a live process, deleted once it exited)")
+    print("    orphans reaped     : agent-run-18's, at its deadline, right before it was deleted")
     print(f"    deleted            : {len(deleted)} ({', '.join(s.name for s in deleted)})")
     print("    stuck, then fixed  : 1 (build-1044: immutable file, recovered after chattr -i)")
     print(f"    bytes freed        : {freed} ({freed / 1024 / 1024:.1f} MiB, as measured by the agents)")
@@ -714,7 +731,7 @@ STORY: tuple[Sandbox, ...] = (
     Sandbox("build-1043", "node-a"),  # pinned for an hour: kept
     Sandbox("build-1045", "node-a"),  # plain: deleted when the window closes
     Sandbox("agent-run-17", "node-b"),  # in use by a live process: held, deleted after it exits
-    Sandbox("agent-run-18", "node-b"),  # an orphan command: held, reaped, then deleted
+    Sandbox("agent-run-18", "node-b"),  # an orphan command: not a user; reaped at expiry, then deleted
     Sandbox("build-1044", "node-b"),  # an immutable file: stuck, then recovers
 )
 
@@ -730,12 +747,12 @@ def play(demo: Demo) -> None:
     marks = orphan(demo)
     undeletable(demo)
     expiry(demo)
+    reap(demo, marks)
     demo.wait("build-1045 (plain, window passed) to be deleted", lambda: demo.gone("build-1045"), 30)
     demo.sandboxes["build-1045"].deleted = True
     stuck(demo)
     recover(demo)
     release(demo, sleeper)
-    reap(demo, marks)
     finale(demo)
 
 
