@@ -129,6 +129,7 @@ def test_a_mount_on_a_directory_inside_a_sandbox_holds(sandboxes, tmp_path):
         usage = scan_usage(sandboxes, ignore=IGNORE)
         assert usage["a"].in_use is True
         assert f"mount at {point}" in usage["a"].holders
+        assert usage["a"].pids == frozenset() and not usage["a"].only_pids  # a mount outlives any one process
         assert usage["b"].in_use is False
     finally:
         subprocess.run(["umount", str(point)], check=True)
@@ -181,6 +182,48 @@ def test_a_process_the_scan_cannot_inspect_makes_the_answer_unknown(sandboxes):
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
     )
     assert out.stdout.split() == ["None", "InUseUnknown", "True"]
+
+
+def test_the_holding_pids_are_carried_and_only_processes_alone_can_release_a_sandbox(sandboxes, procs):
+    # The agent does not count a sandbox's recorded orphans as users: that needs the pids behind the
+    # holders, and to know that nothing else (a Pod, a mount, a process nobody can inspect) holds it.
+    by_cwd = subprocess.Popen(["sleep", "60"], cwd=sandboxes["a"] / "workspace")
+    code = "import sys,time; f=open(sys.argv[1]); print('ready', flush=True); time.sleep(60)"
+    by_fd = subprocess.Popen(
+        [sys.executable, "-c", code, str(sandboxes["a"] / "workspace" / "file.txt")], cwd="/", stdout=subprocess.PIPE
+    )
+    beside_a_pod = subprocess.Popen(["sleep", "60"], cwd=sandboxes["b"] / "workspace")
+    procs.extend([by_cwd, by_fd, beside_a_pod])
+    _wait_ready(by_fd)
+
+    usage = scan_usage(sandboxes, ignore=IGNORE, pod_paths=[("ci/runner-1", sandboxes["b"] / "workspace")])
+
+    a, b = usage["a"], usage["b"]
+    assert a.pids == {by_cwd.pid, by_fd.pid} and a.only_pids
+    assert a.held_only_by({by_cwd.pid, by_fd.pid, 1})
+    assert not a.held_only_by({by_cwd.pid})  # the other holder still uses it
+    assert b.pids == {beside_a_pod.pid} and not b.only_pids
+    assert not b.held_only_by({beside_a_pod.pid})  # the Pod still mounts it
+
+
+def test_a_process_holder_beside_a_process_nobody_can_inspect_is_not_the_only_holder(sandboxes):
+    # A scan without capabilities sees its own (equally powerless) child, not the machine's other processes.
+    code = (
+        "import subprocess, sys\nfrom pathlib import Path\nfrom controller.inuse import scan_usage\n"
+        "holder = subprocess.Popen(['sleep', '60'], cwd=sys.argv[1])\n"
+        "u = scan_usage({'a': Path(sys.argv[1])})['a']\n"
+        "holder.kill()\nholder.wait()\n"
+        "print(u.in_use, u.pids == {holder.pid}, u.only_pids, u.held_only_by({holder.pid}))"
+    )
+    out = subprocess.run(
+        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code, str(sandboxes["a"])],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert out.stdout.split() == ["True", "True", "False", "False"]
 
 
 def test_a_process_that_vanishes_mid_scan_is_not_an_error(sandboxes, tmp_path):
