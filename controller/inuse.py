@@ -389,6 +389,25 @@ class _Scan(Generic[K]):
                 self.hold(parts[5], f"{who} maps a file", view, pid)
 
 
+def uninspectable_pids(proc: Path = Path("/proc")) -> frozenset[int]:
+    """Processes whose links even this process cannot read (e.g. a microVM's init, or without CAP_SYS_PTRACE).
+
+    Each one makes every answer of `scan_usage` unknown, which holds everything. The agent logs them at
+    start; an operator who knows what they are vouches for them with `--ignore-pid` (the demo and the
+    tests do so for this machine's supervisor).
+    """
+    found = set()
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                (entry / "cwd").readlink()
+            except PermissionError:
+                found.add(int(entry.name))
+            except OSError:
+                pass  # gone, or a kernel thread: neither holds a path
+    return frozenset(found)
+
+
 def scan_usage(
     paths: Mapping[K, Path],
     pod_paths: Iterable[tuple[str, Path]] = (),

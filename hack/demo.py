@@ -41,6 +41,7 @@ from localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, tools_bin
 
 from controller import contracts as c
 from controller.durations import Invalid, parse_duration, parse_instant
+from controller.inuse import uninspectable_pids
 from controller.kube import now_utc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -295,24 +296,6 @@ def metric_value(lines: list[str], name: str) -> float:
         if line.split("{")[0] == name:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def uninspectable_pids() -> list[int]:
-    """Processes whose /proc entries even root cannot read here (this machine's supervisor).
-
-    The agent treats a process it cannot inspect as "use cannot be ruled out" and holds every sandbox;
-    on a real node it runs with hostPID and CAP_SYS_PTRACE. Here they are vouched for with --ignore-pid.
-    """
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                (entry / "cwd").readlink()
-            except PermissionError:
-                out.append(int(entry.name))
-            except OSError:
-                pass
-    return out
 
 
 def start_ticks(pid: int) -> int | None:

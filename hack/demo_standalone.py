@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from controller.inuse import uninspectable_pids
+
 REPO = Path(__file__).resolve().parent.parent
 START = time.monotonic()
 WINDOW_S = 4  # the retention the expiring sandboxes record: seconds, so the demo needs no waiting around
@@ -62,20 +64,6 @@ def expect(ok: bool, what: str) -> None:
     if not ok:
         raise DemoFailed(what)
     print(f"          ok: {what}", flush=True)
-
-
-def uninspectable_pids() -> list[int]:
-    """Processes even root cannot inspect (a microVM's init): the in-use check would call everything unknown."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                (entry / "cwd").readlink()
-            except PermissionError:
-                out.append(int(entry.name))
-            except OSError:
-                pass
-    return out
 
 
 def make_job(parent: Path, name: str, files: int) -> Path:

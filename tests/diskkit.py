@@ -112,20 +112,6 @@ def make_immutable(made: list[Path], path: Path) -> None:
     made.append(path)
 
 
-def uninspectable_pids() -> set[int]:
-    """Processes even root cannot inspect here (a microVM's init): vouched for explicitly, as `--ignore-pid` does."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                (entry / "cwd").readlink()
-            except PermissionError:
-                out.add(int(entry.name))
-            except OSError:
-                pass
-    return out
-
-
 def listing(path: Path) -> list[str]:
     return sorted(os.listdir(path))
 

@@ -30,6 +30,7 @@ from controller_harness import Controller, install_crds
 from controller import agent as agent_mod
 from controller import contracts as c
 from controller import kube, metrics
+from controller.inuse import uninspectable_pids
 from controller.store import Root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,21 +38,7 @@ CRD = REPO / "crds" / "sandkeep.io_retainedsandboxes.yaml"
 T = TypeVar("T")
 
 
-def uninspectable_here() -> list[int]:
-    """Processes of this machine the agent cannot inspect (its supervisor): vouched for with --ignore-pid."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                (entry / "cwd").readlink()
-            except PermissionError:
-                out.append(int(entry.name))
-            except OSError:
-                pass
-    return out
-
-
-IGNORE = uninspectable_here()
+IGNORE = sorted(uninspectable_pids())
 
 
 def wait_for(check: Callable[[], T], timeout: float = 30.0, what: str = "condition") -> T:

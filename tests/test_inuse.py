@@ -13,7 +13,7 @@ import pytest
 
 from controller.contracts import Reason
 from controller.fsdelete import delete_tree
-from controller.inuse import scan_usage
+from controller.inuse import scan_usage, uninspectable_pids
 
 
 @pytest.fixture
@@ -37,25 +37,7 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
         p.wait(timeout=10)
 
 
-def uninspectable_here() -> set[int]:
-    """Processes of this machine the tests cannot inspect (its own supervisor, outside our control).
-
-    They make every answer unknown by design; the tests vouch for them explicitly, as an operator
-    would with `--ignore-pid`, and the unknown answer itself is tested below as another user.
-    """
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                (entry / "cwd").readlink()
-            except PermissionError:
-                out.add(int(entry.name))
-            except OSError:
-                pass
-    return out
-
-
-IGNORE = uninspectable_here()
+IGNORE = uninspectable_pids()
 
 
 def _wait_ready(p: subprocess.Popen[bytes]) -> None:

@@ -36,6 +36,7 @@ from controller_harness import install_crds
 from localcluster import LocalCluster, kube_version, tools_bin
 
 from controller import contracts as c
+from controller.inuse import uninspectable_pids
 from controller.store import Root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -167,21 +168,6 @@ def install(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[C
 
 
 # --- the components, as processes -------------------------------------------------------------------------
-def uninspectable_pids() -> list[int]:
-    """Processes of this machine nobody may inspect (the sandbox's supervisor): vouched for with --ignore-pid,
-    or they would make every sandbox's in-use answer "unknown" and hold it."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                (entry / "cwd").readlink()
-            except PermissionError:
-                out.append(int(entry.name))
-            except OSError:
-                pass
-    return out
-
-
 class Process:
     """A real `sandkeep` subprocess in its own session, its output in a file; stopped by its pid."""
 

@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from diskkit import REPO, User, listing, make_job, uninspectable_pids
+from diskkit import REPO, User, listing, make_job
+
+from controller.inuse import uninspectable_pids
 
 pytest_plugins = ["diskkit"]  # fixtures: throwaway_user
 

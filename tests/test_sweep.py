@@ -14,10 +14,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from diskkit import NOW, REPO, listing, make_immutable, outside_bait, retain, uninspectable_pids
+from diskkit import NOW, REPO, listing, make_immutable, outside_bait, retain
 
 from controller.contracts import Reason
-from controller.inuse import Usage
+from controller.inuse import Usage, uninspectable_pids
 from controller.policy import Policy
 from controller.standalone import Sweeper, in_use_checker
 from controller.store import Entry, Read, Root, Tombstone, Transient, tombstone_name
