@@ -28,7 +28,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -40,7 +40,7 @@ from controller import commands, fsdelete, kube, leases, logs, metrics
 from controller import contracts as c
 from controller.contracts import FINALIZER, Phase, Reason
 from controller.durations import Invalid, parse_instant
-from controller.inuse import Usage, scan_usage
+from controller.inuse import Usage, scan_usage, uninspectable_pids
 from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj
 from controller.models import Settings, _duration
 from controller.store import Mismatch, Present, Read, Root, RootRefused, StoreError, Tombstone, Transient
@@ -1272,8 +1272,21 @@ def run(command: str, args: argparse.Namespace) -> int:
         logs.say(
             log, "agent_started", node=settings.node, root=root.path, metrics_port=server.server_port, pid=os.getpid()
         )
+        _warn_uninspectable(agent.ignore)
         asyncio.run(_main(agent))
     return 0
+
+
+def _warn_uninspectable(ignored: Collection[int]) -> None:
+    """Say at start, once, which processes make every in-use answer unknown (and so hold every deletion)."""
+    hidden = sorted(set(uninspectable_pids()) - set(ignored))
+    if hidden:
+        logs.say(
+            log, "processes_uninspectable", level=logging.WARNING, reason=Reason.IN_USE_UNKNOWN,
+            pids=",".join(map(str, hidden[:20])),
+            message="these processes cannot be inspected, so no sandbox can be shown unused and every deletion is "
+            "held; run the agent with hostPID and CAP_SYS_PTRACE, or vouch for them with --ignore-pid",
+        )  # fmt: skip
 
 
 async def _main(agent: Agent) -> None:

@@ -297,3 +297,21 @@ def test_a_process_deep_inside_a_sandbox_holds_that_sandbox(sandboxes, procs, de
     assert usage["a"].in_use is True and usage["a"].reason is Reason.IN_USE
     assert f"pid {p.pid} (python3) cwd (deeper than PATH_MAX)" in usage["a"].holders
     assert usage["b"].in_use is False
+
+
+def test_processes_nobody_may_inspect_are_named_so_an_operator_can_act(procs):
+    # Without CAP_SYS_PTRACE another uid's process cannot be inspected: it is exactly what the agent
+    # warns about at start (every answer would be unknown), and what `--ignore-pid` vouches for.
+    other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
+    procs.append(other)
+    code = "from controller.inuse import uninspectable_pids; print(*uninspectable_pids())"
+    blind = subprocess.run(
+        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert str(other.pid) in blind.stdout.split()
+    assert other.pid not in uninspectable_pids()  # root with its capabilities sees it fine
