@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spread", type=float, default=180.0, help="seconds the deadlines are spread over")
     parser.add_argument("--margin", type=float, default=None, help="seconds before the first deadline")
     parser.add_argument("--quiet", type=float, default=30.0, help="steady-state window in seconds")
-    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--kubeconfig", help="use this running cluster (e.g. a test's) instead of starting one")
     args = parser.parse_args(argv)
