@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -141,26 +140,45 @@ def test_a_survivor_is_reported_with_its_command_line_and_stays_recorded(sandbox
     assert _records(box) == []
 
 
+NEVER_SELF = """
+import json, os, subprocess, sys
+from pathlib import Path
+from controller.commands import boot_id, reap_orphans
+
+def mark(pid):
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return {"pid": pid, "start": int(text[text.rfind(")") + 2 :].split()[19])}
+
+box, role = Path(sys.argv[1]), sys.argv[2]
+if role == "leader":  # lead a group of our own and keep it alive while a member of it reaps
+    sys.exit(subprocess.run([sys.executable, "-c", sys.argv[3], str(box), "reaper"]).returncode)
+me, group = os.getpid(), os.getpgrp()
+assert group != me  # the reaper's group is led by another, live process: the case under test
+members = [mark(me)] + ([mark(1)] if os.access("/proc/1/stat", os.R_OK) else [])
+records = {"a.json": {"boot": boot_id(), "leader": mark(group), "members": members},
+           "b.json": {"boot": boot_id(), "leader": {"pid": 0, "start": 0}, "members": [{"pid": -1, "start": 0}]}}
+for name, body in records.items():
+    (box / ".commands" / name).write_text(json.dumps(body))
+calls = []
+reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
+print(json.dumps(calls))
+"""
+
+
 def test_never_pid_one_nor_itself_nor_its_own_group(sandbox):
+    # Run as the leader of a group of its own (as the agent is in its pod), so "its own group" is a
+    # live group whatever started the test run, and let it record itself, its group, pid 1, 0 and -1.
     _root, box = sandbox
-    me, group = os.getpid(), os.getpgrp()
-    members = [{"pid": me, "start": _start_ticks(me)}]
-    if _alive(1):
-        with contextlib.suppress(OSError):
-            members.append({"pid": 1, "start": _start_ticks(1)})
-    _write_record(
-        box,
-        "a.json",
-        {"boot": boot_id(), "leader": {"pid": group, "start": _start_ticks(group)}, "members": members},
+    (box / ".commands").mkdir(mode=0o700, exist_ok=True)
+    out = subprocess.run(
+        [sys.executable, "-c", NEVER_SELF, str(box), "leader", NEVER_SELF],
+        capture_output=True,
+        text=True,
+        check=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
     )
-    _write_record(
-        box, "b.json", {"boot": boot_id(), "leader": {"pid": 0, "start": 0}, "members": [{"pid": -1, "start": 0}]}
-    )
-    calls: list[tuple[int, int]] = []
-
-    reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
-
-    assert calls == []
+    assert json.loads(out.stdout) == []
 
 
 def test_records_of_another_boot_and_torn_records_are_dropped_without_signalling(sandbox, pids):
