@@ -38,7 +38,7 @@ from pydantic import Field, field_validator
 
 from controller import commands, fsdelete, kube, leases, logs, metrics
 from controller import contracts as c
-from controller.contracts import FINALIZER, Phase, Reason
+from controller.contracts import FINALIZER, Condition, Phase, Reason
 from controller.durations import Invalid, parse_instant
 from controller.inuse import Usage, scan_usage, uninspectable_pids
 from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj
@@ -48,7 +48,7 @@ from controller.store import Mismatch, Present, Read, Root, RootRefused, StoreEr
 log = logging.getLogger("sandkeep.agent")
 
 Key = tuple[str, str]
-OWNED_CONDITIONS = ("DiskPresent", "InUse", "TombstoneStuck", "OrphansSurvived")
+OWNED_CONDITIONS = (Condition.DISK_PRESENT, Condition.IN_USE, Condition.TOMBSTONE_STUCK, Condition.ORPHANS_SURVIVED)
 OWNED_FIELDS = ("sizeBytes", "fileCount", "inUse", "heldBy", "tombstone")
 ORPHANS_ANNOTATION = c.ANN_ORPHAN_TOMBSTONES
 HEARTBEAT_EVERY = 15.0  # seconds between heartbeat renewals (the Lease says 60 s)
@@ -756,7 +756,7 @@ class Agent:
             present, why = False, "it does not exist"
         except OSError as err:
             return kube.condition(
-                "DiskPresent",
+                Condition.DISK_PRESENT,
                 "Unknown",
                 Reason.MANIFEST_UNREAD,
                 f"{path}: {os.strerror(err.errno or 0)}",
@@ -764,10 +764,18 @@ class Agent:
             )
         if present:
             return kube.condition(
-                "DiskPresent", True, Reason.RETAINED, f"{path} on node {self.s.node}", previous=self._conditions(obj)
+                Condition.DISK_PRESENT,
+                True,
+                Reason.RETAINED,
+                f"{path} on node {self.s.node}",
+                previous=self._conditions(obj),
             )
         return kube.condition(
-            "DiskPresent", False, Reason.LOST, f"{path} on node {self.s.node}: {why}", previous=self._conditions(obj)
+            Condition.DISK_PRESENT,
+            False,
+            Reason.LOST,
+            f"{path} on node {self.s.node}: {why}",
+            previous=self._conditions(obj),
         )
 
     @staticmethod
@@ -777,12 +785,14 @@ class Agent:
     def _in_use_condition(self, obj: Obj, usage: Usage | None) -> Obj:
         prev = self._conditions(obj)
         if usage is not None and usage.in_use is False and usage.reason is not None:  # e.g. OrphansPending
-            return kube.condition("InUse", False, usage.reason, "; ".join(usage.holders), previous=prev)
+            return kube.condition(Condition.IN_USE, False, usage.reason, "; ".join(usage.holders), previous=prev)
         if usage is None or usage.in_use is False:
-            return kube.condition("InUse", False, Reason.RETAINED, "nothing on the node uses it", previous=prev)
+            return kube.condition(
+                Condition.IN_USE, False, Reason.RETAINED, "nothing on the node uses it", previous=prev
+            )
         status: bool | str = True if usage.in_use else "Unknown"
         assert usage.reason is not None
-        return kube.condition("InUse", status, usage.reason, "; ".join(usage.holders), previous=prev)
+        return kube.condition(Condition.IN_USE, status, usage.reason, "; ".join(usage.holders), previous=prev)
 
     def observed_status(self, obj: Obj) -> Obj:
         """What the agent reports about a live object: presence, size, use."""
@@ -875,7 +885,7 @@ class Agent:
             where = f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held"
             message = commands.survivors_message(where, reaped.survivors, timeout)
             cond = kube.condition(
-                "OrphansSurvived", True, Reason.ORPHAN_SURVIVOR, message, previous=self._conditions(obj)
+                Condition.ORPHANS_SURVIVED, True, Reason.ORPHAN_SURVIVOR, message, previous=self._conditions(obj)
             )
             status = self._deleting_status(obj, Phase.HELD, extra=[cond], held_by=[str(s) for s in reaped.survivors])
             await self._apply(obj, status, deleting=True)
@@ -995,7 +1005,7 @@ class Agent:
         info.errno, info.path = result.errno, result.path
         self.m.deletion_failures.labels(self.s.node, str(result.reason)).inc()
         message = stuck_message(f"{key[0]}/{key[1]}", self.s.node, tomb.name, result.errno, result.path)
-        cond = kube.condition("TombstoneStuck", True, result.reason, message, previous=self._conditions(obj))
+        cond = kube.condition(Condition.TOMBSTONE_STUCK, True, result.reason, message, previous=self._conditions(obj))
         await self._apply(
             obj, self._deleting_status(obj, Phase.STUCK, extra=[cond], tombstone=tomb.name), deleting=True
         )

@@ -66,6 +66,23 @@ class DeadlineSource(StrEnum):
     NONE = "none"  # no usable createdAt: expired
 
 
+class Condition(StrEnum):
+    """`status.conditions[].type` of a RetainedSandbox; each type has exactly one writer (its field manager)."""
+
+    # written by the controller
+    EXPIRED = "Expired"
+    PINNED = "Pinned"
+    PIN_VALID = "PinValid"
+    POLICY_CEILING = "PolicyCeiling"
+    DRY_RUN = "DryRun"
+    LOST = "Lost"
+    # written by the node agent
+    DISK_PRESENT = "DiskPresent"
+    IN_USE = "InUse"
+    TOMBSTONE_STUCK = "TombstoneStuck"
+    ORPHANS_SURVIVED = "OrphansSurvived"
+
+
 class Reason(StrEnum):
     """Stable reason codes: the same string in logs, Events, status conditions and metric labels.
 

@@ -62,7 +62,14 @@ Key = tuple[str, str]
 COMPONENT = "sandkeep-controller"
 # status fields and condition types this controller owns (the agent owns the rest; see controller.kube)
 OWNED_FIELDS = ("phase", "deadline", "deadlineSource", "pinnedUntil", "observedGeneration")
-OWNED_CONDITIONS = ("Expired", "Pinned", "PinValid", "PolicyCeiling", "DryRun", "Lost")
+OWNED_CONDITIONS = (
+    c.Condition.EXPIRED,
+    c.Condition.PINNED,
+    c.Condition.PIN_VALID,
+    c.Condition.POLICY_CEILING,
+    c.Condition.DRY_RUN,
+    c.Condition.LOST,
+)
 EXPIRY_CAUSES = (Reason.PIN_EXPIRED, Reason.RETAIN_UNTIL, Reason.WINDOW, Reason.NO_CREATED_AT)
 # Test seam: when set, the controller waits at `<dir>/<ns>.<name>.go` between its fresh read and DELETE.
 SEAM_ENV = "SANDKEEP_TEST_BEFORE_DELETE_DIR"
@@ -142,20 +149,22 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
     invalid = _pin_problems(obj, verdict)
     ann = annotations_of(obj)
     if invalid:
-        conditions.append(cond("PinValid", False, Reason.INVALID_PIN, "; ".join(invalid)))
+        conditions.append(cond(c.Condition.PIN_VALID, False, Reason.INVALID_PIN, "; ".join(invalid)))
     elif c.ANN_PIN_UNTIL in ann:
-        conditions.append(cond("PinValid", True, Reason.PINNED, f"{c.ANN_PIN_UNTIL} is a valid RFC 3339 time"))
+        conditions.append(
+            cond(c.Condition.PIN_VALID, True, Reason.PINNED, f"{c.ANN_PIN_UNTIL} is a valid RFC 3339 time")
+        )
     if ctx.policy_reasons or ctx.policy_problems:
         reason = Reason.POLICY_CEILING if ctx.policy_reasons else Reason.INVALID_POLICY
         words = list(ctx.policy_problems)
         if ctx.policy_reasons:
             words.insert(0, "the namespace's SandboxPolicy exceeds the cluster ceiling and is held to it")
-        conditions.append(cond("PolicyCeiling", True, reason, "; ".join(words)))
+        conditions.append(cond(c.Condition.POLICY_CEILING, True, reason, "; ".join(words)))
     eligible = verdict.expired and not observed.in_use
     if eligible and ctx.policy.dry_run:
         conditions.append(
             cond(
-                "DryRun", True, Reason.WOULD_DELETE,
+                c.Condition.DRY_RUN, True, Reason.WOULD_DELETE,
                 f"would delete: expired at {_when(verdict.deadline)} ({_cause(verdict)}); dry-run is on, "
                 "nothing is deleted",
             )
@@ -163,7 +172,7 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
     if node_lost:
         conditions.append(
             cond(
-                "Lost", True, Reason.NODE_GONE,
+                c.Condition.LOST, True, Reason.NODE_GONE,
                 f"node {obj['spec'].get('nodeName')} is gone since {_when(ctx.node_gone_since)}; "
                 "the directory went with its disk",
             )
@@ -189,10 +198,10 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
 def _expired_condition(verdict: Verdict, in_use: bool, source: str, cond: Callable[..., Obj]) -> Obj:
     if not verdict.expired:
         reason = Reason.PINNED if verdict.pinned else Reason.RETAINED
-        return cond("Expired", False, reason, f"kept until {_when(verdict.deadline)} ({source})")
+        return cond(c.Condition.EXPIRED, False, reason, f"kept until {_when(verdict.deadline)} ({source})")
     held = "; held: something still uses it" if in_use else ""
     detail = " ".join(verdict.messages) or f"deadline {_when(verdict.deadline)} ({source}) has passed"
-    return cond("Expired", True, _cause(verdict), detail + held)
+    return cond(c.Condition.EXPIRED, True, _cause(verdict), detail + held)
 
 
 def _pinned_condition(verdict: Verdict, cond: Callable[..., Obj]) -> Obj:
@@ -201,10 +210,10 @@ def _pinned_condition(verdict: Verdict, cond: Callable[..., Obj]) -> Obj:
         words = f"pinned until {_when(verdict.pinned_until)}"
         if capped:
             words += " (capped: " + "; ".join(m for m in verdict.messages if "capped" in m) + ")"
-        return cond("Pinned", True, Reason.PIN_CAPPED if capped else Reason.PINNED, words)
+        return cond(c.Condition.PINNED, True, Reason.PIN_CAPPED if capped else Reason.PINNED, words)
     if verdict.pinned:
-        return cond("Pinned", False, Reason.PIN_EXPIRED, f"the pin lapsed at {_when(verdict.pinned_until)}")
-    return cond("Pinned", False, Reason.UNPINNED, "no pin")
+        return cond(c.Condition.PINNED, False, Reason.PIN_EXPIRED, f"the pin lapsed at {_when(verdict.pinned_until)}")
+    return cond(c.Condition.PINNED, False, Reason.UNPINNED, "no pin")
 
 
 def _pin_problems(obj: Obj, verdict: Verdict) -> list[str]:
@@ -251,12 +260,12 @@ def transition_events(obj: Obj, desired: Obj) -> list[tuple[Reason, str, str]]:
     elif pinned is None and old_pinned is not None:
         events.append((Reason.UNPINNED, f"{name} unpinned; deadline now {desired.get('deadline')}", "Normal"))
     for type_, reason, kind in (
-        ("Pinned", Reason.PIN_CAPPED, "Warning"),
-        ("PinValid", Reason.INVALID_PIN, "Warning"),
-        ("PolicyCeiling", Reason.POLICY_CEILING, "Warning"),
-        ("PolicyCeiling", Reason.INVALID_POLICY, "Warning"),
-        ("DryRun", Reason.WOULD_DELETE, "Normal"),
-        ("Lost", Reason.NODE_GONE, "Warning"),
+        (c.Condition.PINNED, Reason.PIN_CAPPED, "Warning"),
+        (c.Condition.PIN_VALID, Reason.INVALID_PIN, "Warning"),
+        (c.Condition.POLICY_CEILING, Reason.POLICY_CEILING, "Warning"),
+        (c.Condition.POLICY_CEILING, Reason.INVALID_POLICY, "Warning"),
+        (c.Condition.DRY_RUN, Reason.WOULD_DELETE, "Normal"),
+        (c.Condition.LOST, Reason.NODE_GONE, "Warning"),
     ):
         cd = want.get(type_)
         if cd is not None and cd["reason"] == reason and not same_condition(have.get(type_), cd):
@@ -629,7 +638,7 @@ class Reconciler:
             f"{key[0]}/{key[1]} expired at {_when(decision.verdict.deadline)} ({cause}); "
             f"delete requested (resourceVersion {fresh['metadata']['resourceVersion']})"
         )
-        expired = next(cd for cd in decision.status["conditions"] if cd["type"] == "Expired")
+        expired = next(cd for cd in decision.status["conditions"] if cd["type"] == c.Condition.EXPIRED)
         self._post(fresh, Reason.EXPIRED, f"{key[0]}/{key[1]} expired: {expired['message']}", "Normal")
         self._post(fresh, Reason.DELETE_REQUESTED, message, "Normal")
         logs.say(log, "delete_requested", reason=cause, object=f"{key[0]}/{key[1]}",

@@ -56,7 +56,7 @@ def _ref(obj: Obj) -> str:
 
 def _stuck_row(obj: Obj, now: datetime) -> list[str] | None:
     status = obj.get("status") or {}
-    cond = kube.condition_of(obj, "TombstoneStuck")
+    cond = kube.condition_of(obj, c.Condition.TOMBSTONE_STUCK)
     if status.get("phase") != str(c.Phase.STUCK) and not (cond and cond.get("status") == "True"):
         return None
     tomb = parse_tombstone(status.get("tombstone") or "")
@@ -72,7 +72,7 @@ def _held_row(obj: Obj) -> list[str] | None:
     if status.get("phase") != str(c.Phase.HELD):
         return None
     why = []
-    for type_ in ("OrphansSurvived", "InUse"):
+    for type_ in (c.Condition.ORPHANS_SURVIVED, c.Condition.IN_USE):
         cond = kube.condition_of(obj, type_)
         if cond and cond.get("status") in ("True", "Unknown"):
             why.append(f"{cond.get('reason')}: {cond.get('message', '')}")

@@ -395,7 +395,7 @@ class Observed:
 
 def observed_of(obj: Obj) -> Observed:
     status = obj.get("status") or {}
-    present = condition_of(obj, "DiskPresent")
+    present = condition_of(obj, c.Condition.DISK_PRESENT)
     disk = None if present is None else present.get("status") != "False"
     return Observed(in_use=bool(status.get("inUse")), disk_present=disk)
 

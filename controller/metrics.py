@@ -117,3 +117,15 @@ def serve(
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
+
+
+def series_names() -> set[str]:
+    """Every series name the two components can export, as Prometheus sees it (counters with `_total`,
+    histograms with `_bucket`/`_sum`/`_count`): what alert rules, dashboards and docs may refer to."""
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
+    names: set[str] = set()
+    for registry in (ControllerMetrics().registry, AgentMetrics("n1").registry):
+        for family in registry.collect():
+            names.add(family.name)
+            names.update(family.name + s for s in suffixes.get(family.type, ()))
+    return names

@@ -24,7 +24,7 @@ import yaml
 from localcluster import LocalCluster, kube_version
 
 from controller import contracts as c
-from controller.metrics import AgentMetrics, ControllerMetrics
+from controller.metrics import series_names
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "sandkeep"
@@ -85,18 +85,6 @@ def find(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, A
     matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
     assert len(matches) == 1, f"expected one {kind} named *{suffix}, got {[d['metadata']['name'] for d in matches]}"
     return matches[0]
-
-
-def exported_metric_names() -> set[str]:
-    """Every series name the two components can export, as Prometheus sees it (counters with `_total`,
-    histograms with `_bucket`/`_sum`/`_count`), read from the real registries of controller.metrics."""
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
-    names: set[str] = set()
-    for registry in (ControllerMetrics().registry, AgentMetrics("n1").registry):
-        for family in registry.collect():
-            names.add(family.name)
-            names.update(family.name + s for s in suffixes.get(family.type, ()))
-    return names
 
 
 def alert_rules() -> list[dict[str, Any]]:
@@ -467,7 +455,7 @@ def test_runbooks_say_how_to_confirm_with_doctor_and_kubectl() -> None:
 
 
 def test_alert_and_dashboard_metrics_are_exported_by_the_code() -> None:
-    exported = exported_metric_names()
+    exported = series_names()
     used_by_alerts = {m for r in alert_rules() for m in _METRIC.findall(r["expr"])}
     used_by_dashboard = {m for e in dashboard_exprs() for m in _METRIC.findall(e)}
     assert used_by_alerts - exported == set(), "alert rules use metrics the code does not export"
@@ -477,7 +465,7 @@ def test_alert_and_dashboard_metrics_are_exported_by_the_code() -> None:
 
 def test_the_name_check_catches_a_drifted_name() -> None:
     # The check above is only worth something if a name the code does not export is caught.
-    exported = exported_metric_names()
+    exported = series_names()
     assert c.M_TOMBSTONE_STUCK_OLDEST in exported and f"{c.M_DELETION_FAILURES}" in exported
     assert "sandkeep_tombstone_stuck_oldest" not in exported
     assert f"{c.M_EXPIRY_LAG}_bucket" in exported and f"{c.M_EXPIRY_LAG}_total" not in exported

@@ -1,0 +1,58 @@
+"""The docs name the same contracts the code defines: metric names, annotation keys, reason codes, the API group.
+
+A renamed metric or reason code must fail here until the README, the runbooks and the architecture
+notes say the new name, so a person following the docs never greps for a name that no longer exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from controller import contracts as c
+from controller.metrics import series_names
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "charts" / "sandkeep" / "README.md"]
+
+
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_metric_a_doc_names_is_exported(doc: Path) -> None:
+    named = set(re.findall(r"\bsandkeep_[a-z_]+[a-z]\b", _text(doc)))
+    unknown = sorted(n for n in named if n not in series_names() and not n.startswith("sandkeep_io"))
+    assert not unknown, f"{doc.name} names metrics the code does not export: {unknown}"
+
+
+def test_the_readme_lists_every_exported_metric() -> None:
+    readme = _text(REPO / "README.md")
+    metric_names = [v for k, v in vars(c).items() if k.startswith("M_")]
+    missing = [n for n in metric_names if f"`{n}`" not in readme]
+    assert not missing, f"README.md's metrics table lacks {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_annotation_key_a_doc_names_is_a_contract(doc: Path) -> None:
+    keys = {v for k, v in vars(c).items() if k.startswith("ANN_")} | {c.FINALIZER}
+    named = set(re.findall(rf"(?<![.\w]){re.escape(c.GROUP)}/[a-z-]+[a-z]", _text(doc)))  # not kind.group/name
+    unknown = sorted(named - keys - {f"{c.GROUP}/{c.VERSION}"} - {c.LABEL_NODE})
+    assert not unknown, f"{doc.name} names {c.GROUP} keys the code does not define: {unknown}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_reason_code_a_doc_names_is_a_reason(doc: Path) -> None:
+    codes = {r.value for r in c.Reason}
+    named = set(re.findall(r"\breason[=:] ?`?\"?([A-Z][A-Za-z]+)", _text(doc)))
+    unknown = sorted(named - codes - {p.value for p in c.Phase})
+    assert not unknown, f"{doc.name} names reason codes the code does not define: {unknown}"
+
+
+def test_the_docs_use_the_api_group_and_short_name_the_crd_serves() -> None:
+    readme = _text(REPO / "README.md")
+    assert f"kubectl get {c.SANDBOX_SHORT} -A" in readme
+    assert c.ANN_PIN_FOR in readme and c.ANN_PIN_UNTIL in readme and c.FINALIZER in readme
