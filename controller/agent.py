@@ -40,7 +40,7 @@ from controller import commands, fsdelete, kube, leases, logs, metrics
 from controller import contracts as c
 from controller.contracts import FINALIZER, Condition, Phase, Reason
 from controller.durations import Invalid, parse_instant
-from controller.inuse import Usage, scan_usage, uninspectable_pids
+from controller.inuse import Usage, pid_alive, scan_usage, uninspectable_pids
 from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj
 from controller.models import Settings, _duration
 from controller.store import Mismatch, Present, Read, Root, RootRefused, StoreError, Tombstone, Transient
@@ -190,16 +190,6 @@ def orphans_pending(pids: frozenset[int]) -> Usage:
         "which are killed (SIGKILL) before the sandbox is deleted"
     )
     return Usage(False, (why,), Reason.ORPHANS_PENDING, pids)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def measure(root: Root, namespace: str, name: str) -> tuple[int, int]:
@@ -1075,7 +1065,7 @@ class Agent:
                 tomb.pid is not None
                 and tomb.pid != os.getpid()
                 and tomb.age(now) < self.s.stuck_after
-                and _pid_alive(tomb.pid)
+                and pid_alive(tomb.pid)
             ):
                 self._say_limited(
                     f"foreign:{tomb.name}",

@@ -77,7 +77,7 @@ def _mount_points_under(top: str) -> frozenset[str]:
                 parts = line.split(" ", 5)
                 if len(parts) < 5:
                     continue
-                point = _unescape(parts[4])
+                point = unescape_mountinfo(parts[4])
                 if point == top or point.startswith(prefix):
                     found.add(point)
     except OSError:
@@ -85,13 +85,13 @@ def _mount_points_under(top: str) -> frozenset[str]:
     return frozenset(found)
 
 
-def _unescape(text: str) -> str:
+def unescape_mountinfo(text: str) -> str:
     """mountinfo writes space, tab, newline and backslash as octal escapes (`\\040`)."""
     if "\\" not in text:
         return text
     out, i = [], 0
     while i < len(text):
-        if text[i] == "\\" and text[i + 1 : i + 4].isdigit():
+        if text[i] == "\\" and i + 3 < len(text) and text[i + 1 : i + 4].isdigit():
             out.append(chr(int(text[i + 1 : i + 4], 8)))
             i += 4
         else:

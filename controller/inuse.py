@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from controller.contracts import Reason
+from controller.fsdelete import unescape_mountinfo
 
 K = TypeVar("K")
 
@@ -113,27 +114,12 @@ def _canonical(path: Path, parents: dict[str, str]) -> str:
     return f"{parents[head].rstrip('/')}/{name}"
 
 
-def _unescape(text: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (`\\040`)."""
-    if "\\" not in text:
-        return text
-    out, i = [], 0
-    while i < len(text):
-        if text[i] == "\\" and i + 3 < len(text) and text[i + 1 : i + 4].isdigit():
-            out.append(chr(int(text[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
-
-
 def _mounts(text: str) -> list[_Mount]:
     mounts = []
     for line in text.splitlines():
         parts = line.split(" ")
         if len(parts) >= 5:
-            mounts.append(_Mount(parts[2], _unescape(parts[3]), _unescape(parts[4])))
+            mounts.append(_Mount(parts[2], unescape_mountinfo(parts[3]), unescape_mountinfo(parts[4])))
     return mounts
 
 
@@ -452,3 +438,14 @@ def _bounded(holders: list[str]) -> tuple[str, ...]:
     if len(distinct) <= MAX_HOLDERS:
         return tuple(distinct)
     return (*distinct[: MAX_HOLDERS - 1], f"... and {len(distinct) - MAX_HOLDERS + 1} more")
+
+
+def pid_alive(pid: int) -> bool:
+    """kill(pid, 0): alive unless ESRCH (EPERM is alive under another account)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -240,18 +240,7 @@ class Kube:
             {"op": "test", "path": f"/metadata/finalizers/{index}", "value": finalizer},
             {"op": "remove", "path": f"/metadata/finalizers/{index}"},
         ]
-        try:
-            result: Obj = self.request(
-                "PATCH",
-                sandbox_path(meta["namespace"], meta["name"]),
-                body=ops,
-                content_type="application/json-patch+json",
-            )
-        except KubeError as err:
-            if err.status == 422:  # a failed JSON-patch `test` is the same thing as a stale read
-                raise KubeError(409, err.message) from err
-            raise
-        return result
+        return self._guarded_json_patch(meta, ops)
 
     def add_finalizer(self, obj: Obj, finalizer: str = c.FINALIZER) -> Obj:
         """Add one finalizer (no-op when present), guarded by resourceVersion like every metadata write."""
@@ -265,6 +254,10 @@ class Kube:
             else {"op": "add", "path": "/metadata/finalizers", "value": [finalizer]}
         )
         ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}, add]
+        return self._guarded_json_patch(meta, ops)
+
+    def _guarded_json_patch(self, meta: Obj, ops: list[Obj]) -> Obj:
+        """A JSON patch whose `test` ops guard it; a failed `test` (422) is a stale read, so it is a 409."""
         try:
             result: Obj = self.request(
                 "PATCH",

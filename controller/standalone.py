@@ -36,7 +36,7 @@ from typing import Any
 from controller import fsdelete, logs
 from controller.contracts import Reason
 from controller.durations import Invalid, format_duration, format_instant, parse_duration, parse_instant
-from controller.inuse import Usage, scan_usage
+from controller.inuse import Usage, pid_alive, scan_usage
 from controller.models import Settings, is_namespace_name, is_object_name
 from controller.policy import Policy, Verdict, deadline
 from controller.store import (
@@ -85,17 +85,6 @@ def in_use_checker(ignore: Collection[int] = ()) -> InUse:
         return scan_usage({0: path}, ignore=skip)[0]
 
     return check
-
-
-def pid_alive(pid: int) -> bool:
-    """kill(pid, 0): alive unless ESRCH (EPERM is alive under another account)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- the pass ------------------------------------------------------------------------------------------
