@@ -28,7 +28,7 @@ import tempfile
 import textwrap
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, tools_bin
+from localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, signals_raise, tools_bin
 
 from controller import contracts as c
 from controller.durations import Invalid, parse_duration, parse_instant
@@ -770,21 +770,6 @@ def print_logs(demo: Demo) -> None:
             print(f"----- {proc.name} (last {len(tail)} lines) -----", file=sys.stderr)
             print("\n".join(tail), file=sys.stderr)
     print(demo.cluster.logs(15), file=sys.stderr)
-
-
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the demo like Ctrl-C does: through every finally, so nothing is left behind."""
-
-    def handler(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -539,7 +539,7 @@ class LocalCluster:
 
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
+def signals_raise() -> Iterator[None]:
     """Turn the first SIGINT, SIGTERM or SIGHUP into an exception, so `with LocalCluster()` stops everything.
 
     SIGINT is set explicitly because a shell starts background jobs with it ignored. Later signals are
@@ -573,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ToolsMissingError as e:
         print(f"localcluster: {e}", file=sys.stderr)
         return 2
-    with _signals_raise():
+    with signals_raise():
         try:
             with LocalCluster(args.workdir, bin_dir) as cluster:
                 for node in args.node:
