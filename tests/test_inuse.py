@@ -148,6 +148,18 @@ def test_a_process_inside_a_sandbox_seen_through_another_namespaces_bind_of_the_
     assert usage["b"].in_use is False
 
 
+def _without_capabilities(code: str, *args: str) -> str:
+    """Run `code` as root stripped of every capability (no CAP_SYS_PTRACE): what a badly deployed agent sees."""
+    return subprocess.run(
+        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    ).stdout
+
+
 def test_a_process_the_scan_cannot_inspect_makes_the_answer_unknown(sandboxes):
     # A scan with no capabilities cannot read the processes that have some: "unknown", never "free".
     code = (
@@ -155,15 +167,8 @@ def test_a_process_the_scan_cannot_inspect_makes_the_answer_unknown(sandboxes):
         "u = scan_usage({'a': Path(sys.argv[1])})['a']\n"
         "print(u.in_use, u.reason, u.holds)"
     )
-    out = subprocess.run(
-        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code, str(sandboxes["a"])],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd="/",
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
-    )
-    assert out.stdout.split() == ["None", "InUseUnknown", "True"]
+    out = _without_capabilities(code, str(sandboxes["a"]))
+    assert out.split() == ["None", "InUseUnknown", "True"]
 
 
 def test_the_holding_pids_are_carried_and_only_processes_alone_can_release_a_sandbox(sandboxes, procs):
@@ -197,15 +202,8 @@ def test_a_process_holder_beside_a_process_nobody_can_inspect_is_not_the_only_ho
         "holder.kill()\nholder.wait()\n"
         "print(u.in_use, u.pids == {holder.pid}, u.only_pids, u.held_only_by({holder.pid}))"
     )
-    out = subprocess.run(
-        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code, str(sandboxes["a"])],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd="/",
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
-    )
-    assert out.stdout.split() == ["True", "True", "False", "False"]
+    out = _without_capabilities(code, str(sandboxes["a"]))
+    assert out.split() == ["True", "True", "False", "False"]
 
 
 def test_a_process_that_vanishes_mid_scan_is_not_an_error(sandboxes, tmp_path):
@@ -306,13 +304,6 @@ def test_processes_nobody_may_inspect_are_named_so_an_operator_can_act(procs):
     other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
     procs.append(other)
     code = "from controller.inuse import uninspectable_pids; print(*uninspectable_pids())"
-    blind = subprocess.run(
-        ["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd="/",
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
-    )
-    assert str(other.pid) in blind.stdout.split()
+    blind = _without_capabilities(code)
+    assert str(other.pid) in blind.split()
     assert other.pid not in uninspectable_pids()  # root with its capabilities sees it fine
