@@ -28,6 +28,7 @@ import stat
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -591,9 +592,14 @@ class Agent:
         Returns the refused entries by reason (a bad, foreign or unreadable manifest, a missing
         namespace) for the invalid-entries metric; each is logged with its reason code.
         """
-        refused: dict[str, int] = {}
+        refused: Counter[str] = Counter()
         namespaces: dict[str, bool] = {}
         todo: dict[Key, Present] = {}
+
+        def refuse(key: Key, reason: Reason, path: Path, **kv: Any) -> None:
+            refused[reason] += 1
+            self._say_limited(f"adopt:{key}", "adoption_refused", reason=reason, path=path, **kv)
+
         for entry in entries:
             key = (entry.namespace, entry.name)
             if key in self.state.objects:
@@ -602,32 +608,22 @@ class Agent:
             if isinstance(read, Transient):
                 continue
             if isinstance(read, Mismatch):
-                refused[Reason.MANIFEST_MISMATCH] = refused.get(Reason.MANIFEST_MISMATCH, 0) + 1
-                self._say_limited(
-                    f"adopt:{key}",
-                    "adoption_refused",
-                    reason=Reason.MANIFEST_MISMATCH,
-                    path=entry.path,
+                refuse(
+                    key, Reason.MANIFEST_MISMATCH, entry.path,
                     claims=f"{read.manifest.namespace}/{read.manifest.name}",
                     action="the manifest names another sandbox than its path; fix or remove the directory",
-                )
+                )  # fmt: skip
                 continue
             if not isinstance(read, Present):
-                refused[read.reason] = refused.get(read.reason, 0) + 1
-                self._say_limited(f"adopt:{key}", "adoption_refused", reason=read.reason, path=entry.path)
+                refuse(key, read.reason, entry.path)
                 continue
             if entry.namespace not in namespaces:
-                ns_obj = await self._api(self._get_namespace, entry.namespace)
-                namespaces[entry.namespace] = ns_obj
+                namespaces[entry.namespace] = await self._api(self._get_namespace, entry.namespace)
             if not namespaces[entry.namespace]:
-                refused[Reason.NAMESPACE_MISSING] = refused.get(Reason.NAMESPACE_MISSING, 0) + 1
-                self._say_limited(
-                    f"adopt:{key}",
-                    "adoption_refused",
-                    reason=Reason.NAMESPACE_MISSING,
-                    path=entry.path,
+                refuse(
+                    key, Reason.NAMESPACE_MISSING, entry.path,
                     action=f"namespace {entry.namespace} does not exist; create it, or remove the directory",
-                )
+                )  # fmt: skip
                 continue
             todo[key] = read
         await self._each(list(todo), lambda key: self._create(key, todo[key]))
