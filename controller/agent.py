@@ -229,11 +229,14 @@ class Watcher(threading.Thread):
     result. The field selector is applied by the API server, so other nodes' objects never arrive.
     """
 
-    def __init__(self, client: Kube, node: str, deliver: Callable[[str, Any], None]) -> None:
+    def __init__(
+        self, client: Kube, node: str, deliver: Callable[[str, Any], None], resource_version: str | None = None
+    ) -> None:
         super().__init__(name="watch", daemon=True)
         self.client = client
         self.node = node
         self.deliver = deliver
+        self.resource_version = resource_version  # where to resume; None lists first
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -242,7 +245,7 @@ class Watcher(threading.Thread):
 
         api = k8s.CustomObjectsApi(self.client.api)
         selector = f"spec.nodeName={self.node}"
-        rv: str | None = None
+        rv = self.resource_version
         failures = 0
         while not self.stopping.is_set():
             try:
@@ -274,7 +277,8 @@ class Watcher(threading.Thread):
             except Exception as err:
                 status = getattr(err, "status", None)
                 if status == 410:
-                    rv = None  # too old: list again
+                    logs.say(log, "watch_expired", reason=Reason.AGENT_STALE, resource_version=rv, action="re-listing")
+                    rv = None  # too old (etcd compacted it): list again
                     continue
                 # A watch the server or a proxy closed is routine: resume quietly; say it when it keeps failing.
                 failures += 1

@@ -710,3 +710,21 @@ def test_a_second_agent_on_the_same_root_waits_for_the_lock(cluster, namespace, 
     first.stop()
     wait_for(lambda: "agent_started" in second.log(), what="second agent took over")
     assert "root_lock_acquired" in second.log()
+
+
+def test_a_watch_resumed_from_a_compacted_resource_version_lists_again(cluster, namespace, nodes):
+    # A watch that resumes from a resourceVersion the server no longer has (410 Gone, after etcd
+    # compaction or a long disconnect) must not stop or loop: the agent lists its node's objects again.
+    n1, n2 = nodes
+    make_object(cluster, namespace, "mine", n1.name)
+    make_object(cluster, namespace, "theirs", n2.name)
+    client = kube.Kube(kube.load_config(str(cluster.kubeconfig)), component="test-watch")
+    seen: list[tuple[str, Any]] = []
+    watcher = agent_mod.Watcher(client, n1.name, lambda kind, payload: seen.append((kind, payload)), "1")
+    watcher.start()
+    try:
+        resets = wait_for(lambda: [p for kind, p in seen if kind == "reset"], what="a re-list after 410 Gone")
+    finally:
+        watcher.stopping.set()
+    names = {o["metadata"]["name"] for o in resets[0] if o["metadata"]["namespace"] == namespace}
+    assert names == {"mine"}  # the re-list still carries the server-side field selector
