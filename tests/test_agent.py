@@ -256,9 +256,15 @@ def test_untrusted_manifests_are_refused_and_a_missing_directory_is_reported(clu
     )
     assert ghost["metadata"]["finalizers"] == [c.FINALIZER]
     wait_for(lambda: "reason=ManifestMismatch" in a.log() and "reason=NamespaceMissing" in a.log())
-    text = a.metrics()
-    assert re.search(r'sandkeep_invalid_entries\{[^}]*reason="ManifestMismatch"\} 1\.0', text)
-    assert re.search(r'sandkeep_invalid_entries\{[^}]*reason="NamespaceMissing"\} 1\.0', text)
+
+    def both_counted() -> bool:  # the gauge is set at the end of the pass that logged the refusals
+        text = a.metrics()
+        return all(
+            re.search(rf'sandkeep_invalid_entries\{{[^}}]*reason="{reason}"\}} 1\.0', text)
+            for reason in ("ManifestMismatch", "NamespaceMissing")
+        )
+
+    wait_for(both_counted, what="invalid entries counted by reason")
     assert get(cluster, namespace, "liar") is None and get(cluster, namespace, "victim") is None
     assert "victim" not in cluster.kubectl("get", "rsb", "-A", "-o", "name").stdout
 
