@@ -90,6 +90,15 @@ def read_lease(kube: Kube, namespace: str, name: str) -> LeaseState | None:
         raise
 
 
+def _held_by(identity: str, duration_s: int, now: datetime) -> dict[str, Any]:
+    """The spec fields every write of a Lease renews: who holds it, for how long, as of when."""
+    return {"holderIdentity": identity, "leaseDurationSeconds": duration_s, "renewTime": micro_time(now)}
+
+
+def _new_lease(metadata: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
+
+
 def try_acquire_or_renew(
     kube: Kube, namespace: str, name: str, identity: str, duration_s: int = LEASE_DURATION
 ) -> bool:
@@ -100,16 +109,11 @@ def try_acquire_or_renew(
     """
     now = now_utc()
     current = read_lease(kube, namespace, name)
-    spec: dict[str, Any] = {
-        "holderIdentity": identity,
-        "leaseDurationSeconds": duration_s,
-        "renewTime": micro_time(now),
-    }
+    spec = _held_by(identity, duration_s, now)
     try:
         if current is None:
             spec |= {"acquireTime": micro_time(now), "leaseTransitions": 0}
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name}, "spec": spec}
-            kube.request("POST", lease_path(namespace), body=body)
+            kube.request("POST", lease_path(namespace), body=_new_lease({"name": name}, spec))
             return True
         if current.holder != identity and not current.expired(now):
             return False
@@ -222,17 +226,12 @@ def renew_heartbeat(kube: Kube, namespace: str, node: str, identity: str, durati
     for _attempt in range(2):
         now = now_utc()
         current = read_lease(kube, namespace, heartbeat_name(node))
-        spec: dict[str, Any] = {
-            "holderIdentity": identity,
-            "leaseDurationSeconds": duration_s,
-            "renewTime": micro_time(now),
-        }
+        spec = _held_by(identity, duration_s, now)
         try:
             if current is None:
                 spec["acquireTime"] = micro_time(now)
                 meta = {"name": heartbeat_name(node), "labels": {c.LABEL_NODE: node, c.LABEL_MANAGED_BY: c.MANAGED_BY}}
-                body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
-                kube.request("POST", lease_path(namespace), body=body)
+                kube.request("POST", lease_path(namespace), body=_new_lease(meta, spec))
             else:
                 spec["acquireTime"] = micro_time(current.acquire_time or now)
                 body = dict(current.raw) | {"spec": spec}
