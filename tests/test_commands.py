@@ -81,6 +81,12 @@ def _write_record(sandbox_dir: Path, name: str, body: object) -> None:
     (d / name).write_text(body if isinstance(body, str) else json.dumps(body))
 
 
+def _record_leader(sandbox_dir: Path, pid: int) -> None:
+    """A record, of this boot, naming `pid` as a command's group leader, as a killed `sandkeep exec` leaves."""
+    leader = {"pid": pid, "start": _start_ticks(pid)}
+    _write_record(sandbox_dir, f"{pid}-1.json", {"boot": boot_id(), "leader": leader, "members": []})
+
+
 def test_exec_runs_in_the_workspace_exits_with_the_code_and_leaves_no_record(sandbox):
     root, box = sandbox
     p = _exec(root, "sh", "-c", "pwd; exit 7")
@@ -122,11 +128,7 @@ def test_a_survivor_is_reported_with_its_command_line_and_stays_recorded(sandbox
     _root, box = sandbox
     victim = subprocess.Popen(["sleep", "303"], start_new_session=True)
     pids.append(victim.pid)
-    _write_record(
-        box,
-        f"{victim.pid}-1.json",
-        {"boot": boot_id(), "leader": {"pid": victim.pid, "start": _start_ticks(victim.pid)}, "members": []},
-    )
+    _record_leader(box, victim.pid)
     calls: list[tuple[int, int]] = []
 
     result = reap_orphans(box, timeout=0.3, kill=lambda target, sig: calls.append((target, sig)))
@@ -251,11 +253,7 @@ def test_exec_refuses_to_start_beside_a_survivor_and_names_it(sandbox, pids, mon
     root, box = sandbox
     victim = subprocess.Popen(["sleep", "309"], start_new_session=True)
     pids.append(victim.pid)
-    _write_record(
-        box,
-        f"{victim.pid}-1.json",
-        {"boot": boot_id(), "leader": {"pid": victim.pid, "start": _start_ticks(victim.pid)}, "members": []},
-    )
+    _record_leader(box, victim.pid)
     monkeypatch.setattr(commands, "EXEC_KILL", [lambda target, sig: None])  # SIGKILL that does not kill
     marker = box / "workspace" / "ran"
     args = argparse.Namespace(
