@@ -220,18 +220,7 @@ class _Walk:
             if top.fd is not None:
                 os.close(top.fd)
                 top.fd = None
-        assert parent_fd is not None
-        try:
-            os.rmdir(top.name, dir_fd=parent_fd)
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            if err.errno == E.EACCES and parent is not None and self.make_writable(parent):
-                with contextlib.suppress(OSError):
-                    os.rmdir(top.name, dir_fd=parent_fd)
-                    return
-            if self.failure is None or err.errno != E.ENOTEMPTY:
-                self.fail(Reason.DELETE_FAILED, err.errno, top.path)
+        _rmdir(self, parent, top)
 
     # --- the walk ----------------------------------------------------------------------------------
 
@@ -356,6 +345,7 @@ def _subtree(parent_walk: _Walk, parent: _Frame, name: str) -> _Walk:
 
 
 def _rmdir(walk: _Walk, parent: _Frame | None, frame: _Frame) -> None:
+    """rmdir a listed-out `frame` from its parent; a parent without write permission (ours) is made writable once."""
     parent_fd = walk.parent_fd if parent is None else parent.fd
     assert parent_fd is not None
     try:
@@ -363,6 +353,10 @@ def _rmdir(walk: _Walk, parent: _Frame | None, frame: _Frame) -> None:
     except FileNotFoundError:
         pass
     except OSError as err:
+        if err.errno == E.EACCES and parent is not None and walk.make_writable(parent):
+            with contextlib.suppress(OSError):
+                os.rmdir(frame.name, dir_fd=parent_fd)
+                return
         if walk.failure is None or err.errno != E.ENOTEMPTY:
             walk.fail(Reason.DELETE_FAILED, err.errno, frame.path)
 
