@@ -393,12 +393,24 @@ def test_steady_state_makes_no_writes(kube: Kube, cluster: LocalCluster, namespa
     cluster.kubectl("annotate", c.SANDBOX_SHORT, "quiet-0", "-n", namespace, f"{c.ANN_PIN_FOR}=2h")
     wait_for("every status", lambda: all(status_of(kube, namespace, n).get("phase") for n in names))
     wait_for("the pin", lambda: status_of(kube, namespace, "quiet-0").get("phase") == c.Phase.PINNED)
-    time.sleep(1)  # let in-flight Events land before the first reading
-    before = _writes(cluster.metrics_text())
+    before = _settled_writes(cluster)  # in-flight Events (posted from their own pool) land first
     time.sleep(6)
     after = _writes(cluster.metrics_text())
     assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
     assert before, "the reading saw no writes at all: the filter is wrong"
+
+
+def _settled_writes(cluster: LocalCluster, quiet: float = 1.0, timeout: float = 30) -> dict[str, float]:
+    """The write counters once they have not moved for `quiet` seconds (a writer faster than that never settles)."""
+    last = _writes(cluster.metrics_text())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = _writes(cluster.metrics_text())
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the write counters never settled for {quiet}s within {timeout}s")
 
 
 def _writes(text: str) -> dict[str, float]:
