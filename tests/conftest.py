@@ -26,7 +26,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hack"))
 
+from controller_harness import install_crds, kube_for
 from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin, tools_dir
+
+from controller.kube import Kube
 
 _CLUSTER_KEY = pytest.StashKey[LocalCluster]()
 
@@ -99,3 +102,12 @@ def namespace(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator
 def kubectl(cluster: LocalCluster) -> Callable[..., CompletedProcess[str]]:
     """The cluster's kubectl runner: `kubectl("get", "pods", "-n", ns)` as admin."""
     return cluster.kubectl
+
+
+@pytest.fixture
+def kube(cluster: LocalCluster) -> Iterator[Kube]:
+    """The sandkeep API client as admin, with the CRDs installed."""
+    install_crds(cluster)
+    client = kube_for(cluster)
+    yield client
+    client.close()

@@ -20,9 +20,7 @@ import pytest
 from controller_harness import (
     Controller,
     condition,
-    install_crds,
     instant,
-    kube_for,
     metric_value,
     reasons_for,
     sandbox,
@@ -37,14 +35,6 @@ from controller.kube import Kube, KubeError
 from controller.policy import Policy, deadline, phase_of
 
 HOUR = timedelta(hours=1)
-
-
-@pytest.fixture
-def kube(cluster: LocalCluster) -> Iterator[Kube]:
-    install_crds(cluster)
-    client = kube_for(cluster)
-    yield client
-    client.close()
 
 
 @pytest.fixture

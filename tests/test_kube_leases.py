@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from controller_harness import install_crds, kube_for, sandbox, wait_for
-from localcluster import LocalCluster
+from controller_harness import sandbox, wait_for
 
 from controller import contracts as c
 from controller.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, KubeError, now_utc
@@ -26,14 +24,6 @@ from controller.leases import (
     renew_heartbeat,
     try_acquire_or_renew,
 )
-
-
-@pytest.fixture
-def kube(cluster: LocalCluster) -> Iterator[Kube]:
-    install_crds(cluster)
-    client = kube_for(cluster)
-    yield client
-    client.close()
 
 
 def test_controller_and_agent_status_applies_never_clobber_each_other(kube: Kube, namespace: str) -> None:
