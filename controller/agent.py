@@ -736,37 +736,21 @@ class Agent:
         return updated
 
     def _disk_condition(self, obj: Obj) -> Obj:
-        key = _key(obj)
-        path = self.root.sandbox_path(*key)
+        path = self.root.sandbox_path(*_key(obj))
+        where = f"{path} on node {self.s.node}"
+        status: bool | str
         try:
-            st = os.lstat(path)
-            present = stat.S_ISDIR(st.st_mode)
-            why = "" if present else "it is not a directory (never followed)"
+            present = stat.S_ISDIR(os.lstat(path).st_mode)
+            status, reason, message = (
+                (True, Reason.RETAINED, where)
+                if present
+                else (False, Reason.LOST, f"{where}: it is not a directory (never followed)")
+            )
         except FileNotFoundError:
-            present, why = False, "it does not exist"
+            status, reason, message = False, Reason.LOST, f"{where}: it does not exist"
         except OSError as err:
-            return kube.condition(
-                Condition.DISK_PRESENT,
-                "Unknown",
-                Reason.MANIFEST_UNREAD,
-                f"{path}: {os.strerror(err.errno or 0)}",
-                previous=self._conditions(obj),
-            )
-        if present:
-            return kube.condition(
-                Condition.DISK_PRESENT,
-                True,
-                Reason.RETAINED,
-                f"{path} on node {self.s.node}",
-                previous=self._conditions(obj),
-            )
-        return kube.condition(
-            Condition.DISK_PRESENT,
-            False,
-            Reason.LOST,
-            f"{path} on node {self.s.node}: {why}",
-            previous=self._conditions(obj),
-        )
+            status, reason, message = "Unknown", Reason.MANIFEST_UNREAD, f"{path}: {os.strerror(err.errno or 0)}"
+        return kube.condition(Condition.DISK_PRESENT, status, reason, message, previous=self._conditions(obj))
 
     @staticmethod
     def _conditions(obj: Obj) -> list[Obj]:
