@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-## Build kube-apiserver, kubectl, etcd, helm and promtool from pinned Go modules (cached; instant when built).
+## Build kube-apiserver, kube-controller-manager, kubectl, etcd, helm and promtool from pinned Go modules (cached; instant when built).
 tools:
 	bash hack/tools/build.sh >/dev/null
 

@@ -801,8 +801,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             demo.step(
                 "Start a local control plane",
-                "A real etcd and kube-apiserver on 127.0.0.1, built from pinned Go modules: every request "
-                "below is decided by the same API server code a production cluster runs.",
+                "A real etcd, kube-apiserver and kube-controller-manager on 127.0.0.1, built from pinned Go "
+                "modules: every request below is decided by the same code a production cluster runs.",
             )
             cluster.start()
             demo.ok(f"kube-apiserver {cluster.server} ready in {cluster.startup_seconds:.1f}s")

@@ -1,11 +1,12 @@
-"""A real local control plane: etcd and kube-apiserver on loopback, built from the pinned Go tools.
+"""A real local control plane: etcd, kube-apiserver and kube-controller-manager on loopback, from the pinned Go tools.
 
 One implementation used by the tests (`tests/conftest.py`), the demo (`hack/demo.py`) and people
 (`make cluster`, which runs this file). It starts etcd and kube-apiserver on free 127.0.0.1 ports with
 certificates made on the fly by the `openssl` CLI, RBAC authorization and a service-account issuer (so
 TokenRequest and impersonation work), waits for `/readyz`, keeps each component's log in a file, and
-stops every process it started by pid. No kube-controller-manager runs: namespaces that are deleted stay
-Terminating, no Pod is created for a Deployment, no `default` ServiceAccount appears in a namespace.
+stops every process it started by pid. kube-controller-manager runs the loops named in CONTROLLERS
+(Deployments and DaemonSets get Pods, deleted namespaces go away, ClusterRoles are aggregated); no
+scheduler or kubelet runs, so those Pods are never bound to a node and never start.
 
     from localcluster import LocalCluster, tools_bin
     with LocalCluster() as cluster:
@@ -21,6 +22,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -39,8 +41,21 @@ from types import TracebackType
 from typing import IO, Any, Self
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLS = ("kube-apiserver", "kubectl", "etcd", "helm", "promtool")
-CLUSTER_TOOLS = ("kube-apiserver", "etcd", "kubectl")
+TOOLS = ("kube-apiserver", "kube-controller-manager", "kubectl", "etcd", "helm", "promtool")
+CLUSTER_TOOLS = ("kube-apiserver", "kube-controller-manager", "etcd", "kubectl")
+# The kube-controller-manager loops whose work the tests and the demo rely on or check: Pods for the
+# chart's Deployment and DaemonSet, `default` ServiceAccounts, deleted namespaces emptied and removed,
+# dependents collected, and the chart's aggregated ClusterRoles folded into view/edit/admin. Node
+# lifecycle is left out on purpose: with no kubelet it would mark every Node unreachable.
+CONTROLLERS = (
+    "serviceaccount-controller",
+    "namespace-controller",
+    "garbage-collector-controller",
+    "clusterrole-aggregation-controller",
+    "deployment-controller",
+    "replicaset-controller",
+    "daemonset-controller",
+)
 KEEP_DIR_ENV = "SANDKEEP_KEEP_CLUSTER_DIR"
 # Allocation only: no kube-proxy runs, so nothing ever routes to a Service IP from this range.
 SERVICE_CIDR = "10.0.0.0/24"
@@ -85,6 +100,29 @@ def tools_bin(required: Sequence[str] = TOOLS) -> Path:
             "run `make tools` (hack/tools/build.sh) or set SANDKEEP_TOOLS_DIR to a built cache"
         )
     return bin_dir
+
+
+WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
+
+
+def writes_by_resource(metrics_text: str) -> dict[str, float]:
+    """The write requests kube-apiserver has served, by resource, from its own `apiserver_request_total`.
+
+    Collection deletes (DELETE at namespace or cluster scope) are left out: kube-controller-manager's
+    namespace controller sends them while it empties deleted namespaces, and neither sandkeep component
+    may `deletecollection` (tests/test_rbac.py), so they are never sandkeep's writes.
+    """
+    totals: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        head, _, value = line.rpartition(" ")
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
+        verb, resource = labels.get("verb", ""), labels.get("resource", "")
+        if verb not in WRITE_VERBS or (verb == "DELETE" and labels.get("scope") != "resource"):
+            continue
+        totals[resource] = totals.get(resource, 0.0) + float(value)
+    return totals
 
 
 def kube_version() -> str:
@@ -178,7 +216,7 @@ class LocalCluster:
 
     @property
     def bin(self) -> Path:
-        """The tools bin dir this cluster runs kube-apiserver, etcd and kubectl from."""
+        """The tools bin dir this cluster runs its components and kubectl from."""
         if self._tools_bin is None:
             self._tools_bin = tools_bin(CLUSTER_TOOLS)
         return self._tools_bin
@@ -206,7 +244,7 @@ class LocalCluster:
         self.stop()
 
     def start(self, timeout: float = 90.0, attempts: int = 3) -> None:
-        """Start etcd and kube-apiserver and return once `/readyz` says ready.
+        """Start etcd, kube-apiserver and kube-controller-manager; return once all three are ready.
 
         Free ports are picked before the processes bind them, so another process can take one first;
         a start that fails on a port already in use is retried with new ports, anything else raises
@@ -282,8 +320,8 @@ class LocalCluster:
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 f"--api-audiences={SA_ISSUER}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                # ServiceAccount admission rejects every Pod whose ServiceAccount does not exist, and
-                # without kube-controller-manager no namespace ever gets its `default` one.
+                # ServiceAccount admission rejects a Pod whose ServiceAccount does not exist yet: tests
+                # create Pods in namespaces they made a moment before the `default` account appears.
                 "--disable-admission-plugins=ServiceAccount",
                 "--allow-privileged=true",
                 # The `kubernetes` Service's Endpoints may not hold a loopback address: the default lease
@@ -296,6 +334,25 @@ class LocalCluster:
         )
         self._await("kube-apiserver", f"{self.server}/readyz", deadline, tls=True)
         self._write_kubeconfig(self.kubeconfig, {"client-certificate": "admin.crt", "client-key": "admin.key"})
+        self._spawn(
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={self.kubeconfig}",
+                f"--controllers={','.join(CONTROLLERS)}",
+                "--secure-port=0",  # serves nothing: readiness is read from the work it does
+                "--leader-elect=false",
+                "--concurrent-gc-syncs=2",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        # Ready once the serviceaccount controller (the first of its loops) has given `default` its account.
+        self._await(
+            "kube-controller-manager",
+            f"{self.server}/api/v1/namespaces/default/serviceaccounts/default",
+            deadline,
+            tls=True,
+        )
 
     def stop(self) -> None:
         """Stop every process this cluster started (apiserver first) and remove its directory.
@@ -528,7 +585,7 @@ class LocalCluster:
         if self.dir is None:
             return "(cluster not started: no logs)"
         blocks = []
-        for name in ("etcd", "kube-apiserver"):
+        for name in ("etcd", "kube-apiserver", "kube-controller-manager"):
             path = self.dir / f"{name}.log"
             blocks.append(f"----- {name} ({path}), last {lines} lines -----\n{_tail(path, lines)}")
         return "\n".join(blocks)
@@ -583,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"export KUBECONFIG={cluster.kubeconfig}")
                 print(f'export PATH="{bin_dir}:$PATH"   # the built kubectl, helm and promtool')
                 print("# then e.g.: kubectl get --raw /version; kubectl get namespaces")
-                print("# Ctrl-C stops etcd and kube-apiserver and removes the directory.", flush=True)
+                print("# Ctrl-C stops every component and removes the directory.", flush=True)
                 while all(c.proc.poll() is None for c in cluster.components):
                     time.sleep(0.5)
                 cluster.failed = True

@@ -62,7 +62,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 @pytest.fixture(scope="session")
 def tools() -> Path:
-    """The bin dir of the built Go tools (kube-apiserver, kubectl, etcd, helm, promtool)."""
+    """The bin dir of the built Go tools (kube-apiserver, kube-controller-manager, kubectl, etcd, helm, promtool)."""
     return tools_bin()
 
 
@@ -89,8 +89,8 @@ def _namespace_name(test_name: str) -> str:
 def namespace(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator[str]:
     """A new namespace `t-<test name>-<random>`, deleted (without waiting) after the test.
 
-    Without kube-controller-manager a deleted namespace stays Terminating: the name is unique per
-    test, so nothing ever waits for it.
+    kube-controller-manager empties and removes it in the background; one that holds a sandbox with the
+    agent's finalizer stays Terminating. The name is unique per test, so nothing ever waits for it.
     """
     name = _namespace_name(request.node.name)
     cluster.kubectl("create", "namespace", name)

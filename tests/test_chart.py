@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from controller_harness import wait_for
 from localcluster import LocalCluster, kube_version
 
 from controller import contracts as c
@@ -396,6 +397,74 @@ def test_helm_install_creates_every_object(
         assert cluster.kubectl("get", c.SANDBOX_PLURAL, f"--namespace={namespace}").returncode == 0
     finally:
         helm(tools, "uninstall", release, f"--namespace={namespace}", kubeconfig=cluster.kubeconfig, check=False)
+
+
+def _pods(cluster: LocalCluster, namespace: str, component: str) -> list[dict[str, Any]]:
+    selector = f"app.kubernetes.io/component={component}"
+    items: list[dict[str, Any]] = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
+    return items
+
+
+def _target_node(pod: dict[str, Any]) -> str:
+    """The node a DaemonSet Pod is for: the controller pins it with a matchFields node affinity."""
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    name: str = terms["nodeSelectorTerms"][0]["matchFields"][0]["values"][0]
+    return name
+
+
+def _refusals(cluster: LocalCluster, namespace: str, kind: str) -> str:
+    events = cluster.kubectl_json("get", "events", "-n", namespace)["items"]
+    return "\n".join(
+        e["message"] for e in events if e["reason"] == "FailedCreate" and e["involvedObject"]["kind"] == kind
+    )
+
+
+@pytest.mark.slow
+def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_security_level_documented(
+    tools: Path, cluster: LocalCluster, namespace: str
+) -> None:
+    """kube-controller-manager turns the chart's Deployment and DaemonSet into Pods, admitted by the real
+    Pod Security admission: the agent needs `privileged`, as the README says, and the controller passes
+    `restricted`. The agent goes to every selected node, tainted or not, and to no other."""
+    wanted = f"jobs-{secrets.token_hex(3)}"
+    nodes = {name: f"{namespace[:40]}-{name}" for name in ("plain", "tainted", "unselected")}
+    for name, node in nodes.items():
+        cluster.create_node(node, ready=True, labels={} if name == "unselected" else {"sandkeep.io/test-pool": wanted})
+    taint = {"spec": {"taints": [{"key": "dedicated", "value": "jobs", "effect": "NoSchedule"}]}}
+    cluster.kubectl("patch", "node", nodes["tainted"], "--type=merge", "-p", json.dumps(taint))
+    restricted = f"{namespace[:50]}-restricted"
+    cluster.kubectl("create", "namespace", restricted)
+    releases = []
+    try:
+        for ns, level in ((namespace, "privileged"), (restricted, "restricted")):
+            cluster.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
+            release = f"pods-{secrets.token_hex(3)}"
+            helm(
+                tools, "install", release, str(CHART), f"--namespace={ns}",
+                f"--set=agent.nodeSelector.sandkeep\\.io/test-pool={wanted}", kubeconfig=cluster.kubeconfig,
+            )  # fmt: skip
+            releases.append((release, ns))
+        for ns in (namespace, restricted):
+            wait_for("two controller Pods", lambda n=ns: len(_pods(cluster, n, "controller")) == 2, timeout=60)
+        expected = {nodes["plain"], nodes["tainted"]}
+        agents = wait_for(
+            "an agent Pod on each selected node",
+            lambda: (got := _pods(cluster, namespace, "agent")) and {_target_node(p) for p in got} == expected and got,
+            timeout=60,
+        )
+        assert len(agents) == 2, [_target_node(p) for p in agents]
+        assert all(p["spec"]["hostPID"] for p in agents)
+        refusal = wait_for(
+            "the agent refused in the restricted namespace", lambda: _refusals(cluster, restricted, "DaemonSet"), 60
+        )
+        assert "violates PodSecurity" in refusal and "hostPID" in refusal, refusal
+        assert _pods(cluster, restricted, "agent") == []
+    finally:
+        for release, ns in releases:
+            helm(tools, "uninstall", release, f"--namespace={ns}", kubeconfig=cluster.kubeconfig, check=False)
+        cluster.kubectl("delete", "namespace", restricted, "--wait=false", check=False)
+        for node in nodes.values():
+            cluster.kubectl("delete", "node", node, "--wait=false", check=False)
 
 
 def readme_helm_commands() -> list[list[str]]:

@@ -8,6 +8,7 @@ negative case, so it fails if the piece it stands for is faked or missing.
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from controller_harness import wait_for
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from localcluster import ClusterError, KubectlError, LocalCluster, kube_version
@@ -208,6 +210,45 @@ def test_nodes_metrics_and_logs(cluster: LocalCluster) -> None:
     logs = cluster.logs()
     assert "----- etcd" in logs
     assert "----- kube-apiserver" in logs
+    assert "----- kube-controller-manager" in logs
+
+
+def test_the_controller_manager_runs_workloads_namespaces_and_aggregation(cluster: LocalCluster) -> None:
+    """kube-controller-manager's loops act: a Deployment gets Pods through its ReplicaSet, a new namespace its
+    `default` ServiceAccount, an aggregated ClusterRole the rules of the roles it selects, and a deleted
+    namespace goes away with what was in it."""
+    ns = f"kcm-{secrets.token_hex(3)}"
+    cluster.kubectl("create", "namespace", ns)
+    cluster.kubectl("create", "deployment", "web", "--image=registry.invalid/web:1", "--replicas=2", "-n", ns)
+    wait_for("two Pods of the Deployment", lambda: len(cluster.kubectl_json("get", "pods", "-n", ns)["items"]) == 2)
+    wait_for(
+        "the default ServiceAccount",
+        lambda: cluster.kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0,
+    )
+    label = f"kcm-test/{ns}"
+    aggregate = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": f"{ns}-all"},
+        "aggregationRule": {"clusterRoleSelectors": [{"matchLabels": {label: "true"}}]},
+    }  # fmt: skip
+    part = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": f"{ns}-part", "labels": {label: "true"}},
+        "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}],
+    }  # fmt: skip
+    try:
+        cluster.apply([aggregate, part])
+        wait_for(
+            "the aggregated rules",
+            lambda: cluster.kubectl_json("get", "clusterrole", f"{ns}-all").get("rules") == part["rules"],
+        )
+    finally:
+        cluster.kubectl("delete", "clusterrole", f"{ns}-all", f"{ns}-part", "--ignore-not-found", check=False)
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+    wait_for(
+        "the namespace to be removed",
+        lambda: cluster.kubectl("get", "namespace", ns, check=False).returncode != 0,
+        timeout=60,
+    )
 
 
 @pytest.mark.cluster
@@ -216,7 +257,7 @@ def test_stop_ends_every_process_and_removes_the_directory(tools: Path, tmp_path
     local = LocalCluster(tmp_path, tools)
     with local:
         pids = local.pids()
-        assert len(pids) == 2
+        assert len(pids) == 3  # etcd, kube-apiserver, kube-controller-manager
         directory = local.dir
         assert directory is not None and directory.is_dir()
         assert local.startup_seconds is not None
@@ -248,7 +289,7 @@ def test_failed_start_raises_with_component_logs_and_leaves_no_process(
     # stopped, and the directory kept only when asked to.
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
-    for tool in ("etcd", "kubectl"):
+    for tool in ("etcd", "kubectl", "kube-controller-manager"):
         (fake_bin / tool).symlink_to(tools / tool)
     (fake_bin / "kube-apiserver").write_text("#!/bin/sh\necho 'fake apiserver: refusing to start' >&2\nexit 3\n")
     (fake_bin / "kube-apiserver").chmod(0o755)

@@ -26,7 +26,7 @@ from controller_harness import (
     sandbox,
     wait_for,
 )
-from localcluster import LocalCluster
+from localcluster import LocalCluster, writes_by_resource
 
 from controller import contracts as c
 from controller.controller import Context, decide, status_changed
@@ -404,17 +404,8 @@ def _settled_writes(cluster: LocalCluster, quiet: float = 1.0, timeout: float = 
 
 
 def _writes(text: str) -> dict[str, float]:
-    """apiserver_request_total samples of write verbs on the resources the controller writes."""
-    result: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("apiserver_request_total{"):
-            continue
-        head, _, value = line.rpartition(" ")
-        if not any(f'resource="{r}"' in head for r in (c.SANDBOX_PLURAL, c.POLICY_PLURAL, "events")):
-            continue
-        if any(f'verb="{v}"' in head for v in ("POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE")):
-            result[head] = float(value)
-    return result
+    """Writes on the resources the controller writes (the leader Lease's renewals apart)."""
+    return {r: n for r, n in writes_by_resource(text).items() if r in (c.SANDBOX_PLURAL, c.POLICY_PLURAL, "events")}
 
 
 def test_a_sandbox_on_a_vanished_node_is_lost_and_never_hangs_in_terminating(

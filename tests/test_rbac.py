@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
-from controller_harness import install_crds
+from controller_harness import install_crds, wait_for
 from localcluster import LocalCluster, kube_version, tools_bin
 
 from controller import contracts as c
@@ -455,21 +455,11 @@ def test_the_controller_cannot_create_sandboxes_read_secrets_or_escalate(
         assert not can_i(cluster, controller, *refused), f"the controller can {refused}"
 
 
-def aggregate_by_hand(cluster: LocalCluster, name: str) -> None:
-    """Do what kube-controller-manager's clusterrole-aggregation controller does (it does not run here):
-    set the rules of ClusterRole `name` to the rules of every ClusterRole its aggregationRule selects."""
-    role = cluster.kubectl_json("get", "clusterrole", name)
-    rules: list[Any] = []
-    for selector in role["aggregationRule"]["clusterRoleSelectors"]:
-        labels = ",".join(f"{k}={v}" for k, v in selector["matchLabels"].items())
-        for source in sorted(cluster.kubectl_json("get", "clusterroles", "-l", labels)["items"], key=_name):
-            rules += [r for r in source.get("rules") or [] if r not in rules]
-    cluster.kubectl("patch", "clusterrole", name, "--type=merge", "-p", json.dumps({"rules": rules}))
-
-
-def _name(obj: dict[str, Any]) -> str:
-    name: str = obj["metadata"]["name"]
-    return name
+def aggregated(cluster: LocalCluster, builtin: str, ours: str) -> bool:
+    """Whether kube-controller-manager's clusterrole-aggregation controller has folded every rule of
+    ClusterRole `ours` into the built-in ClusterRole `builtin`."""
+    rules = cluster.kubectl_json("get", "clusterrole", builtin).get("rules") or []
+    return all(rule in rules for rule in cluster.kubectl_json("get", "clusterrole", ours).get("rules") or [])
 
 
 @pytest.fixture
@@ -483,11 +473,15 @@ def other_namespace(cluster: LocalCluster) -> Iterator[str]:
 def test_a_namespace_editor_can_pin_in_their_namespace_and_not_in_another(
     install: Callable[..., Install], cluster: LocalCluster, namespace: str, other_namespace: str
 ) -> None:
-    # The chart's -view and -edit ClusterRoles reach people through the built-in view/edit/admin roles
-    # (aggregation, done by hand here in the order the roles nest: view into edit, edit into admin).
-    install()
-    for role in ("view", "edit", "admin"):
-        aggregate_by_hand(cluster, role)
+    # The chart's -view and -edit ClusterRoles reach people through the built-in view/edit/admin roles,
+    # aggregated by the real controller (view nests into edit, edit into admin).
+    inst = install()
+    for builtin, ours in (("view", "view"), ("edit", "view"), ("edit", "edit"), ("admin", "edit")):
+        wait_for(
+            f"the chart's -{ours} rules aggregated into {builtin}",
+            lambda b=builtin, o=ours: aggregated(cluster, b, f"{inst.release}-sandkeep-{o}"),
+            timeout=30,
+        )
     editor, viewer = f"alice-{secrets.token_hex(2)}", f"bob-{secrets.token_hex(2)}"
     cluster.kubectl("create", "rolebinding", "alice-edits", "--clusterrole=edit", f"--user={editor}", "-n", namespace)
     cluster.kubectl("create", "rolebinding", "bob-views", "--clusterrole=view", f"--user={viewer}", "-n", namespace)

@@ -35,29 +35,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
 sys.path.insert(0, str(REPO))
 
-from localcluster import LocalCluster, tools_bin  # noqa: E402
+from localcluster import LocalCluster, tools_bin, writes_by_resource  # noqa: E402
 
 from controller import contracts as c  # noqa: E402
 from controller.durations import format_instant, parse_instant  # noqa: E402
 from controller.kube import Kube, KubeError, load_config, sandbox_path  # noqa: E402
 
-WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE", "APPLY")
 TARGET_LAG_P99 = 2.0
 TARGET_RSS_MIB = 200
-
-
-def writes_by_resource(text: str) -> dict[str, float]:
-    """Sum of apiserver_request_total over write verbs, by resource."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("apiserver_request_total{"):
-            continue
-        head, _, value = line.rpartition(" ")
-        verb = re.search(r'verb="([A-Z]+)"', head)
-        resource = re.search(r'resource="([^"]*)"', head)
-        if verb and resource and verb.group(1) in WRITE_VERBS:
-            totals[resource.group(1)] = totals.get(resource.group(1), 0.0) + float(value)
-    return totals
 
 
 def sandkeep_writes(by_resource: dict[str, float]) -> float:
