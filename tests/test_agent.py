@@ -290,6 +290,27 @@ def test_kubectl_delete_removes_the_directory_and_then_the_object(cluster, names
     assert tombstones(n1) == []
 
 
+def test_deleting_a_namespace_deletes_its_sandboxes_from_disk_and_the_namespace_goes_away(
+    cluster, namespace, nodes, agents
+):
+    # The real namespace controller (kube-controller-manager) deletes what the namespace holds; the agent's
+    # finalizer makes each disk go first, and only then can the namespace be removed.
+    n1, _ = nodes
+    doomed = f"{namespace[:50]}-doomed"
+    cluster.kubectl("create", "namespace", doomed)
+    paths = [n1.retain(doomed, name) for name in ("run-a", "run-b")]
+    kept = n1.retain(namespace, "run-kept")
+    agents(n1)
+    for name in ("run-a", "run-b"):
+        wait_for(lambda n=name: (get(cluster, doomed, n) or {}).get("metadata", {}).get("finalizers"), what="adopted")
+    wait_for(lambda: get(cluster, namespace, "run-kept"), what="run-kept adopted")
+    cluster.kubectl("delete", "namespace", doomed, "--wait=false")
+    gone = cluster.kubectl("wait", "--for=delete", f"namespace/{doomed}", "--timeout=90s", check=False)
+    assert gone.returncode == 0, gone.stderr
+    assert not any(p.exists() for p in paths) and tombstones(n1) == []
+    assert (kept / "workspace").is_dir() and get(cluster, namespace, "run-kept") is not None
+
+
 def test_a_process_with_its_cwd_inside_holds_deletion_until_it_exits(cluster, namespace, nodes, agents, procs):
     n1, _ = nodes
     path = n1.retain(namespace, "busy")
