@@ -424,19 +424,21 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
     tools: Path, cluster: LocalCluster, namespace: str
 ) -> None:
     """kube-controller-manager turns the chart's Deployment and DaemonSet into Pods, admitted by the real
-    Pod Security admission: the agent needs `privileged`, as the README says, and the controller passes
-    `restricted`. The agent goes to every selected node, tainted or not, and to no other."""
+    Pod Security admission: the agent needs `privileged` (hostPID and hostPath are refused by `baseline`),
+    as the READMEs say, and the controller passes `restricted`. The agent goes to every selected node,
+    tainted or not, and to no other."""
     wanted = f"jobs-{secrets.token_hex(3)}"
     nodes = {name: f"{namespace[:40]}-{name}" for name in ("plain", "tainted", "unselected")}
     for name, node in nodes.items():
         cluster.create_node(node, ready=True, labels={} if name == "unselected" else {"sandkeep.io/test-pool": wanted})
     taint = {"spec": {"taints": [{"key": "dedicated", "value": "jobs", "effect": "NoSchedule"}]}}
     cluster.kubectl("patch", "node", nodes["tainted"], "--type=merge", "-p", json.dumps(taint))
-    restricted = f"{namespace[:50]}-restricted"
-    cluster.kubectl("create", "namespace", restricted)
+    levels = {"privileged": namespace, "baseline": f"{namespace[:50]}-base", "restricted": f"{namespace[:50]}-restr"}
     releases = []
     try:
-        for ns, level in ((namespace, "privileged"), (restricted, "restricted")):
+        for level, ns in levels.items():
+            if ns != namespace:
+                cluster.kubectl("create", "namespace", ns)
             cluster.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
             release = f"pods-{secrets.token_hex(3)}"
             helm(
@@ -444,8 +446,8 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
                 f"--set=agent.nodeSelector.sandkeep\\.io/test-pool={wanted}", kubeconfig=cluster.kubeconfig,
             )  # fmt: skip
             releases.append((release, ns))
-        for ns in (namespace, restricted):
-            wait_for("two controller Pods", lambda n=ns: len(_pods(cluster, n, "controller")) == 2, timeout=60)
+        for level, ns in levels.items():
+            wait_for(f"two controller Pods under {level}", lambda n=ns: len(_pods(cluster, n, "controller")) == 2, 60)
         expected = {nodes["plain"], nodes["tainted"]}
         agents = wait_for(
             "an agent Pod on each selected node",
@@ -454,15 +456,17 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
         )
         assert len(agents) == 2, [_target_node(p) for p in agents]
         assert all(p["spec"]["hostPID"] for p in agents)
-        refusal = wait_for(
-            "the agent refused in the restricted namespace", lambda: _refusals(cluster, restricted, "DaemonSet"), 60
-        )
-        assert "violates PodSecurity" in refusal and "hostPID" in refusal, refusal
-        assert _pods(cluster, restricted, "agent") == []
+        for level in ("baseline", "restricted"):
+            ns = levels[level]
+            refusal = wait_for(f"the agent refused under {level}", lambda n=ns: _refusals(cluster, n, "DaemonSet"), 60)
+            assert "violates PodSecurity" in refusal and "hostPID" in refusal and "hostPath" in refusal, refusal
+            assert _pods(cluster, ns, "agent") == []
     finally:
         for release, ns in releases:
             helm(tools, "uninstall", release, f"--namespace={ns}", kubeconfig=cluster.kubeconfig, check=False)
-        cluster.kubectl("delete", "namespace", restricted, "--wait=false", check=False)
+        for ns in levels.values():
+            if ns != namespace:
+                cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
         for node in nodes.values():
             cluster.kubectl("delete", "node", node, "--wait=false", check=False)
 
