@@ -45,7 +45,8 @@ TOOLS = ("kube-apiserver", "kube-controller-manager", "kubectl", "etcd", "helm",
 CLUSTER_TOOLS = ("kube-apiserver", "kube-controller-manager", "etcd", "kubectl")
 # The kube-controller-manager loops whose work the tests and the demo rely on or check: Pods for the
 # chart's Deployment and DaemonSet, `default` ServiceAccounts, deleted namespaces emptied and removed,
-# dependents collected, and the chart's aggregated ClusterRoles folded into view/edit/admin. Node
+# dependents collected, the chart's aggregated ClusterRoles folded into view/edit/admin, and the
+# PodDisruptionBudget's status (which Pods it covers). Node
 # lifecycle is left out on purpose: with no kubelet it would mark every Node unreachable.
 CONTROLLERS = (
     "serviceaccount-controller",
@@ -55,6 +56,7 @@ CONTROLLERS = (
     "deployment-controller",
     "replicaset-controller",
     "daemonset-controller",
+    "disruption-controller",
 )
 KEEP_DIR_ENV = "SANDKEEP_KEEP_CLUSTER_DIR"
 # Allocation only: no kube-proxy runs, so nothing ever routes to a Service IP from this range.

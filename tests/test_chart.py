@@ -448,6 +448,13 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
             releases.append((release, ns))
         for level, ns in levels.items():
             wait_for(f"two controller Pods under {level}", lambda n=ns: len(_pods(cluster, n, "controller")) == 2, 60)
+        # the disruption controller finds the PodDisruptionBudget's selector covers both controller Pods
+        pdb = f"{releases[0][0]}-sandkeep-controller"
+        wait_for(
+            "the PodDisruptionBudget to cover both controller Pods",
+            lambda: cluster.kubectl_json("get", "pdb", pdb, "-n", namespace).get("status", {}).get("expectedPods") == 2,
+            60,
+        )
         expected = {nodes["plain"], nodes["tainted"]}
         agents = wait_for(
             "an agent Pod on each selected node",
