@@ -20,7 +20,7 @@ import pytest
 from controller_harness import wait_for
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from localcluster import ClusterError, KubectlError, LocalCluster, kube_version
+from localcluster import ClusterError, KubectlError, LocalCluster, kube_version, writes_by_resource
 
 SMOKE_GROUP = "smoke.sandkeep.test"
 
@@ -211,6 +211,21 @@ def test_nodes_metrics_and_logs(cluster: LocalCluster) -> None:
     assert "----- etcd" in logs
     assert "----- kube-apiserver" in logs
     assert "----- kube-controller-manager" in logs
+
+
+def test_write_counts_leave_out_reads_and_collection_deletes() -> None:
+    """Only writes a client of ours could make count: collection deletes are kube-controller-manager's."""
+    text = "\n".join([
+        '# TYPE apiserver_request_total counter',
+        'apiserver_request_total{code="201",resource="events",scope="namespace",verb="POST"} 3',
+        'apiserver_request_total{code="200",resource="events",scope="namespace",verb="DELETE"} 7',
+        'apiserver_request_total{code="200",resource="events",scope="namespace",verb="LIST"} 9',
+        'apiserver_request_total{code="200",resource="retainedsandboxes",scope="resource",verb="DELETE"} 2',
+        'apiserver_request_total{code="200",resource="retainedsandboxes",scope="resource",verb="APPLY"} 1',
+        'apiserver_request_total{code="200",resource="nodes",scope="cluster",verb="DELETE"} 4',
+        'apiserver_request_duration_seconds_count{resource="events",verb="POST"} 5',
+    ])  # fmt: skip
+    assert writes_by_resource(text) == {"events": 3.0, "retainedsandboxes": 3.0}
 
 
 def test_the_controller_manager_runs_workloads_namespaces_and_aggregation(cluster: LocalCluster) -> None:
