@@ -345,7 +345,7 @@ class AgentState:
     present: set[Key] = field(default_factory=set)
     stuck: dict[str, StuckInfo] = field(default_factory=dict)  # tombstone name -> failure
     orphan_stuck: dict[str, StuckInfo] = field(default_factory=dict)
-    said: dict[str, float] = field(default_factory=dict)  # rate-limited log lines by subject
+    said: dict[str, tuple[float, str]] = field(default_factory=dict)  # rate-limited lines: subject -> (when, what)
     events: dict[tuple[str, str], str] = field(default_factory=dict)  # (uid, reason) -> message posted
     synced: bool = False
 
@@ -439,12 +439,13 @@ class Agent:
         self.loop.call_later(delay, fire)
 
     def _say_limited(self, subject: str, event: str, level: int = logging.WARNING, **kv: Any) -> None:
-        """Log `event` about `subject` when first seen and then at most once per relog period."""
-        now = time.monotonic()
+        """Log `event` about `subject` when first seen and then at most once per relog period; a subject
+        whose event or reason changes (adoption failed, then its namespace went missing) is news at once."""
+        now, what = time.monotonic(), f"{event} {kv.get('reason')}"
         last = self.state.said.get(subject)
-        if last is not None and now - last < self.s.relog_every.total_seconds():
+        if last is not None and last[1] == what and now - last[0] < self.s.relog_every.total_seconds():
             return
-        self.state.said[subject] = now
+        self.state.said[subject] = (now, what)
         logs.say(log, event, level=level, **kv)
 
     async def _api(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -539,7 +540,7 @@ class Agent:
         for event_key in [k for k in self.state.events if k[0] not in uids]:
             self.state.events.pop(event_key, None)
         horizon = time.monotonic() - self.s.relog_every.total_seconds()
-        for subject in [k for k, t in self.state.said.items() if t < horizon]:
+        for subject in [k for k, (t, _) in self.state.said.items() if t < horizon]:
             self.state.said.pop(subject, None)
 
     async def _process_logged(self, key: Key) -> None:

@@ -291,24 +291,38 @@ def test_kubectl_delete_removes_the_directory_and_then_the_object(cluster, names
 
 
 def test_deleting_a_namespace_deletes_its_sandboxes_from_disk_and_the_namespace_goes_away(
-    cluster, namespace, nodes, agents
+    cluster, namespace, nodes, agents, procs
 ):
     # The real namespace controller (kube-controller-manager) deletes what the namespace holds; the agent's
-    # finalizer makes each disk go first, and only then can the namespace be removed.
+    # finalizer makes each disk go first. A sandbox in use is held, which keeps the namespace Terminating:
+    # a directory retained into it meanwhile cannot be adopted, and stays on disk.
     n1, _ = nodes
     doomed = f"{namespace[:50]}-doomed"
     cluster.kubectl("create", "namespace", doomed)
     paths = [n1.retain(doomed, name) for name in ("run-a", "run-b")]
+    busy = n1.retain(doomed, "run-busy")
+    holder = subprocess.Popen(["sleep", "120"], cwd=busy / "workspace")
+    procs.append(holder)
     kept = n1.retain(namespace, "run-kept")
-    agents(n1)
-    for name in ("run-a", "run-b"):
+    a = agents(n1)
+    for name in ("run-a", "run-b", "run-busy"):
         wait_for(lambda n=name: (get(cluster, doomed, n) or {}).get("metadata", {}).get("finalizers"), what="adopted")
     wait_for(lambda: get(cluster, namespace, "run-kept"), what="run-kept adopted")
     cluster.kubectl("delete", "namespace", doomed, "--wait=false")
+    wait_for(lambda: all(get(cluster, doomed, n) is None for n in ("run-a", "run-b")), 90, "the idle ones deleted")
+    assert not any(p.exists() for p in paths)
+    wait_for(lambda: ((get(cluster, doomed, "run-busy") or {}).get("status") or {}).get("phase") == "Held", what="held")
+    late = n1.retain(doomed, "run-late")
+    wait_for(lambda: "adoption_failed" in a.log() and "being terminated" in a.log(), what="the refused adoption")
+    assert busy.is_dir() and (late / "workspace").is_dir(), "nothing in use or unadopted is deleted"
+    holder.kill()
+    holder.wait()
     gone = cluster.kubectl("wait", "--for=delete", f"namespace/{doomed}", "--timeout=90s", check=False)
     assert gone.returncode == 0, gone.stderr
-    assert not any(p.exists() for p in paths) and tombstones(n1) == []
-    assert (kept / "workspace").is_dir() and get(cluster, namespace, "run-kept") is not None
+    assert not busy.exists() and tombstones(n1) == []
+    wait_for(lambda: "reason=NamespaceMissing" in a.log(), what="the late directory reported")
+    assert (late / "workspace").is_dir() and (kept / "workspace").is_dir()
+    assert get(cluster, namespace, "run-kept") is not None
 
 
 def test_a_process_with_its_cwd_inside_holds_deletion_until_it_exits(cluster, namespace, nodes, agents, procs):
