@@ -670,12 +670,19 @@ class Agent:
         try:
             created = await self._api(self.kube.create_sandbox, key[0], body)
         except KubeError as err:
+            terminating = err.status == 403 and "being terminated" in err.message
             self._say_limited(
                 f"adopt:{key}",
                 "adoption_failed",
                 reason=Reason.CONFLICT if err.conflict else Reason.ADOPTION_FAILED,
                 object=f"{key[0]}/{key[1]}",
                 error=err.message[:300],
+                action=(
+                    f"namespace {key[0]} is being deleted: the directory is kept and retried every pass; "
+                    "remove it if it is not needed"
+                    if terminating
+                    else "retried every pass"
+                ),
             )
             return
         self._remember(created)

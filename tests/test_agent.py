@@ -313,7 +313,8 @@ def test_deleting_a_namespace_deletes_its_sandboxes_from_disk_and_the_namespace_
     assert not any(p.exists() for p in paths)
     wait_for(lambda: ((get(cluster, doomed, "run-busy") or {}).get("status") or {}).get("phase") == "Held", what="held")
     late = n1.retain(doomed, "run-late")
-    wait_for(lambda: "adoption_failed" in a.log() and "being terminated" in a.log(), what="the refused adoption")
+    refused = wait_for(lambda: re.search(r"adoption_failed .*being terminated.*", a.log()), what="the refused adoption")
+    assert f"namespace {doomed} is being deleted: the directory is kept" in refused.group(0)
     assert busy.is_dir() and (late / "workspace").is_dir(), "nothing in use or unadopted is deleted"
     holder.kill()
     holder.wait()
