@@ -326,10 +326,7 @@ def _read_manifest_at(parent_fd: int, name: str) -> Read:
     try:
         st = os.lstat(name, dir_fd=parent_fd)
     except OSError as err:
-        code = _errno_of(err)
-        if code in TRANSIENT_ERRNOS:
-            return Transient(code)
-        return Absent() if code in (E.ENOENT, E.ENOTDIR) else Unreadable(code)
+        return _failed_read(err)
     if stat.S_ISLNK(st.st_mode):
         return Absent(Reason.SYMLINK)
     if not stat.S_ISDIR(st.st_mode):
@@ -338,10 +335,22 @@ def _read_manifest_at(parent_fd: int, name: str) -> Read:
         with _fd(_open_dir(name, parent_fd)) as dir_fd:
             return _read_manifest_in(dir_fd)
     except OSError as err:
-        code = _errno_of(err)
-        if code in TRANSIENT_ERRNOS:
-            return Transient(code)
-        return Absent() if code in (E.ENOENT, E.ENOTDIR) else Unreadable(code)
+        return _failed_read(err)
+
+
+def _failed_read(err: OSError) -> Read:
+    """What a failed step of reading a manifest means: held (transient), absent, or unreadable."""
+    code = _errno_of(err)
+    if code in TRANSIENT_ERRNOS:
+        return Transient(code)
+    return Absent() if code in (E.ENOENT, E.ENOTDIR) else Unreadable(code)
+
+
+def _claimed(read: Read, namespace: str, name: str) -> Read:
+    """A manifest that names another sandbox than the path it sits under is a Mismatch, never Present."""
+    if isinstance(read, Present) and (read.manifest.namespace, read.manifest.name) != (namespace, name):
+        return Mismatch(read.manifest, read.text)
+    return read
 
 
 def _read_manifest_in(dir_fd: int) -> Read:
@@ -360,10 +369,7 @@ def _read_manifest_in(dir_fd: int) -> Read:
                 chunks.append(chunk)
                 size += len(chunk)
     except OSError as err:
-        code = _errno_of(err)
-        if code in TRANSIENT_ERRNOS:
-            return Transient(code)
-        return Absent() if code in (E.ENOENT, E.ENOTDIR) else Unreadable(code)
+        return _failed_read(err)
     raw = b"".join(chunks)
     text = raw.decode("utf-8", errors="surrogateescape")
     if size > MAX_MANIFEST_BYTES:
@@ -514,9 +520,7 @@ class Root:
             if code in TRANSIENT_ERRNOS:
                 return Transient(code)
             return Absent(Reason.SYMLINK if code == E.ELOOP else Reason.MANIFEST_ABSENT)
-        if isinstance(result, Present) and (result.manifest.namespace, result.manifest.name) != (namespace, name):
-            return Mismatch(result.manifest, result.text)
-        return result
+        return _claimed(result, namespace, name)
 
     def read_many(self, entries: Iterable[Entry]) -> dict[tuple[str, str], Read]:
         """`read` for many sandboxes (a scan's), opening the root and each namespace directory once."""
@@ -535,13 +539,7 @@ class Root:
                     continue
                 with _fd(ns_fd):
                     for name in names:
-                        result = _read_manifest_at(ns_fd, name)
-                        if isinstance(result, Present) and (result.manifest.namespace, result.manifest.name) != (
-                            ns,
-                            name,
-                        ):
-                            result = Mismatch(result.manifest, result.text)
-                        out[(ns, name)] = result
+                        out[(ns, name)] = _claimed(_read_manifest_at(ns_fd, name), ns, name)
         return out
 
     def read_tombstone(self, t: Tombstone) -> Read:
@@ -705,9 +703,7 @@ class Root:
             ):
                 # Read and rewrite through ONE directory fd: a retry that replaces the sandbox in between
                 # never gets the old run's manifest written over its own.
-                read = _read_manifest_in(dir_fd)
-                if isinstance(read, Present) and (read.manifest.namespace, read.manifest.name) != (namespace, name):
-                    read = Mismatch(read.manifest, read.text)
+                read = _claimed(_read_manifest_in(dir_fd), namespace, name)
                 if not isinstance(read, Present):
                     raise StoreError(
                         read.reason,
