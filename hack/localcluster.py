@@ -34,7 +34,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -125,6 +125,27 @@ def writes_by_resource(metrics_text: str) -> dict[str, float]:
             continue
         totals[resource] = totals.get(resource, 0.0) + float(value)
     return totals
+
+
+def settled_writes(
+    metrics_text: Callable[[], str], resources: Collection[str], *, still_for: float = 1.0, timeout: float = 30.0
+) -> dict[str, float] | None:
+    """The write counts on `resources` once none has moved for `still_for` seconds; None when they never
+    settle within `timeout` (a writer more frequent than that). Counters only grow, so two equal readings
+    mean no write in between."""
+
+    def read() -> dict[str, float]:
+        return {r: n for r, n in writes_by_resource(metrics_text()).items() if r in resources}
+
+    last = read()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(still_for)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return None
 
 
 def kube_version() -> str:

@@ -26,7 +26,7 @@ from controller_harness import (
     sandbox,
     wait_for,
 )
-from localcluster import LocalCluster, writes_by_resource
+from localcluster import LocalCluster, settled_writes, writes_by_resource
 
 from controller import contracts as c
 from controller.controller import Context, decide, status_changed
@@ -383,29 +383,19 @@ def test_steady_state_makes_no_writes(kube: Kube, cluster: LocalCluster, namespa
     cluster.kubectl("annotate", c.SANDBOX_SHORT, "quiet-0", "-n", namespace, f"{c.ANN_PIN_FOR}=2h")
     wait_for("every status", lambda: all(status_of(kube, namespace, n).get("phase") for n in names))
     wait_for("the pin", lambda: status_of(kube, namespace, "quiet-0").get("phase") == c.Phase.PINNED)
-    before = _settled_writes(cluster)  # in-flight Events (posted from their own pool) land first
+    before = settled_writes(cluster.metrics_text, WRITTEN)  # in-flight Events (posted from their own pool) land first
+    assert before is not None, "the write counters never settled for 1s within 30s"
     time.sleep(6)
     after = _writes(cluster.metrics_text())
     assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
     assert before, "the reading saw no writes at all: the filter is wrong"
 
 
-def _settled_writes(cluster: LocalCluster, quiet: float = 1.0, timeout: float = 30) -> dict[str, float]:
-    """The write counters once they have not moved for `quiet` seconds (a writer faster than that never settles)."""
-    last = _writes(cluster.metrics_text())
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(quiet)
-        now = _writes(cluster.metrics_text())
-        if now == last:
-            return now
-        last = now
-    raise AssertionError(f"the write counters never settled for {quiet}s within {timeout}s")
+WRITTEN = (c.SANDBOX_PLURAL, c.POLICY_PLURAL, "events")  # what the controller writes (its Lease apart)
 
 
 def _writes(text: str) -> dict[str, float]:
-    """Writes on the resources the controller writes (the leader Lease's renewals apart)."""
-    return {r: n for r, n in writes_by_resource(text).items() if r in (c.SANDBOX_PLURAL, c.POLICY_PLURAL, "events")}
+    return {r: n for r, n in writes_by_resource(text).items() if r in WRITTEN}
 
 
 def test_a_sandbox_on_a_vanished_node_is_lost_and_never_hangs_in_terminating(

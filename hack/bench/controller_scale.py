@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
 sys.path.insert(0, str(REPO))
 
-from localcluster import LocalCluster, tools_bin, writes_by_resource  # noqa: E402
+from localcluster import LocalCluster, settled_writes, tools_bin, writes_by_resource  # noqa: E402
 
 from controller import contracts as c  # noqa: E402
 from controller.durations import format_instant, parse_instant  # noqa: E402
@@ -45,9 +45,12 @@ TARGET_LAG_P99 = 2.0
 TARGET_RSS_MIB = 200
 
 
+WRITTEN = (c.SANDBOX_PLURAL, c.POLICY_PLURAL, "events")  # what the controller writes; Lease renewals are apart
+
+
 def sandkeep_writes(by_resource: dict[str, float]) -> float:
-    """Writes to what the controller writes (sandboxes, policies, Events); Lease renewals are apart."""
-    return sum(by_resource.get(r, 0.0) for r in (c.SANDBOX_PLURAL, c.POLICY_PLURAL, "events"))
+    """Writes to what the controller writes (sandboxes, policies, Events)."""
+    return sum(by_resource.get(r, 0.0) for r in WRITTEN)
 
 
 def metric_sum(text: str, name: str, exclude: str | None = None) -> float:
@@ -219,12 +222,7 @@ def measure(
           f"{args.objects / reconcile_all:.0f} sandboxes/s)")  # fmt: skip
 
     # 3. steady state: once the Events of the first pass are posted, nothing may be written
-    stable, last, limit = 0, -1.0, time.monotonic() + args.timeout
-    while stable < 3 and time.monotonic() < limit:
-        current = sandkeep_writes(writes_by_resource(cluster.metrics_text()))
-        stable = stable + 1 if current == last else 0
-        last = current
-        time.sleep(1)
+    settled_writes(cluster.metrics_text, WRITTEN, still_for=3.0, timeout=args.timeout)
     print(f"  Events of the first pass all posted {time.monotonic() - started:.1f}s after the start")
     before = writes_by_resource(cluster.metrics_text())
     time.sleep(args.quiet)
