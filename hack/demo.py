@@ -42,7 +42,7 @@ from localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, signals_rais
 from controller import contracts as c
 from controller.durations import Invalid, parse_duration, parse_instant
 from controller.inuse import uninspectable_pids
-from controller.kube import now_utc
+from controller.kube import condition_of, now_utc
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -544,9 +544,9 @@ def orphan(demo: Demo) -> list[tuple[int, int]]:
 
 def orphans_pending(demo: Demo, name: str) -> bool:
     """The agent reports `name` used only by recorded orphans: inUse false, InUse reason OrphansPending."""
-    status = (demo.sandbox_obj(name) or {}).get("status") or {}
-    cond: dict[str, Any] = next((x for x in status.get("conditions") or [] if x.get("type") == "InUse"), {})
-    return status.get("inUse") is False and cond.get("reason") == str(c.Reason.ORPHANS_PENDING)
+    obj = demo.sandbox_obj(name) or {}
+    cond = condition_of(obj, c.Condition.IN_USE) or {}
+    return (obj.get("status") or {}).get("inUse") is False and cond.get("reason") == str(c.Reason.ORPHANS_PENDING)
 
 
 def undeletable(demo: Demo) -> None:
@@ -601,10 +601,8 @@ def stuck(demo: Demo) -> None:
         "agent exports it as metrics (the SandkeepTombstoneStuck alert fires on them after 10 minutes) and "
         "`sandkeep doctor` lists what needs a person.",
     )
-    obj = demo.sandbox_obj("build-1044") or {}
-    cond = next((x for x in obj.get("status", {}).get("conditions", []) if x["type"] == "TombstoneStuck"), None)
-    if cond is None:
-        raise DemoFailed("build-1044 is Stuck but has no TombstoneStuck condition")
+    if condition_of(demo.sandbox_obj("build-1044") or {}, c.Condition.TOMBSTONE_STUCK) is None:
+        raise DemoFailed(f"build-1044 is Stuck but has no {c.Condition.TOMBSTONE_STUCK} condition")
     stuck_message = 'jsonpath={.status.phase}: {.status.conditions[?(@.type=="TombstoneStuck")].message}'
     demo.kubectl("get", "rsb", "build-1044", "-n", NAMESPACE, "-o", stuck_message, show=True)
     lines = demo.wait(
