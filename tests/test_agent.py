@@ -161,6 +161,13 @@ def get(cluster: Any, namespace: str, name: str) -> dict[str, Any] | None:
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
+def adopted(cluster: Any, namespace: str, name: str) -> dict[str, Any]:
+    """Wait until the agent has adopted `name`: the object exists and carries its finalizer."""
+    return wait_for(
+        lambda: (o := get(cluster, namespace, name)) and o["metadata"].get("finalizers") and o, what=f"{name} adopted"
+    )
+
+
 def cond(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
     return None if obj is None else kube.condition_of(obj, type_)
 
@@ -283,7 +290,7 @@ def test_kubectl_delete_removes_the_directory_and_then_the_object(cluster, names
     n1, _ = nodes
     path = n1.retain(namespace, "run-del")
     agents(n1)
-    wait_for(lambda: (get(cluster, namespace, "run-del") or {}).get("metadata", {}).get("finalizers"))
+    adopted(cluster, namespace, "run-del")
     delete(cluster, namespace, "run-del")
     wait_for(lambda: get(cluster, namespace, "run-del") is None, what="object gone")
     assert not path.exists()
@@ -306,7 +313,7 @@ def test_deleting_a_namespace_deletes_its_sandboxes_from_disk_and_the_namespace_
     kept = n1.retain(namespace, "run-kept")
     a = agents(n1)
     for name in ("run-a", "run-b", "run-busy"):
-        wait_for(lambda n=name: (get(cluster, doomed, n) or {}).get("metadata", {}).get("finalizers"), what="adopted")
+        adopted(cluster, doomed, name)
     wait_for(lambda: get(cluster, namespace, "run-kept"), what="run-kept adopted")
     cluster.kubectl("delete", "namespace", doomed, "--wait=false")
     wait_for(lambda: all(get(cluster, doomed, n) is None for n in ("run-a", "run-b")), 90, "the idle ones deleted")
@@ -332,7 +339,7 @@ def test_a_process_with_its_cwd_inside_holds_deletion_until_it_exits(cluster, na
     p = subprocess.Popen(["sleep", "120"], cwd=path / "workspace")
     procs.append(p)
     agents(n1)
-    wait_for(lambda: (get(cluster, namespace, "busy") or {}).get("metadata", {}).get("finalizers"))
+    adopted(cluster, namespace, "busy")
     delete(cluster, namespace, "busy")
 
     held = wait_for(lambda: (o := get(cluster, namespace, "busy")) and o.get("status", {}).get("phase") == "Held" and o)
@@ -358,7 +365,7 @@ def test_an_open_file_descriptor_holds_deletion(cluster, namespace, nodes, agent
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
     agents(n1)
-    wait_for(lambda: (get(cluster, namespace, "open-fd") or {}).get("metadata", {}).get("finalizers"))
+    adopted(cluster, namespace, "open-fd")
     delete(cluster, namespace, "open-fd")
     held = wait_for(lambda: (o := get(cluster, namespace, "open-fd")) and o["status"].get("phase") == "Held" and o)
     assert any(h.startswith(f"pid {p.pid} ") and " fd " in h for h in held["status"]["heldBy"])
@@ -391,7 +398,7 @@ def test_a_recorded_orphan_process_group_is_killed_before_deletion(cluster, name
     pids = orphans_of_a_killed_exec(n1, namespace, "orphans", "sleep 200 & sleep 201 & echo ready; exec sleep 202")
     try:
         agents(n1)
-        wait_for(lambda: (get(cluster, namespace, "orphans") or {}).get("metadata", {}).get("finalizers"))
+        adopted(cluster, namespace, "orphans")
         delete(cluster, namespace, "orphans")
         wait_for(lambda: get(cluster, namespace, "orphans") is None, what="deleted after reaping")
         assert not path.exists()
@@ -501,7 +508,7 @@ def test_a_pod_on_the_node_with_a_hostpath_inside_holds_deletion(cluster, namesp
     cluster.apply(pod("runner", n1, path / "workspace"))
     cluster.apply(pod("not-here", n2, path))  # another node's Pod: the same path there is another disk
     agents(n1)
-    wait_for(lambda: (get(cluster, namespace, "mounted") or {}).get("metadata", {}).get("finalizers"))
+    adopted(cluster, namespace, "mounted")
     delete(cluster, namespace, "mounted")
     held = wait_for(lambda: (o := get(cluster, namespace, "mounted")) and o["status"].get("phase") == "Held" and o)
     assert held["status"]["heldBy"] == [f"pod {namespace}/runner hostPath {path / 'workspace'}"]
@@ -535,7 +542,7 @@ def test_an_agent_that_cannot_list_pods_holds_deletion_as_unknown(cluster, names
     try:
         kubeconfig = cluster.kubeconfig_for_token(cluster.token_for(namespace, "agent"), tmp_path / "agent.kubeconfig")
         a = agents(n1, kubeconfig=kubeconfig)
-        wait_for(lambda: (get(cluster, namespace, "blind") or {}).get("metadata", {}).get("finalizers"))
+        adopted(cluster, namespace, "blind")
         delete(cluster, namespace, "blind")
         held = wait_for(lambda: (o := get(cluster, namespace, "blind")) and o["status"].get("phase") == "Held" and o)
         in_use = cond(held, "InUse")
@@ -561,7 +568,7 @@ def test_a_survivor_holds_deletion_with_a_clear_condition(cluster, namespace, no
     )
     a = InProcessAgent(cluster, n1, namespace, kill=lambda pid, sig: None)  # SIGKILL that does not kill
     try:
-        wait_for(lambda: (get(cluster, namespace, "survivor") or {}).get("metadata", {}).get("finalizers"))
+        adopted(cluster, namespace, "survivor")
         delete(cluster, namespace, "survivor")
         held = wait_for(
             lambda: (o := get(cluster, namespace, "survivor")) and cond(o, "OrphansSurvived") and o, what="survivor"
@@ -586,7 +593,7 @@ def test_an_undeletable_file_makes_the_tombstone_stuck_and_it_recovers(cluster, 
     path = n1.retain(namespace, "stuck", {"keep/immutable": "x", "other": "y"})
     subprocess.run(["chattr", "+i", str(path / "workspace" / "keep" / "immutable")], check=True)
     a = agents(n1)
-    wait_for(lambda: (get(cluster, namespace, "stuck") or {}).get("metadata", {}).get("finalizers"))
+    adopted(cluster, namespace, "stuck")
     delete(cluster, namespace, "stuck")
 
     obj = wait_for(lambda: (o := get(cluster, namespace, "stuck")) and o["status"].get("phase") == "Stuck" and o)
@@ -617,7 +624,7 @@ def test_an_agent_killed_after_the_rename_and_mid_delete_is_finished_by_the_next
     files = {f"d{i // 500}/f{i}": "z" for i in range(20000)}
     path = n1.retain(namespace, "crashy", files)
     first = agents(n1, env={agent_mod.SEAM_KILL_AFTER_RENAME: "1"})
-    wait_for(lambda: (get(cluster, namespace, "crashy") or {}).get("metadata", {}).get("finalizers"))
+    adopted(cluster, namespace, "crashy")
     delete(cluster, namespace, "crashy")
     assert first.proc.wait(timeout=30) == -signal.SIGKILL
     (tomb,) = tombstones(n1)
@@ -646,7 +653,7 @@ def test_a_run_retained_again_under_the_same_name_is_not_deleted_with_the_old_ob
     n1, _ = nodes
     path = n1.retain(namespace, "again", {"v": "first run"})
     first = agents(n1)
-    old = wait_for(lambda: (o := get(cluster, namespace, "again")) and o["metadata"].get("finalizers") and o)
+    old = adopted(cluster, namespace, "again")
     first.stop()
     # The job ran again: its new workspace replaces the old one under the same name (a new createdAt).
     time.sleep(0.01)
@@ -672,7 +679,7 @@ def test_a_tombstone_of_a_live_object_is_put_back_never_deleted(cluster, namespa
     n1, _ = nodes
     path = n1.retain(namespace, "back", {"work.txt": "precious"})
     first = agents(n1)
-    obj = wait_for(lambda: (o := get(cluster, namespace, "back")) and o["metadata"].get("finalizers") and o)
+    obj = adopted(cluster, namespace, "back")
     first.stop()
     # Renamed aside with no delete request (nothing the agent does leaves this; a person or a bug could).
     n1.root.tombstone(namespace, "back", id=obj["metadata"]["uid"], now=datetime.now(UTC))
@@ -709,8 +716,8 @@ def test_a_symlink_inside_a_sandbox_pointing_outside_the_root_is_never_followed(
     (n1.root.path / namespace / "evil").symlink_to(outside)  # a sandbox name that is a link out of the root
     make_object(cluster, namespace, "evil", n1.name)
     agents(n1)
-    wait_for(lambda: (get(cluster, namespace, "linky") or {}).get("metadata", {}).get("finalizers"))
-    wait_for(lambda: (get(cluster, namespace, "evil") or {}).get("metadata", {}).get("finalizers"))
+    adopted(cluster, namespace, "linky")
+    adopted(cluster, namespace, "evil")
     delete(cluster, namespace, "linky")
     delete(cluster, namespace, "evil")
     wait_for(lambda: get(cluster, namespace, "linky") is None and get(cluster, namespace, "evil") is None)
@@ -729,7 +736,7 @@ def test_a_mount_inside_a_sandbox_holds_deletion_and_its_files_survive(cluster, 
     subprocess.run(["mount", "--bind", str(other_fs), str(point)], check=True)
     try:
         agents(n1)
-        wait_for(lambda: (get(cluster, namespace, "mounted-in") or {}).get("metadata", {}).get("finalizers"))
+        adopted(cluster, namespace, "mounted-in")
         delete(cluster, namespace, "mounted-in")
         held = wait_for(
             lambda: (o := get(cluster, namespace, "mounted-in")) and o["status"].get("phase") == "Held" and o

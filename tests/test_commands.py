@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,7 +72,21 @@ def _exec(root: Path, *cmd: str, **kw: object) -> subprocess.Popen[str]:
     )
 
 
-def _records(sandbox_dir: Path) -> list[dict[str, object]]:
+def _exec_recorded(
+    root: Path, box: Path, script: str, members: int, pids: list[int]
+) -> tuple[subprocess.Popen[str], dict[str, Any], list[dict[str, Any]]]:
+    """`sandkeep exec sh -c script`, once it printed `ready` and its record names the leader and at least
+    `members` descendants: (the exec, the record, leader and members). Every recorded pid is cleaned up."""
+    p = _exec(root, "sh", "-c", script)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    _wait_for(lambda: len(_records(box)) == 1 and len(_records(box)[0]["members"]) >= members)
+    record = _records(box)[0]
+    marks = [record["leader"], *record["members"]]
+    pids.extend(m["pid"] for m in marks)
+    return p, record, marks
+
+
+def _records(sandbox_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((sandbox_dir / ".commands").glob("*.json"))]
 
 
@@ -99,28 +114,17 @@ def test_exec_runs_in_the_workspace_exits_with_the_code_and_leaves_no_record(san
 def test_a_killed_recorder_leaves_a_record_and_the_reaper_kills_group_and_descendants(sandbox, pids):
     root, box = sandbox
     # A background child in the group, one that left the group with setsid, and the leader itself.
-    script = "sleep 300 & setsid sleep 301 & echo ready; exec sleep 302"
-    p = _exec(root, "sh", "-c", script)
-    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-
-    def recorded() -> bool:
-        recs = _records(box)
-        return len(recs) == 1 and len(recs[0]["members"]) >= 2  # type: ignore[arg-type]
-
-    _wait_for(recorded)
-    record = _records(box)[0]
-    marks = [record["leader"], *record["members"]]  # type: ignore[list-item]
-    pids.extend(m["pid"] for m in marks)  # type: ignore[index]
+    p, record, marks = _exec_recorded(root, box, "sleep 300 & setsid sleep 301 & echo ready; exec sleep 302", 2, pids)
     assert record["boot"] == boot_id()
     p.kill()  # the recorder dies; its command's processes run on in their own group / session
     p.wait(timeout=10)
-    assert all(_alive(m["pid"]) for m in marks)  # type: ignore[index]
+    assert all(_alive(m["pid"]) for m in marks)
 
     result = reap_orphans(box, timeout=10)
 
     assert result.survivors == ()
     assert result.signalled >= 2
-    assert not any(_alive(m["pid"]) for m in marks)  # type: ignore[index]
+    assert not any(_alive(m["pid"]) for m in marks)
     assert _records(box) == []
 
 
@@ -217,7 +221,7 @@ def test_a_running_exec_is_not_an_orphan(sandbox, pids):
     p = _exec(root, "sh", "-c", "echo ready; exec sleep 306")
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     _wait_for(lambda: len(_records(box)) == 1)
-    leader = _records(box)[0]["leader"]["pid"]  # type: ignore[index]
+    leader = _records(box)[0]["leader"]["pid"]
     pids.append(leader)
     calls: list[tuple[int, int]] = []
     reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
@@ -230,12 +234,8 @@ def test_a_running_exec_is_not_an_orphan(sandbox, pids):
 
 def test_exec_reaps_what_a_killed_exec_left_before_starting(sandbox, pids):
     root, box = sandbox
-    first = _exec(root, "sh", "-c", "sleep 307 & echo ready; exec sleep 308")
-    assert first.stdout is not None and first.stdout.readline().strip() == "ready"
-    _wait_for(lambda: len(_records(box)) == 1 and len(_records(box)[0]["members"]) >= 1)  # type: ignore[arg-type]
-    record = _records(box)[0]
-    left = [record["leader"]["pid"], *(m["pid"] for m in record["members"])]  # type: ignore[index, union-attr]
-    pids.extend(left)
+    first, _record, marks = _exec_recorded(root, box, "sleep 307 & echo ready; exec sleep 308", 1, pids)
+    left = [m["pid"] for m in marks]
     first.kill()
     first.wait(timeout=10)
 
@@ -272,13 +272,8 @@ def test_exec_refuses_to_start_beside_a_survivor_and_names_it(sandbox, pids, mon
 
 def test_orphan_pids_lists_a_killed_recorders_live_group_and_nothing_while_it_runs(sandbox, pids):
     root, box = sandbox
-    p = _exec(root, "sh", "-c", "sleep 310 & setsid sleep 311 & echo ready; exec sleep 312")
-    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    _wait_for(lambda: len(_records(box)) == 1 and len(_records(box)[0]["members"]) >= 2)  # type: ignore[arg-type]
-    record = _records(box)[0]
-    marks = [record["leader"], *record["members"]]  # type: ignore[list-item]
-    recorded = {m["pid"] for m in marks}  # type: ignore[index]
-    pids.extend(recorded)
+    p, _record, marks = _exec_recorded(root, box, "sleep 310 & setsid sleep 311 & echo ready; exec sleep 312", 2, pids)
+    recorded = {m["pid"] for m in marks}
 
     assert orphan_pids(box) == frozenset()  # its recorder holds the lock: a running command, not an orphan
 

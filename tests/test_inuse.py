@@ -45,6 +45,14 @@ def _wait_ready(p: subprocess.Popen[bytes]) -> None:
     assert p.stdout.readline().strip() == b"ready"
 
 
+def _in_own_mount_namespace(script: str, procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    """`sh -c script` in a private mount namespace (unshare -m), once it printed `ready`."""
+    p = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd="/", stdout=subprocess.PIPE)
+    procs.append(p)
+    _wait_ready(p)
+    return p
+
+
 def test_a_process_with_its_cwd_inside_holds_only_that_sandbox(sandboxes, procs):
     p = subprocess.Popen(["sleep", "60"], cwd=sandboxes["a"] / "workspace" / "sub")
     procs.append(p)
@@ -122,9 +130,7 @@ def test_a_bind_of_a_sandbox_in_another_mount_namespace_holds(sandboxes, tmp_pat
     target = tmp_path / "target"
     target.mkdir()
     script = f"mount --bind {sandboxes['b']} {target} && echo ready && exec sleep 60"
-    p = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd="/", stdout=subprocess.PIPE)
-    procs.append(p)
-    _wait_ready(p)
+    _in_own_mount_namespace(script, procs)
     assert str(target) not in Path("/proc/self/mountinfo").read_text()
     usage = scan_usage(sandboxes, ignore=IGNORE)
     assert usage["b"].in_use is True
@@ -139,9 +145,7 @@ def test_a_process_inside_a_sandbox_seen_through_another_namespaces_bind_of_the_
     view = tmp_path / "view"
     view.mkdir()
     script = f"mount --bind {root} {view} && cd {view}/ns/a/workspace && echo ready && exec sleep 60"
-    p = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd="/", stdout=subprocess.PIPE)
-    procs.append(p)
-    _wait_ready(p)
+    p = _in_own_mount_namespace(script, procs)
     usage = scan_usage(sandboxes, ignore=IGNORE)
     assert usage["a"].in_use is True
     assert any(h.startswith(f"pid {p.pid} (sleep) cwd") for h in usage["a"].holders)
