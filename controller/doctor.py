@@ -4,6 +4,10 @@ Everything comes from what the components already publish: sandbox status and co
 tombstones, holds), pin annotations, and the agents' heartbeat Leases (staleness, and the stuck
 tombstones that have no object, which the agent lists in the Lease's `sandkeep.io/orphan-tombstones`
 annotation). Doctor never touches a disk and never changes an object.
+
+The install's namespace is found, not assumed: sandkeep's Leases (the agents' heartbeats, labelled
+`app.kubernetes.io/managed-by=sandkeep`, and the controller's `sandkeep-controller`) are looked up
+cluster-wide, and the one namespace holding a live one is the install's (`--namespace` still wins).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class Report:
     lapsing: list[list[str]] = field(default_factory=list)
     stale: list[list[str]] = field(default_factory=list)
     orphans: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def needs_a_person(self) -> bool:
@@ -144,12 +149,82 @@ def render(report: Report) -> str:
         _table("Pins lapsing within a day", ["SANDBOX", "NODE", "PINNED UNTIL", "LEFT"], report.lapsing, "none"),
     ]
     verdict = "needs a person" if report.needs_a_person else "nothing needs a person"
-    return "\n".join(parts) + f"\nsandkeep doctor: {verdict}\n"
+    notes = "".join(f"{note}\n" for note in report.notes)
+    return "\n".join(parts) + f"\n{notes}sandkeep doctor: {verdict}\n"
+
+
+# --- which namespace the install lives in ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Install:
+    """Where the heartbeats are read from, or why no one namespace could be named."""
+
+    namespace: str | None
+    leftovers: tuple[str, ...] = ()  # namespaces holding only expired sandkeep Leases
+    ambiguous: tuple[str, ...] = ()  # several namespaces with live ones: a person must name one
+
+
+def choose_install(found: dict[str, list[leases.LeaseState]], now: datetime) -> Install:
+    """The install's namespace from the sandkeep Leases found in each namespace.
+
+    A live Lease (renewed within its own duration) is only kept by a running agent or controller, so the
+    one namespace that holds one is the install; Leases everywhere else are left over from an earlier
+    install (say, in `sandkeep-system` before a move to `sandkeep`). With no live Lease anywhere, the
+    most recently renewed wins: a stopped install is still the install, and doctor says it is silent.
+    """
+    live = sorted(ns for ns, states in found.items() if any(not s.expired(now) for s in states))
+    if len(live) > 1:
+        return Install(None, ambiguous=tuple(live))
+    if live:
+        return Install(live[0], leftovers=tuple(sorted(set(found) - {live[0]})))
+    if not found:
+        return Install(None)
+    never = datetime.min.replace(tzinfo=UTC)
+    latest = max(found, key=lambda ns: (max((s.renew_time or never for s in found[ns]), default=never), ns))
+    return Install(latest, leftovers=tuple(sorted(set(found) - {latest})))
+
+
+def sandkeep_leases(client: Kube) -> dict[str, list[leases.LeaseState]]:
+    """namespace -> its sandkeep Leases (agents' heartbeats and the controller's), looked up cluster-wide.
+
+    Two server-filtered lists find the namespaces (heartbeats by label, the controller's by name); the
+    Leases themselves are then read with the same calls the rest of doctor uses.
+    """
+    every = "/apis/coordination.k8s.io/v1/leases"
+    heartbeat_selector = f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY},{c.LABEL_NODE}"
+    namespaces = {
+        item["metadata"]["namespace"]
+        for query in ({"labelSelector": heartbeat_selector}, {"fieldSelector": f"metadata.name={c.CONTROLLER_LEASE}"})
+        for item in client.request("GET", every, query=query).get("items", [])
+    }
+    found: dict[str, list[leases.LeaseState]] = {}
+    for ns in sorted(namespaces):
+        states = list(leases.agent_heartbeats(client, ns).values())
+        controller = leases.read_lease(client, ns, c.CONTROLLER_LEASE)
+        found[ns] = states if controller is None else [*states, controller]
+    return found
+
+
+def _install_notes(install: Install, explicit: bool) -> list[str]:
+    if explicit:
+        return [f"Heartbeat Leases read from namespace {install.namespace} (--namespace)."]
+    if install.namespace is None:
+        return ["No sandkeep Lease in any namespace: is sandkeep installed? (--namespace names its namespace)"]
+    notes = [f"Heartbeat Leases read from namespace {install.namespace} (found: it holds sandkeep's live Leases)."]
+    if install.leftovers:
+        notes.append(
+            f"Expired sandkeep Leases also in namespace {', '.join(install.leftovers)}: left over from an earlier "
+            "install? Delete them with `kubectl delete lease -n <namespace> -l app.kubernetes.io/managed-by=sandkeep`."
+        )
+    return notes
 
 
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
-    parser.add_argument("--namespace", default="sandkeep-system", help="namespace of the agents' heartbeat Leases")
+    parser.add_argument(
+        "--namespace",
+        default=None,
+        help="namespace sandkeep is installed in (default: found from its Leases, cluster-wide)",
+    )
     parser.add_argument("--stale-after", default="2m", help="a heartbeat older than this is stale (default 2m)")
     parser.add_argument("--sandbox-namespace", default=None, help="only sandboxes of this namespace (default: all)")
 
@@ -162,10 +237,26 @@ def run(command: str, args: argparse.Namespace) -> int:
     try:
         client = Kube(kube.load_config(args.kubeconfig), component="sandkeep-doctor")
         sandboxes = client.list_sandboxes(namespace=args.sandbox_namespace)
-        heartbeats = leases.agent_heartbeats(client, args.namespace)
+        if args.namespace:
+            install = Install(args.namespace)
+        else:
+            install = choose_install(sandkeep_leases(client), datetime.now(UTC))
+        if install.ambiguous:
+            print(
+                f"sandkeep doctor: namespaces {', '.join(install.ambiguous)} all hold live sandkeep Leases; "
+                "name the one to read with --namespace",
+                file=sys.stderr,
+            )
+            return 2
+        heartbeats = leases.agent_heartbeats(client, install.namespace) if install.namespace else {}
     except Exception as err:  # a bad kubeconfig, no route, no access: all the same to a person here
-        print(f"sandkeep doctor: cannot read the cluster: {err}; check --kubeconfig and your access", file=sys.stderr)
+        print(
+            f"sandkeep doctor: cannot read the cluster: {err}; check --kubeconfig and your access "
+            "(finding the install lists Leases cluster-wide; --namespace reads one namespace only)",
+            file=sys.stderr,
+        )
         return 2
     report = build_report(sandboxes, heartbeats, stale_after)
+    report.notes = _install_notes(install, explicit=bool(args.namespace))
     print(render(report), end="")
     return 1 if report.needs_a_person else 0

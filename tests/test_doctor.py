@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from controller_harness import install_crds
+from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 
 from controller import contracts as c
 from controller import kube, leases
 from controller.agent import stuck_message
+from controller.doctor import choose_install
 from controller.durations import format_instant
 from controller.kube import AGENT_MANAGER, Kube
 from controller.store import tombstone_name
@@ -126,3 +129,90 @@ def test_doctor_says_when_it_cannot_reach_the_cluster(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert "cannot read the cluster" in result.stderr
+
+
+# --- finding the install's namespace -----------------------------------------------------------------------
+def _lease(renewed_ago: timedelta | None, duration_s: int = 60) -> leases.LeaseState:
+    now = datetime.now(UTC)
+    renewed = None if renewed_ago is None else now - renewed_ago
+    return leases.LeaseState("agent", renewed, renewed, timedelta(seconds=duration_s), 0, "1", {})
+
+
+def test_the_one_namespace_with_a_live_lease_is_the_install_and_the_others_are_leftovers():
+    now = datetime.now(UTC)
+    found = {
+        "sandkeep": [_lease(timedelta(seconds=5))],
+        "sandkeep-system": [_lease(timedelta(days=3)), _lease(None)],
+    }
+    install = choose_install(found, now)
+    assert install.namespace == "sandkeep" and install.leftovers == ("sandkeep-system",) and not install.ambiguous
+
+
+def test_two_namespaces_with_live_leases_are_ambiguous_and_none_is_chosen():
+    now = datetime.now(UTC)
+    install = choose_install({"a": [_lease(timedelta(seconds=1))], "b": [_lease(timedelta(seconds=2))]}, now)
+    assert install.namespace is None and install.ambiguous == ("a", "b")
+
+
+def test_with_no_live_lease_the_most_recently_renewed_namespace_is_the_install():
+    now = datetime.now(UTC)
+    found = {"old": [_lease(timedelta(days=30))], "stopped": [_lease(timedelta(hours=2)), _lease(None)]}
+    assert choose_install(found, now).namespace == "stopped"
+    assert choose_install({"never": [_lease(None)]}, now).namespace == "never"
+    assert choose_install({}, now).namespace is None
+
+
+@pytest.fixture(scope="module")
+def empty_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A control plane of its own: the shared one holds other tests' Leases in many namespaces, and
+    finding the install is a question about the whole cluster."""
+    local = LocalCluster(tmp_path_factory.mktemp("doctor-cluster"), tools_bin(CLUSTER_TOOLS))
+    local.start()
+    try:
+        install_crds(local)
+        yield local
+    finally:
+        local.stop()
+
+
+def _doctor_found(cluster: Any, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "controller.cli", "doctor", "--kubeconfig", str(cluster.kubeconfig), *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_doctor_finds_an_install_in_namespace_sandkeep_and_names_leftovers_in_sandkeep_system(empty_cluster):
+    client = Kube(kube.load_config(empty_cluster.kubeconfig), component="test")
+    for ns in ("sandkeep", "sandkeep-system", "work", "other"):
+        empty_cluster.kubectl("create", "namespace", ns)
+    _create(client, "work", "fine", "node-1", finalizers=[c.FINALIZER])
+    # The install, as the README installs it: the agent's heartbeat and the controller's Lease in `sandkeep`.
+    leases.renew_heartbeat(client, "sandkeep", "node-1", "agent-1")
+    assert leases.try_acquire_or_renew(client, "sandkeep", c.CONTROLLER_LEASE, "controller-1")
+    # An earlier install's heartbeat, long expired, in the old default namespace.
+    leases.renew_heartbeat(client, "sandkeep-system", "node-1", "old-agent", duration_s=10)
+    old = client.request("GET", leases.lease_path("sandkeep-system", leases.heartbeat_name("node-1")))
+    old["spec"]["renewTime"] = kube.micro_time(datetime.now(UTC) - timedelta(days=2))
+    client.request("PUT", leases.lease_path("sandkeep-system", leases.heartbeat_name("node-1")), body=old)
+
+    found = _doctor_found(empty_cluster)
+
+    assert found.returncode == 0, found.stdout + found.stderr
+    assert "Agents not reporting: none" in found.stdout
+    assert "Heartbeat Leases read from namespace sandkeep (found" in found.stdout
+    assert "Expired sandkeep Leases also in namespace sandkeep-system" in found.stdout
+
+    # The flag still wins: told to read the old namespace, doctor reads it and finds node-1 silent there.
+    told = _doctor_found(empty_cluster, "--namespace", "sandkeep-system")
+    assert told.returncode == 1, told.stdout + told.stderr
+    assert "node-1" in told.stdout.split("Agents not reporting")[1].split("\n\n")[0]
+    assert "namespace sandkeep-system (--namespace)" in told.stdout
+
+    # A second live install: doctor will not guess which one is meant.
+    leases.renew_heartbeat(client, "other", "node-2", "agent-2")
+    ambiguous = _doctor_found(empty_cluster)
+    assert ambiguous.returncode == 2
+    assert "namespaces other, sandkeep all hold live sandkeep Leases" in ambiguous.stderr
+    assert "--namespace" in ambiguous.stderr
+    client.close()
