@@ -25,7 +25,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -33,12 +32,33 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from controller import fsdelete, logs
+from pydantic import field_validator
+
+from controller import logs
+from controller.commands import Kill
 from controller.contracts import Reason
 from controller.durations import Invalid, format_duration, format_instant, parse_duration, parse_instant
+from controller.flags import settings_from
 from controller.inuse import Usage, pid_alive, scan_usage
-from controller.models import Settings, is_namespace_name, is_object_name
+from controller.models import Duration, Settings, _duration, is_namespace_name, is_object_name
 from controller.policy import Policy, Verdict, deadline
+from controller.reaper import (
+    Claim,
+    Clear,
+    Deleted,
+    Fate,
+    Held,
+    Hook,
+    Hooks,
+    Keep,
+    Key,
+    Reaper,
+    Refused,
+    Restored,
+    Stuck,
+    Target,
+    WouldDelete,
+)
 from controller.store import (
     Absent,
     Entry,
@@ -53,20 +73,21 @@ from controller.store import (
     Transient,
     Unparsed,
     Unreadable,
-    same_read,
     standalone_id,
 )
 
 log = logging.getLogger("sandkeep.sweep")
 
+# Defaults of the sweep's settings (SweepSettings: env SANDKEEP_STUCK_AFTER..., flags --stuck-after...).
 STUCK_AFTER = timedelta(minutes=10)  # a tombstone older than this is stuck, not a delete in progress
 RELOG_EVERY = timedelta(days=1)  # a stuck tombstone's line is repeated at most this often
+ORPHAN_TIMEOUT = timedelta(seconds=10)  # how long killed orphan commands may take to end
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
 
 Clock = Callable[[], datetime]
 InUse = Callable[[Path], Usage]
-Hook = Callable[[Entry, Tombstone], None]
+EntryHook = Callable[[Entry, Tombstone], None]
 
 
 def utcnow() -> datetime:
@@ -114,10 +135,12 @@ class PassReport:
 class Sweeper:
     """The standalone sweep of one root. Call `run_pass()` while holding the root's lock.
 
-    `after_decide` (after the decision and the in-use check, before the fresh read), `before_rename` (after
-    the fresh read) and `after_rename` (before the read through the tombstone) are seams for tests: a pin or a
-    replacement landing at exactly that point. `in_use` defaults to the real /proc check; `clock` and `alive`
-    are injectable so a day of stuck-tombstone logging can be tested in a second.
+    The deletion itself is `reaper.Reaper`'s, the same pipeline the agent runs; the sweep decides (the one
+    rule on each manifest) and reports. `after_decide` (after the decision and the in-use check, before the
+    fresh read), `before_rename` (after the fresh read) and `after_rename` (before the read through the
+    tombstone) are seams for tests: a pin or a replacement landing at exactly that point. `in_use` defaults
+    to the real /proc check; `clock`, `alive` and `kill` are injectable so a day of stuck-tombstone logging
+    can be tested in a second.
     """
 
     def __init__(
@@ -128,19 +151,33 @@ class Sweeper:
         clock: Clock = utcnow,
         in_use: InUse | None = None,
         alive: Callable[[int], bool] = pid_alive,
-        after_decide: Hook | None = None,
-        before_rename: Hook | None = None,
-        after_rename: Hook | None = None,
+        kill: Kill = os.kill,
+        stuck_after: timedelta = STUCK_AFTER,
+        relog_every: timedelta = RELOG_EVERY,
+        orphan_timeout: timedelta = ORPHAN_TIMEOUT,
+        after_decide: EntryHook | None = None,
+        before_rename: EntryHook | None = None,
+        after_rename: EntryHook | None = None,
     ) -> None:
         self.root = root
         self.policy = policy
         self.clock = clock
-        self.in_use = in_use if in_use is not None else in_use_checker()
-        self.alive = alive
-        self.after_decide = after_decide
-        self.before_rename = before_rename
-        self.after_rename = after_rename
-        self.pid = os.getpid()
+        self.relog_every = relog_every
+        self.reaper = Reaper(
+            root,
+            in_use if in_use is not None else in_use_checker(),
+            stuck_after=stuck_after,
+            orphan_timeout=orphan_timeout,
+            dry_run=policy.dry_run,
+            kill=kill,
+            alive=alive,
+            clock=clock,
+            hooks=Hooks(
+                after_check=_entry_hook(root, after_decide),
+                before_rename=_entry_hook(root, before_rename),
+                after_rename=_entry_hook(root, after_rename),
+            ),
+        )
         self._said: dict[str, datetime] = {}  # rate limit of repeated lines (stuck tombstones, strays)
         self._report = PassReport()
 
@@ -152,9 +189,9 @@ class Sweeper:
             logs.say(log, f"sweep_{action.replace('-', '_')}", level=level, reason=reason, entry=entry, **detail)
 
     def _decide_once(self, entry: str, action: str, reason: Reason, now: datetime, **detail: Any) -> None:
-        """Record every pass; say it when first seen and then at most once per RELOG_EVERY."""
+        """Record every pass; say it when first seen and then at most once per `relog_every`."""
         said = self._said.get(entry)
-        quiet = said is not None and now - said < RELOG_EVERY
+        quiet = said is not None and now - said < self.relog_every
         if not quiet:
             self._said[entry] = now
         self._decide(entry, action, reason, level=-1 if quiet else logging.WARNING, **detail)
@@ -164,6 +201,7 @@ class Sweeper:
     def run_pass(self) -> PassReport:
         """One pass over the root: leftovers, then sandboxes, then strays. Never raises for one bad entry."""
         self._report = PassReport()
+        self.reaper.begin_pass()
         now = self.clock()
         scan = self.root.scan()
         held_pinned = [t for t in scan.tombstones if self._leftover(t, now) == "pinned-held"]
@@ -179,61 +217,58 @@ class Sweeper:
             self._leftover(t, self.clock())
         seen = {d.entry for d in self._report.decisions} | {d.detail.get("tombstone") for d in self._report.decisions}
         self._said = {k: v for k, v in self._said.items() if k in seen}  # forget what is gone: bounded memory
+        self.reaper.forget({t.name for t in self.root.tombstones()})
         if not self.policy.dry_run:  # rmdir removes only an empty one: a namespace this pass emptied, say
             for ns in sorted({e.namespace for e in scan.sandboxes} | set(scan.empty_namespaces)):
                 self.root.remove_empty_namespace(ns)
         return self._report
 
     def _leftover(self, t: Tombstone, now: datetime) -> str | None:
+        """A leftover tombstone, through the pipeline: restored when it holds a live pin, else deleted.
+
+        Returns "pinned-held" for a pinned one whose name was taken, which the pass retries once at its end.
+        """
         try:
-            return self._clear_tombstone(t, now)
+            outcome = self.reaper.leftover(t, lambda read: self._fate(read, now))
         except Exception as err:  # one bad tombstone never aborts the pass
             self._decide_once(t.name, "held", Reason.DELETE_FAILED, now, error=str(err))
             return None
+        match outcome:
+            case Deleted():
+                self._said.pop(t.name, None)
+                self._decide(t.name, "deleted", outcome.reason, files=outcome.files)
+            case Restored(key=key):
+                self._said.pop(t.name, None)
+                self._decide(t.name, "restored", outcome.reason, sandbox="/".join(key))
+            case Held(reason=Reason.TOMBSTONE_PINNED, key=key):
+                self._decide_once(t.name, "held", outcome.reason, now, sandbox=_ref(key), restored=False)
+                return "pinned-held"
+            case Held():
+                self._decide_once(t.name, "held", outcome.reason, now, pid=outcome.pid, errno=_strerror(outcome.errno))
+            case WouldDelete():
+                self._decide(t.name, "would-delete", outcome.reason)
+            case Stuck():
+                self._decide_once(
+                    t.name,
+                    "stuck",
+                    outcome.reason,
+                    now,
+                    cause=outcome.cause,
+                    errno=_strerror(outcome.errno),
+                    path=outcome.path,
+                )
+        return None
 
-    def _clear_tombstone(self, t: Tombstone, now: datetime) -> str | None:
-        """A leftover tombstone: deleted, or restored when it holds a live pin, or left to its live maker.
-
-        Returns "pinned-held" for a pinned one whose name was taken, which the pass retries once at its end.
-        A manifest that cannot be read just now holds it: deleting on an unknown cannot be undone.
-        """
-        owner, age = t.pid, t.age(now)
-        if owner is not None and owner != self.pid and timedelta(0) <= age < STUCK_AFTER and self.alive(owner):
-            self._decide_once(t.name, "held", Reason.TOMBSTONE_FOREIGN, now, pid=owner)
-            return None
-        read = self.root.read_tombstone(t)
-        if isinstance(read, Transient):
-            self._decide_once(t.name, "held", Reason.MANIFEST_UNREAD, now, errno=read.errno)
-            return None
+    def _fate(self, read: Read, now: datetime) -> Fate:
+        """A leftover holding an unexpired pin is still wanted; anything else is cleared."""
         if isinstance(read, Present):
             verdict = deadline(read.manifest.facts(), self.policy, now)
             if verdict.pinned and not verdict.expired:
-                target = f"{read.manifest.namespace}/{read.manifest.name}"
-                if not self.policy.dry_run and self.root.restore(t, read.manifest.namespace, read.manifest.name):
-                    self._said.pop(t.name, None)
-                    self._decide(t.name, "restored", Reason.TOMBSTONE_PINNED, sandbox=target)
-                    return None
-                self._decide_once(t.name, "held", Reason.TOMBSTONE_PINNED, now, sandbox=target, restored=False)
-                return "pinned-held"
-        if self.policy.dry_run:
-            self._decide(t.name, "would-delete", Reason.TOMBSTONE_LEFTOVER)
-            return None
-        result = self.root.delete_tombstone(t)
-        if result.ok:
-            self._said.pop(t.name, None)
-            self._decide(t.name, "deleted", Reason.TOMBSTONE_LEFTOVER, files=result.files)
-        else:
-            self._stuck(t, result, now)
-        return None
-
-    def _stuck(self, t: Tombstone, result: fsdelete.DeleteResult, now: datetime) -> None:
-        code = os.strerror(result.errno) if result.errno is not None else None
-        self._decide_once(
-            t.name, "stuck", Reason.TOMBSTONE_STUCK, now, cause=result.reason, errno=code, path=result.path
-        )
+                return Keep((read.manifest.namespace, read.manifest.name), Reason.TOMBSTONE_PINNED)
+        return Clear()
 
     def _consider(self, entry: Entry, read: Read) -> None:
-        """Decide one sandbox on the pass's one read, then act only if nothing changed since."""
+        """Decide one sandbox on the pass's one read; the pipeline acts only if nothing changed since."""
         key = f"{entry.namespace}/{entry.name}"
         now = self.clock()
         if isinstance(read, Transient):
@@ -260,63 +295,50 @@ class Sweeper:
         if self.policy.dry_run:
             self._decide(key, "would-delete", cause)
             return
-        if self._held_in_use(entry, key):
-            return
-        if self.after_decide is not None:
-            self.after_decide(entry, _NO_TOMBSTONE)
-        fresh = self.root.read(entry.namespace, entry.name)
-        if isinstance(fresh, Transient) or not same_read(read, fresh):
-            reason = Reason.MANIFEST_UNREAD if isinstance(fresh, Transient) else Reason.MANIFEST_CHANGED
-            self._decide(key, "held", reason)
-            return
-        self._tombstone_and_delete(entry, key, read, cause, now)
-
-    def _held_in_use(self, entry: Entry, key: str) -> bool:
-        """Asked right before the rename: a sandbox someone uses (or might: unknown) is held this pass."""
-        try:
-            usage = self.in_use(entry.path)
-        except Exception as err:
-            self._decide(key, "held", Reason.IN_USE_UNKNOWN, error=str(err))
-            return True
-        if usage.holds:
-            reason = usage.reason or (Reason.IN_USE if usage.in_use else Reason.IN_USE_UNKNOWN)
-            self._decide(key, "held", reason, holders=",".join(usage.holders[:5]) or None)
-            return True
-        return False
-
-    def _tombstone_and_delete(self, entry: Entry, key: str, read: Read, cause: Reason, now: datetime) -> None:
-        if self.before_rename is not None:
-            self.before_rename(entry, _NO_TOMBSTONE)
-        try:
-            t = self.root.tombstone(entry.namespace, entry.name, id=standalone_id(), now=now)
-        except StoreError as err:
-            self._decide(key, "held", Reason.RENAME_FAILED, errno=os.strerror(err.errno) if err.errno else None)
-            return
-        if self.after_rename is not None:
-            self.after_rename(entry, t)
-        moved = self.root.read_tombstone(t)
-        if not same_read(read, moved):
-            restored = self.root.restore(t, entry.namespace, entry.name)
-            self._decide(key, "held", Reason.MANIFEST_CHANGED, tombstone=t.name, restored=restored)
-            return
-        started = time.monotonic()
-        result = self.root.delete_tombstone(t)
-        if result.ok:
-            self._decide(
-                key, "deleted", cause, tombstone=t.name, files=result.files, seconds=f"{time.monotonic() - started:.3f}"
-            )
-            return
-        self._said[t.name] = now
-        self._decide(
-            key,
-            "stuck",
-            Reason.TOMBSTONE_STUCK,
-            level=logging.WARNING,
-            tombstone=t.name,
-            cause=result.reason,
-            errno=os.strerror(result.errno) if result.errno is not None else None,
-            path=result.path,
-        )
+        target = Target(entry.namespace, entry.name, standalone_id(), Claim(decided=read), cause)
+        outcome = self.reaper.reap(target)
+        match outcome:
+            case Deleted():
+                self._decide(
+                    key,
+                    "deleted",
+                    cause,
+                    tombstone=outcome.tombstone,
+                    files=outcome.files,
+                    seconds=f"{outcome.seconds:.3f}",
+                )
+            case Restored():  # the read back said another version: put back, decided again next pass
+                self._decide(key, "held", outcome.reason, tombstone=outcome.tombstone, restored=True)
+            case Held(tombstone=str(tombstone)):
+                self._decide(key, "held", outcome.reason, tombstone=tombstone, restored=False)
+            case Held(usage=usage, survivors=survivors):
+                holders = ",".join(usage.holders[:5]) if usage is not None else None
+                pids = " ".join(str(s.pid) for s in survivors) or None
+                self._decide(
+                    key,
+                    "held",
+                    outcome.reason,
+                    holders=holders or None,
+                    survivors=pids,
+                    errno=_strerror(outcome.errno),
+                    error=outcome.error,
+                )
+            case Refused():
+                self._decide(key, "held", outcome.reason)
+            case Stuck():
+                self._said[outcome.tombstone] = now
+                self._decide(
+                    key,
+                    "stuck",
+                    outcome.reason,
+                    level=logging.WARNING,
+                    tombstone=outcome.tombstone,
+                    cause=outcome.cause,
+                    errno=_strerror(outcome.errno),
+                    path=outcome.path,
+                )
+            case WouldDelete():  # not reached: a dry run decides above
+                self._decide(key, "would-delete", cause)
 
     def _stray(self, stray: Stray, now: datetime) -> None:
         """Not a sandbox: a link or a file is unlinked (never followed); a directory with a bad name is reported."""
@@ -335,6 +357,21 @@ class Sweeper:
 
 
 _NO_TOMBSTONE = Tombstone("", "", datetime.fromtimestamp(0, UTC), Path())
+
+
+def _entry_hook(root: Root, hook: EntryHook | None) -> Hook | None:
+    """A test seam of the sweep (entry, tombstone) as the pipeline's (key, tombstone-or-None)."""
+    if hook is None:
+        return None
+    return lambda key, tomb: hook(Entry(*key, root.sandbox_path(*key)), tomb or _NO_TOMBSTONE)
+
+
+def _strerror(code: int | None) -> str | None:
+    return os.strerror(code) if code is not None else None
+
+
+def _ref(key: Key | None) -> str | None:
+    return "/".join(key) if key is not None else None
 
 
 def _expiry(read: Read, policy: Policy, now: datetime) -> tuple[Reason | None, Verdict | None]:
@@ -407,10 +444,17 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     elif command in ("ls", "sweep"):
         parser.add_argument("--retention", type=_duration_arg, default=None, help="the window (default 72h)")
         parser.add_argument("--max-pin", type=_duration_arg, default=None, help="the longest pin honoured (30d)")
+        parser.add_argument(
+            "--stuck-after", type=_duration_arg, default=None, help="a tombstone this old is stuck (10m)"
+        )
         if command == "ls":
             parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
         else:
-            parser.add_argument("--dry-run", action="store_true", help="decide and log, delete nothing")
+            parser.add_argument("--dry-run", action="store_true", default=None, help="decide and log, delete nothing")
+            parser.add_argument("--relog-every", type=_duration_arg, default=None, help="repeat a stuck line (1d)")
+            parser.add_argument(
+                "--orphan-timeout", type=_duration_arg, default=None, help="wait for killed orphans (10s)"
+            )
             when = parser.add_mutually_exclusive_group()
             when.add_argument("--once", action="store_true", help="one pass, then exit (the default)")
             when.add_argument("--interval", type=_duration_arg, default=None, help="repeat every DURATION (10m)")
@@ -453,14 +497,28 @@ def run(command: str, args: argparse.Namespace) -> int:
         return 130
 
 
-def _policy(args: argparse.Namespace) -> Policy:
+class SweepSettings(Settings):
+    """The standalone commands' settings: `SANDKEEP_*` env vars, overridden by flags (`flags.settings_from`)."""
+
+    stuck_after: Duration = STUCK_AFTER
+    relog_every: Duration = RELOG_EVERY
+    orphan_timeout: Duration = ORPHAN_TIMEOUT
+
+    @field_validator("stuck_after", "relog_every", "orphan_timeout", mode="before")
+    @classmethod
+    def _sweep_durations(cls, v: Any) -> timedelta:
+        return _duration(v)
+
+
+def _settings(args: argparse.Namespace) -> SweepSettings:
     try:
-        settings = Settings()
+        return settings_from(SweepSettings, args)
     except ValueError as err:
         raise UsageError(f"bad SANDKEEP_* setting: {str(err).splitlines()[0]}") from err
-    retention = args.retention if getattr(args, "retention", None) is not None else settings.retention
-    max_pin = args.max_pin if getattr(args, "max_pin", None) is not None else settings.max_pin
-    return Policy(retention, max_pin, bool(getattr(args, "dry_run", False)) or settings.dry_run)
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    return _settings(args).policy()
 
 
 def _retain(args: argparse.Namespace) -> int:
@@ -525,11 +583,12 @@ def _row(root: Root, entry: Entry, read: Read, policy: Policy, now: datetime) ->
 
 def _ls(args: argparse.Namespace) -> int:
     root = Root(args.root, create=False)
-    policy, now = _policy(args), utcnow()
+    settings, now = _settings(args), utcnow()
+    policy = settings.policy()
     scan = root.scan()
     rows = [_row(root, e, root.read(e.namespace, e.name), policy, now) for e in scan.sandboxes]
     tombs = [
-        {"tombstone": t.name, "age": format_duration(t.age(now)), "stuck": t.age(now) >= STUCK_AFTER}
+        {"tombstone": t.name, "age": format_duration(t.age(now)), "stuck": t.age(now) >= settings.stuck_after}
         for t in scan.tombstones
     ]
     strays = [{"entry": s.rel, "reason": str(s.reason)} for s in scan.strays]
@@ -572,8 +631,16 @@ def _human(size: int) -> str:
 
 def _sweep(args: argparse.Namespace) -> int:
     root = Root(args.root)
-    policy = _policy(args)
-    sweeper = Sweeper(root, policy, in_use=in_use_checker(args.ignore_pid))
+    settings = _settings(args)
+    policy = settings.policy()
+    sweeper = Sweeper(
+        root,
+        policy,
+        in_use=in_use_checker(args.ignore_pid),
+        stuck_after=settings.stuck_after,
+        relog_every=settings.relog_every,
+        orphan_timeout=settings.orphan_timeout,
+    )
     stop = threading.Event()
 
     def _on_term(signum: int, frame: FrameType | None) -> None:

@@ -1,0 +1,21 @@
+"""Command-line flags merged into settings, one way for every command: env (`SANDKEEP_*`), then flags.
+
+A flag that was not given is None (argparse's default) and leaves the env value or the default in
+place; a flag that was given wins. Boolean switches use `default=None` so that leaving them off does
+not override `SANDKEEP_DRY_RUN=true`. Names that are not settings fields (`--once`, `--wait`) are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TypeVar
+
+from pydantic_settings import BaseSettings
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def settings_from(cls: type[S], args: argparse.Namespace) -> S:
+    """`cls()` from the env, with every flag given on the command line put over it (ValueError when bad)."""
+    given = {k: v for k, v in vars(args).items() if v is not None and k in cls.model_fields}
+    return cls(**given)

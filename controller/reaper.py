@@ -1,0 +1,380 @@
+"""The one deletion pipeline: from "this sandbox should go" to "its directory is gone".
+
+Both callers use it: the node agent (an object being deleted) and the standalone sweep (an expired
+manifest). They differ only in who asks and how they report; every step below exists once, here.
+
+    reap(target)      the directory there? -> still the run that was asked for? -> recorded orphans
+                      killed -> in use? -> still that run (a fresh read)? -> rename to a tombstone ->
+                      the run, read back through the tombstone? -> delete the tombstone (Stuck if not)
+    leftover(tomb)    a young tombstone of another live process? -> readable? -> the caller's fate for
+                      it: Finish (read back, delete), Keep (put back under its name) or Clear (delete)
+
+Each call returns one typed outcome (Deleted, Held, Restored, Stuck, Refused, WouldDelete) carrying a
+reason code; the caller turns it into its own report (the agent: status, Events, metrics; the sweep:
+a decision line). Every step is idempotent and safe to cut short: a tombstone left by a crash is the
+next pass's leftover. The pipeline is synchronous and blocking; the agent runs it in worker threads,
+never on its event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from controller import commands, logs
+from controller.contracts import Reason
+from controller.inuse import Usage, pid_alive
+from controller.store import Mismatch, Present, Read, Root, StoreError, Tombstone, Transient, same_read
+
+log = logging.getLogger("sandkeep.reaper")
+
+Key = tuple[str, str]
+InUse = Callable[[Path], Usage]
+Hook = Callable[[Key, Tombstone | None], None]
+Clock = Callable[[], datetime]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+# --- what the caller decided on ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What the caller decided to delete, so any later read can be checked to still be that sandbox.
+
+    The sweep decides on the manifest itself (the desired state lives there): `decided` is that read,
+    and a read matches only when it says the same byte for byte, so a pin or a replacement landing in
+    between holds the sandbox. The agent decides on the object (the desired state lives in the API):
+    a read matches when it is the same run, createdAt and jobId agreeing; no manifest, or one that
+    does not parse, is the object's (its name owns the path), one naming another sandbox never is.
+    """
+
+    decided: Read | None = None
+    created_at: datetime | None = None
+    job_id: str | None = None
+
+    def matches(self, read: Read) -> bool | None:
+        """True: the same sandbox; False: another one; None: cannot tell now (a transient read)."""
+        if isinstance(read, Transient):
+            return None
+        if self.decided is not None:
+            return same_read(self.decided, read)
+        if isinstance(read, Mismatch):
+            return False
+        if not isinstance(read, Present):
+            return True
+        theirs = read.manifest.facts().created_at
+        if self.created_at is not None and theirs is not None and self.created_at != theirs:
+            return False
+        return not (self.job_id and read.manifest.job_id and self.job_id != read.manifest.job_id)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A sandbox to delete: where, under which tombstone id, what was decided on, and why."""
+
+    namespace: str
+    name: str
+    id: str  # the tombstone's id: the object's uid (agent) or `standalone_id()` (sweep)
+    claim: Claim
+    cause: Reason  # the reason a successful deletion is reported with
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
+
+
+# --- what a caller says about a leftover tombstone ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A deletion cut short: read it back against the claim, then delete it (or put it back)."""
+
+    key: Key
+    claim: Claim
+    cause: Reason
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Still wanted: put it back under `key` (only when its manifest names `key`); else hold it."""
+
+    key: Key
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class Clear:
+    """Nobody's: delete it."""
+
+    cause: Reason = Reason.TOMBSTONE_LEFTOVER
+
+
+Fate = Finish | Keep | Clear
+
+
+# --- outcomes ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deleted:
+    reason: Reason
+    tombstone: str
+    files: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Held:
+    """Nothing was deleted; tried again later. `tombstone` is set when the sandbox sits renamed aside."""
+
+    reason: Reason
+    tombstone: str | None = None
+    key: Key | None = None  # the sandbox a held tombstone belongs to
+    usage: Usage | None = None
+    survivors: tuple[commands.Survivor, ...] = ()
+    errno: int | None = None
+    pid: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A tombstone put back under its sandbox's name (its read-back said another run, or it is wanted)."""
+
+    reason: Reason
+    tombstone: str
+    key: Key
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """The tombstone would not go: `cause`, `errno` and `path` say what stopped it. `tried` is False when
+    it was already retried this pass (so the caller has nothing new to report)."""
+
+    tombstone: str
+    cause: Reason
+    errno: int | None
+    path: str | None
+    first: bool  # the first failure this process saw for it
+    tried: bool = True
+    reason: Reason = Reason.TOMBSTONE_STUCK
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Not (or no longer) the sandbox that was asked for: nothing to delete (LOST), or another run."""
+
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class WouldDelete:
+    """Dry run: it would have been deleted."""
+
+    reason: Reason
+    tombstone: str
+
+
+Outcome = Deleted | Held | Restored | Stuck | Refused | WouldDelete
+
+
+@dataclass
+class StuckInfo:
+    """A tombstone that failed to delete: since when (monotonic), the last error, and whose it is."""
+
+    first_failed: float
+    errno: int | None
+    path: str | None
+    key: Key | None  # None: a tombstone nobody claims (an orphan)
+
+
+@dataclass
+class Hooks:
+    """Seams: run at exactly one point of `reap`, with the sandbox and (after the rename) its tombstone.
+
+    after_check: after the orphans and the in-use check, before the fresh read; before_rename: after the
+    fresh read; after_rename: before the read back; before_delete: right before the tombstone's delete.
+    The agent uses before_delete to report Deleting; tests use them to land a pin or a crash exactly there.
+    """
+
+    after_check: Hook | None = None
+    before_rename: Hook | None = None
+    after_rename: Hook | None = None
+    before_delete: Hook | None = None
+
+
+# --- the pipeline ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reaper:
+    """The deletion steps of one root. Thread-safe: the agent runs several reaps at once (distinct keys)."""
+
+    root: Root
+    in_use: InUse
+    stuck_after: timedelta = timedelta(minutes=10)  # a younger tombstone of a live process is in progress
+    orphan_timeout: timedelta = timedelta(seconds=10)
+    dry_run: bool = False
+    kill: commands.Kill = os.kill
+    alive: Callable[[int], bool] = pid_alive
+    clock: Clock = utcnow
+    hooks: Hooks = field(default_factory=Hooks)
+    stuck: dict[str, StuckInfo] = field(default_factory=dict)  # tombstone name -> its failure
+    _tried: set[str] = field(default_factory=set)  # tombstones deleted (or tried) this pass
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    pid: int = field(default_factory=os.getpid)
+
+    def begin_pass(self) -> None:
+        """A new pass: a stuck tombstone may be tried once more."""
+        with self._lock:
+            self._tried.clear()
+
+    def forget(self, live: set[str]) -> None:
+        """Drop the bookkeeping of tombstones no longer on disk (bounded memory on a churning node)."""
+        with self._lock:
+            for name in [n for n in self.stuck if n not in live]:
+                del self.stuck[name]
+
+    # --- a sandbox -------------------------------------------------------------------------------
+
+    def reap(self, target: Target) -> Outcome:
+        """Take `target` from its directory to gone, or say why not. The caller checked it should go."""
+        key = target.key
+        path = self.root.sandbox_path(*key)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return Refused(Reason.LOST)  # a link or a file is never renamed: only reported
+        except FileNotFoundError:
+            return Refused(Reason.LOST)
+        except OSError as err:
+            return Held(Reason.MANIFEST_UNREAD, errno=err.errno)
+        changed = self._still_the_run(target)
+        if changed is not None:
+            return changed
+        held = self._clear_to_rename(key, path)
+        if held is not None:
+            return held
+        self._hook(self.hooks.after_check, key, None)
+        changed = self._still_the_run(target)  # a re-retain or a pin may have landed during the checks
+        if changed is not None:
+            return changed
+        self._hook(self.hooks.before_rename, key, None)
+        try:
+            tomb = self.root.tombstone(*key, id=target.id, now=self.clock())
+        except StoreError as err:
+            return Held(err.reason, errno=err.errno, error=str(err))
+        logs.say(log, "tombstoned", reason=Reason.TOMBSTONED, object="/".join(key), tombstone=tomb.name)
+        self._hook(self.hooks.after_rename, key, tomb)
+        return self._read_back_and_delete(key, target.claim, tomb, target.cause)
+
+    def _still_the_run(self, target: Target) -> Held | Refused | None:
+        same = target.claim.matches(self.root.read(*target.key))
+        if same is None:
+            return Held(Reason.MANIFEST_UNREAD)
+        return None if same else Refused(Reason.MANIFEST_CHANGED)
+
+    def _clear_to_rename(self, key: Key, path: Path) -> Held | None:
+        """Kill recorded orphans, then ask fresh whether anything uses it. Held when anything remains.
+
+        Orphans first: their cwd is inside the sandbox, so an in-use check before the reap would hold
+        the sandbox forever on exactly the processes the reap exists to end.
+        """
+        timeout = self.orphan_timeout.total_seconds()
+        reaped = commands.reap_orphans(path, timeout=timeout, kill=self.kill)
+        if reaped.signalled:
+            logs.say(
+                log, "orphans_reaped", reason=Reason.ORPHAN_REAPED, object="/".join(key), signalled=reaped.signalled
+            )
+        if reaped.survivors:
+            return Held(Reason.ORPHAN_SURVIVOR, survivors=reaped.survivors)
+        try:
+            usage = self.in_use(path)
+        except Exception as err:  # an in-use check that failed is "unknown", which holds
+            return Held(Reason.IN_USE_UNKNOWN, error=str(err)[:300])
+        if usage.holds:
+            return Held(usage.reason or (Reason.IN_USE if usage.in_use else Reason.IN_USE_UNKNOWN), usage=usage)
+        return None
+
+    # --- a tombstone -----------------------------------------------------------------------------
+
+    def leftover(self, tomb: Tombstone, fate: Callable[[Read], Fate]) -> Outcome:
+        """A tombstone found in the root (a crash, a failed delete, a stuck one): finish, restore or clear it.
+
+        A young one of another live process is left to it (a pass in progress elsewhere); a clock ahead
+        of the tombstone's (a negative age) counts as old, so a bad clock cannot protect it forever. A
+        manifest that cannot be read just now holds it: a delete on an unknown cannot be undone.
+        """
+        owner, age = tomb.pid, tomb.age(self.clock())
+        if owner is not None and owner != self.pid and timedelta(0) <= age < self.stuck_after and self.alive(owner):
+            return Held(Reason.TOMBSTONE_FOREIGN, tombstone=tomb.name, pid=owner)
+        read = self.root.read_tombstone(tomb)
+        if isinstance(read, Transient):
+            return Held(Reason.MANIFEST_UNREAD, tombstone=tomb.name, errno=read.errno)
+        chosen = fate(read)
+        if isinstance(chosen, Finish):
+            return self._read_back_and_delete(chosen.key, chosen.claim, tomb, chosen.cause, read)
+        if isinstance(chosen, Keep):
+            names_it = isinstance(read, Present) and (read.manifest.namespace, read.manifest.name) == chosen.key
+            if names_it and not self.dry_run and self.root.restore(tomb, *chosen.key):
+                return Restored(chosen.reason, tomb.name, chosen.key)
+            return Held(chosen.reason, tombstone=tomb.name, key=chosen.key)
+        return self._delete(tomb, chosen.cause, None)
+
+    def _read_back_and_delete(
+        self, key: Key, claim: Claim, tomb: Tombstone, cause: Reason, read: Read | None = None
+    ) -> Outcome:
+        """Read the manifest through the tombstone before deleting it: the one change a rename cannot see
+        is a pin or a re-retain landing between the fresh read and the rename. Another run (or another
+        version of it) is put back under its name, or held as a tombstone when the name is taken."""
+        same = claim.matches(read if read is not None else self.root.read_tombstone(tomb))
+        if same is None:
+            return Held(Reason.MANIFEST_UNREAD, tombstone=tomb.name, key=key)
+        if not same:
+            if not self.dry_run and self.root.restore(tomb, *key):
+                return Restored(Reason.MANIFEST_CHANGED, tomb.name, key)
+            return Held(Reason.MANIFEST_CHANGED, tombstone=tomb.name, key=key)
+        return self._delete(tomb, cause, key)
+
+    def _delete(self, tomb: Tombstone, cause: Reason, key: Key | None) -> Deleted | Stuck | WouldDelete:
+        """Delete the tombstone's tree (fsdelete: no link followed, no mount crossed); a failure is Stuck.
+
+        A stuck tombstone is tried once per pass (a retry walks only what is left of the tree).
+        """
+        if self.dry_run:
+            return WouldDelete(cause, tomb.name)
+        with self._lock:
+            known = self.stuck.get(tomb.name)
+            if known is not None and tomb.name in self._tried:
+                return Stuck(tomb.name, Reason.DELETE_FAILED, known.errno, known.path, first=False, tried=False)
+            self._tried.add(tomb.name)
+        self._hook(self.hooks.before_delete, key, tomb)
+        started = time.monotonic()
+        result = self.root.delete_tombstone(tomb)
+        if result.ok:
+            with self._lock:
+                self.stuck.pop(tomb.name, None)
+            return Deleted(cause, tomb.name, result.files, time.monotonic() - started)
+        with self._lock:
+            info = self.stuck.get(tomb.name)
+            first = info is None
+            if info is None:
+                info = self.stuck[tomb.name] = StuckInfo(time.monotonic(), result.errno, result.path, key)
+            info.errno, info.path = result.errno, result.path
+        return Stuck(tomb.name, result.reason, result.errno, result.path, first=first)
+
+    @staticmethod
+    def _hook(hook: Hook | None, key: Key | None, tomb: Tombstone | None) -> None:
+        if hook is not None and key is not None:
+            hook(key, tomb)
