@@ -20,6 +20,7 @@ SANDBOX_SHORT = "rsb"
 POLICY_KIND = "SandboxPolicy"
 POLICY_PLURAL = "sandboxpolicies"
 POLICY_SINGULAR = "sandboxpolicy"
+POLICY_SHORT = "sbp"
 CATEGORY = "sandkeep"
 
 # --- Annotations, labels, finalizer, leases ------------------------------------------------------------
@@ -83,6 +84,12 @@ class Condition(StrEnum):
     ORPHANS_SURVIVED = "OrphansSurvived"
 
 
+class PolicyCondition(StrEnum):
+    """`status.conditions[].type` of a SandboxPolicy, written by the controller."""
+
+    ACTIVE = "Active"  # True for the one policy that applies in its namespace (the oldest), False for the rest
+
+
 class Reason(StrEnum):
     """Stable reason codes: the same string in logs, Events, status conditions and metric labels.
 
@@ -97,6 +104,7 @@ class Reason(StrEnum):
     PIN_CAPPED = "PinCapped"
     PIN_EXPIRED = "PinExpired"
     INVALID_PIN = "InvalidPin"
+    PIN_NO_EFFECT = "PinNoEffect"  # a pin not later than the deadline without it (pin-for=0, a past year): ignored
     WINDOW = "Window"
     RETAIN_UNTIL = "RetainUntil"
     NO_CREATED_AT = "NoCreatedAt"
@@ -148,6 +156,9 @@ class Reason(StrEnum):
     AGENT_ERROR = "AgentError"  # an agent step that raised: logged, retried on the next pass
     ADOPTION_FAILED = "AdoptionFailed"  # the API refused an adoption's create (not AlreadyExists)
     ORPHANS_PENDING = "OrphansPending"  # used only by recorded orphans: not in use, they are reaped before deletion
+    # SandboxPolicy status (issue 16)
+    IN_FORCE = "InForce"  # this policy applies to its namespace's sandboxes
+    SUPERSEDED = "Superseded"  # an older policy in the same namespace applies; this one has no effect
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +18,8 @@ from controller_harness import CRDS, install_crds, instant
 from localcluster import KubectlError, LocalCluster
 
 from controller import contracts as c
+from controller.policyset import policy_statuses
+from controller.sizes import human_size
 
 
 def crd(name: str) -> dict[str, Any]:
@@ -63,7 +67,48 @@ def test_policy_crd_names_match_contracts() -> None:
     names = doc["spec"]["names"]
     assert doc["spec"]["group"] == c.GROUP
     assert (names["kind"], names["plural"], names["singular"]) == (c.POLICY_KIND, c.POLICY_PLURAL, c.POLICY_SINGULAR)
+    assert names["shortNames"] == [c.POLICY_SHORT]
+    assert names["categories"] == [c.CATEGORY]
     assert set(version_schema(doc)["properties"]["spec"]["properties"]) == {"retention", "maxPin", "dryRun"}
+
+
+def _fields(schema: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every field path below `schema` (array items share their array's path, as kubectl explain reads it)."""
+    for name, sub in (schema.get("properties") or {}).items():
+        yield f"{path}.{name}", sub
+        yield from _fields(sub.get("items", sub), f"{path}.{name}")
+
+
+def _described(short: str, plural: str) -> list[tuple[str, str]]:
+    """(explain path, description) for the root and every field but metadata, whose text the server owns."""
+    schema = version_schema(crd(plural))
+    fields = [(p, f) for p, f in _fields(schema, short) if p != f"{short}.metadata"]
+    return [(short, schema.get("description", "")), *((p, f.get("description", "")) for p, f in fields)]
+
+
+def test_every_field_of_both_crds_is_described_for_kubectl_explain() -> None:
+    missing = [
+        path
+        for short, plural in ((c.SANDBOX_SHORT, c.SANDBOX_PLURAL), (c.POLICY_SHORT, c.POLICY_PLURAL))
+        for path, text in _described(short, plural)
+        if len(text.split()) < 3
+    ]
+    assert missing == []
+
+
+def _undescribed(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        return {k: _undescribed(v) for k, v in schema.items() if k != "description"}
+    return schema
+
+
+def test_the_policy_status_is_typed_with_the_same_conditions_as_a_sandbox() -> None:
+    status = version_schema(crd(c.POLICY_PLURAL))["properties"]["status"]
+    assert "x-kubernetes-preserve-unknown-fields" not in status
+    assert set(status["properties"]) == {"observedGeneration", "conditions"}
+    sandbox_conditions = version_schema(crd(c.SANDBOX_PLURAL))["properties"]["status"]["properties"]["conditions"]
+    assert _undescribed(status["properties"]["conditions"]["items"]) == _undescribed(sandbox_conditions["items"])
+    assert status["properties"]["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
 
 
 def test_status_enums_are_the_contracts_enums() -> None:
@@ -74,11 +119,12 @@ def test_status_enums_are_the_contracts_enums() -> None:
     assert all(re.match(reason_pattern, r.value) for r in c.Reason)
 
 
-def test_printer_columns_are_node_phase_deadline_pinned_size_age() -> None:
+def test_printer_columns_are_node_phase_deadline_pinned_size_age_and_bytes_files_when_wide() -> None:
     version = crd(c.SANDBOX_PLURAL)["spec"]["versions"][0]
-    assert [col["name"] for col in version["additionalPrinterColumns"]] == [
-        "Node", "Phase", "Deadline", "Pinned", "Size", "Age",
-    ]  # fmt: skip
+    columns = {col["name"]: col for col in version["additionalPrinterColumns"]}
+    assert list(columns) == ["Node", "Phase", "Deadline", "Pinned", "Size", "Age", "Bytes", "Files"]
+    assert columns["Size"]["jsonPath"] == ".status.size" and columns["Bytes"]["jsonPath"] == ".status.sizeBytes"
+    assert [name for name, col in columns.items() if col.get("priority", 0) > 0] == ["Bytes", "Files"]
     assert version["subresources"] == {"status": {}}
     assert version["selectableFields"] == [{"jsonPath": ".spec.nodeName"}]
 
@@ -161,3 +207,75 @@ def test_created_at_is_immutable_so_nobody_stretches_the_window(crds: LocalClust
         patch = '{"spec":{"createdAt":"2099-01-01T00:00:00Z"}}'
         crds.kubectl("patch", "rsb", "aged", "-n", namespace, "--type=merge", "-p", patch)
     assert "spec.createdAt is immutable" in str(refused.value)
+
+
+def _rows(table: str) -> list[dict[str, str]]:
+    """`kubectl get` output as rows by column, read at the header's offsets (empty cells stay empty)."""
+    header, *lines = table.splitlines()
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    bounds = list(zip(starts, [*starts[1:], None], strict=True))
+    return [{header[a:b].strip(): line[a:b].strip() for a, b in bounds} for line in lines]
+
+
+def _explain(cluster: LocalCluster, path: str) -> str:
+    # The API server publishes a new CRD's OpenAPI a moment after it is Established.
+    deadline = time.monotonic() + 30
+    while True:
+        result = cluster.kubectl("explain", path, check=False)
+        if result.returncode == 0 or time.monotonic() > deadline:
+            assert result.returncode == 0, result.stderr
+            return " ".join(result.stdout.split())
+        time.sleep(0.2)
+
+
+def test_kubectl_explain_prints_every_description_of_both_crds(crds: LocalCluster) -> None:
+    fields = [*_described(c.SANDBOX_SHORT, c.SANDBOX_PLURAL), *_described(c.POLICY_SHORT, c.POLICY_PLURAL)]
+    assert len(fields) > 40
+    silent = [path for path, text in fields if " ".join(text.split()) not in _explain(crds, path)]
+    assert silent == []
+    assert "Stuck - the directory could not be deleted" in _explain(crds, "rsb.status.phase")
+
+
+def test_kubectl_get_shows_the_size_for_people_and_the_bytes_when_wide(crds: LocalCluster, namespace: str) -> None:
+    create(crds, namespace, {"metadata": {"name": "big"}, "spec": {"nodeName": "node-a", "createdAt": instant()}})
+    size = 3 * 1024**3 // 2
+    status = {"status": {"size": human_size(size), "sizeBytes": size, "fileCount": 12}}
+    crds.kubectl(
+        "patch", "rsb", "big", "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status)
+    )
+    [narrow] = _rows(crds.kubectl("get", c.SANDBOX_SHORT, "big", "-n", namespace).stdout)
+    assert narrow["SIZE"] == "1.5G" and "BYTES" not in narrow
+    [wide] = _rows(crds.kubectl("get", c.SANDBOX_SHORT, "big", "-n", namespace, "-o", "wide").stdout)
+    assert (wide["SIZE"], wide["BYTES"], wide["FILES"]) == ("1.5G", str(size), "12")
+
+
+def test_the_oldest_policy_is_active_and_a_newer_one_is_superseded_on_the_server(
+    crds: LocalCluster, namespace: str
+) -> None:
+    # The older policy sorts last by name, so the test tells "oldest applies" from "first by name applies".
+    create(crds, namespace, {"metadata": {"name": "zz-team"}, "spec": {"retention": "3d"}}, c.POLICY_KIND)
+    time.sleep(1.1)  # creationTimestamp has one-second resolution
+    create(crds, namespace, {"metadata": {"name": "aa-late"}, "spec": {"retention": "1h"}}, c.POLICY_KIND)
+    policies = {p["metadata"]["name"]: p for p in crds.kubectl_json("get", c.POLICY_SHORT, "-n", namespace)["items"]}
+    status_patch = ["patch", c.POLICY_SHORT, "-n", namespace, "--subresource=status", "--type=merge", "-p"]
+    for name, status in policy_statuses(namespace, policies).items():  # what the controller applies
+        crds.kubectl(*status_patch[:2], name, *status_patch[2:], json.dumps({"status": status}))
+    rows = _rows(crds.kubectl("get", c.POLICY_SHORT, "-n", namespace).stdout)
+    assert list(rows[0]) == ["NAME", "RETENTION", "MAXPIN", "DRYRUN", "ACTIVE", "AGE"]
+    assert {row["NAME"]: row["ACTIVE"] for row in rows} == {"zz-team": "True", "aa-late": "False"}
+    late = crds.kubectl_json("get", c.POLICY_SHORT, "aa-late", "-n", namespace)["status"]["conditions"]
+    assert [(k["type"], k["reason"]) for k in late] == [("Active", c.Reason.SUPERSEDED)]
+    assert f"SandboxPolicy {namespace}/zz-team applies instead" in late[0]["message"]
+
+
+def test_a_policy_status_outside_the_schema_is_refused(crds: LocalCluster, namespace: str) -> None:
+    create(crds, namespace, {"metadata": {"name": "p"}, "spec": {"retention": "3d"}}, c.POLICY_KIND)
+    status_patch = ["patch", c.POLICY_SHORT, "p", "-n", namespace, "--subresource=status", "--type=merge", "-p"]
+    good = {"type": "Active", "status": "True", "reason": "InForce", "message": "", "lastTransitionTime": instant()}
+    crds.kubectl(*status_patch, json.dumps({"status": {"conditions": [good]}}))
+    with pytest.raises(KubectlError) as refused:
+        crds.kubectl(*status_patch, json.dumps({"status": {"conditions": [good | {"status": "Maybe"}]}}))
+    assert "Unsupported value" in str(refused.value)
+    with pytest.raises(KubectlError) as unknown:
+        crds.kubectl(*status_patch, '{"status":{"anything":1}}', "--validate=strict")
+    assert "anything" in str(unknown.value)
