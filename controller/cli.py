@@ -29,6 +29,12 @@ def _parser(only: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sandkeep", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"sandkeep {__version__}")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
+    parser.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=None,
+        help="text: logfmt lines (default); json: one JSON object per line (also $SANDKEEP_LOG_FORMAT)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -41,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = _parser(command if command in COMMANDS else None).parse_args(argv)
-    logs.setup(args.log_level)
+    try:
+        logs.setup(args.log_level, log_format=args.log_format)
+    except ValueError as err:  # $SANDKEEP_LOG_FORMAT names neither format
+        print(f"sandkeep: {err} ($SANDKEEP_LOG_FORMAT)", file=sys.stderr)
+        return 2
     module = importlib.import_module(COMMANDS[args.command][0])
     code: int = module.run(args.command, args)
     return code

@@ -162,6 +162,8 @@ class Reason(StrEnum):
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------
+# both components
+M_BUILD_INFO = "sandkeep_build_info"  # gauge 1 {version, python}
 # controller
 M_SANDBOXES = "sandkeep_sandboxes"  # gauge {phase, node}
 M_DELETIONS_REQUESTED = "sandkeep_deletions_requested_total"  # counter {reason}

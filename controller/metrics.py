@@ -2,19 +2,32 @@
 
 Each component gets its own registry (`ControllerMetrics`, `AgentMetrics`), so a test can run a
 controller and two agents in one process and read each one's numbers apart. Names come from
-`contracts`; the alert rules and the dashboard are checked against them.
+`contracts`; the alert rules and the dashboard are checked against them. Both registries also carry
+the client library's standard `process_*` (memory, CPU, file descriptors) and `python_info` series and
+`sandkeep_build_info{version,python}`, as every well-kept exporter does.
 """
 
 from __future__ import annotations
 
+import platform
 import threading
 from collections.abc import Callable
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
+from controller import __version__
 from controller import contracts as c
 
 # Deletions of a real tree take from milliseconds to minutes; lag is seconds unless something is wrong.
@@ -22,10 +35,21 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LAG_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 900)
 
 
+def _standard(registry: CollectorRegistry) -> None:
+    """The process and platform series and the build's version, on a component's own registry."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    build = Gauge(
+        c.M_BUILD_INFO, "Always 1; the labels say which sandkeep and Python.", ["version", "python"], registry=registry
+    )
+    build.labels(version=__version__, python=platform.python_version()).set(1)
+
+
 class ControllerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        _standard(r)
         self.sandboxes = Gauge(c.M_SANDBOXES, "RetainedSandboxes by phase and node.", ["phase", "node"], registry=r)
         self.deletions_requested = Counter(
             c.M_DELETIONS_REQUESTED, "DELETE requests issued for expired sandboxes, by reason.", ["reason"], registry=r
@@ -41,11 +65,13 @@ class ControllerMetrics:
 
 
 class AgentMetrics:
-    """Every series carries the node's name, so one dashboard and one rule set cover every node."""
+    """Every sandkeep series but build_info carries the node's name, so one dashboard and one rule set cover
+    every node (the process series are the scrape target's, which Prometheus labels with the Pod)."""
 
     def __init__(self, node: str, registry: CollectorRegistry | None = None) -> None:
         self.node = node
         self.registry = registry or CollectorRegistry()
+        _standard(self.registry)
         gauge = partial(Gauge, registry=self.registry)
         counter = partial(Counter, registry=self.registry)
         node_, by_phase, by_reason = ["node"], ["node", "phase"], ["node", "reason"]
