@@ -213,6 +213,12 @@ def _pinned_condition(verdict: Verdict, cond: Callable[..., Obj]) -> Obj:
         return cond(c.Condition.PINNED, True, Reason.PIN_CAPPED if capped else Reason.PINNED, words)
     if verdict.pinned:
         return cond(c.Condition.PINNED, False, Reason.PIN_EXPIRED, f"the pin lapsed at {_when(verdict.pinned_until)}")
+    if Reason.PIN_NO_EFFECT in verdict.reasons:
+        words = next(m for m in verdict.messages if "no effect" in m)
+        return cond(
+            c.Condition.PINNED, False, Reason.PIN_NO_EFFECT,
+            f"{c.ANN_PIN_UNTIL}: {words}; a pin only keeps a sandbox longer, so write a later time to pin it",
+        )  # fmt: skip
     return cond(c.Condition.PINNED, False, Reason.UNPINNED, "no pin")
 
 
@@ -261,6 +267,7 @@ def transition_events(obj: Obj, desired: Obj) -> list[tuple[Reason, str, str]]:
         events.append((Reason.UNPINNED, f"{name} unpinned; deadline now {desired.get('deadline')}", "Normal"))
     for type_, reason, kind in (
         (c.Condition.PINNED, Reason.PIN_CAPPED, "Warning"),
+        (c.Condition.PINNED, Reason.PIN_NO_EFFECT, "Warning"),
         (c.Condition.PIN_VALID, Reason.INVALID_PIN, "Warning"),
         (c.Condition.POLICY_CEILING, Reason.POLICY_CEILING, "Warning"),
         (c.Condition.POLICY_CEILING, Reason.INVALID_POLICY, "Warning"),

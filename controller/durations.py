@@ -1,7 +1,9 @@
 """Parsing of human input: durations (`90m`, `72h`, `3d`, `2w`, `1h30m`) and RFC 3339 instants.
 
 Neither parser raises: each returns the value or an `Invalid` that says what was wrong, so bad input
-from an annotation, a manifest or a flag becomes a condition or a message, never a crash.
+from an annotation, a manifest or a flag becomes a condition or a message, never a crash. Both are
+total: ASCII digits only (as the CRD's patterns), whole-string matches, and every value they return is
+inside bounds such that `instant + duration` cannot overflow; `shift` makes any other sum total too.
 """
 
 from __future__ import annotations
@@ -12,11 +14,19 @@ from datetime import UTC, datetime, timedelta
 
 _UNITS = {"w": timedelta(weeks=1), "d": timedelta(days=1), "h": timedelta(hours=1),
           "m": timedelta(minutes=1), "s": timedelta(seconds=1)}  # fmt: skip
-_DURATION = re.compile(r"^(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+# [0-9], not \d: `\d` also matches `３` or `٣`, which int() reads and the CRD's pattern refuses.
+_DURATION = re.compile(r"(?:([0-9]+)w)?(?:([0-9]+)d)?(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 # A bound well inside datetime's range, so `now + duration` can never overflow.
 MAX_DURATION = timedelta(days=100 * 365)
 # RFC 3339 date-time: a 'T' (or space), seconds present, optional fraction, and an explicit zone.
-_INSTANT = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:[Zz]|[+-]\d{2}:\d{2})$")
+_INSTANT = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?(?:[Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+_SPACE = " \t\r\n"  # what is trimmed around input: ASCII whitespace only, like the digits
+# The instants sandkeep accepts: anything outside is a typo or an attack, never a real job's time, and
+# inside them `instant +- MAX_DURATION` is always a datetime (year 1 or 9999 with an offset is not).
+MIN_INSTANT = datetime(1970, 1, 1, tzinfo=UTC)
+MAX_INSTANT = datetime(9000, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -32,10 +42,10 @@ class Invalid:
 
 def parse_duration(text: object) -> timedelta | Invalid:
     """`90m`, `72h`, `3d`, `2w`, `1h30m`, `45s` or `0` -> timedelta; anything else -> Invalid."""
-    raw = str(text).strip() if text is not None else ""
+    raw = str(text).strip(_SPACE) if text is not None else ""
     if raw == "0":
         return timedelta(0)
-    match = _DURATION.match(raw.lower())
+    match = _DURATION.fullmatch(raw.lower())
     if not raw or not match or not any(match.groups()):
         return Invalid(raw, "not a duration; use a number with a unit: 90m, 72h, 3d, 2w (or 1h30m)")
     total = timedelta(0)
@@ -51,16 +61,30 @@ def parse_duration(text: object) -> timedelta | Invalid:
 
 def parse_instant(text: object) -> datetime | Invalid:
     """An RFC 3339 date-time with an explicit zone (`2026-12-01T10:00:00Z`) -> aware UTC datetime."""
-    raw = str(text).strip() if text is not None else ""
-    if not _INSTANT.match(raw):
+    raw = str(text).strip(_SPACE) if text is not None else ""
+    if not _INSTANT.fullmatch(raw):
         return Invalid(raw, "not an RFC 3339 time with a zone, e.g. 2026-12-01T10:00:00Z")
     body = raw.replace("z", "Z").replace("t", "T")
     # Python takes at most 6 fractional digits; RFC 3339 allows more (Kubernetes writes up to 9).
-    body = re.sub(r"(\.\d{6})\d+", r"\1", body)
+    body = re.sub(r"(\.[0-9]{6})[0-9]+", r"\1", body)
     try:
-        return datetime.fromisoformat(body).astimezone(UTC)
+        when = datetime.fromisoformat(body).astimezone(UTC)
     except ValueError as err:
         return Invalid(raw, f"not a real date or time ({err})")
+    except OverflowError:  # 0001-01-01T00:00:00+01:00 is a valid text for an instant before year 1
+        when = None
+    if when is None or not MIN_INSTANT <= when <= MAX_INSTANT:
+        return Invalid(raw, f"out of range; sandkeep takes times from {MIN_INSTANT.year} to {MAX_INSTANT.year}")
+    return when
+
+
+def shift(when: datetime, delta: timedelta) -> datetime:
+    """`when + delta`, total: a sum past datetime's range saturates at its end instead of raising."""
+    try:
+        return when + delta
+    except OverflowError:
+        edge = datetime.max if delta > timedelta(0) else datetime.min
+        return edge.replace(tzinfo=when.tzinfo)
 
 
 def format_instant(when: datetime) -> str:

@@ -6,11 +6,11 @@ them re-implements any part of it. `now` is always a parameter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from controller.contracts import DeadlineSource, Phase, Reason
-from controller.durations import Invalid, format_duration, parse_instant
+from controller.durations import Invalid, format_duration, format_instant, parse_instant, shift
 
 
 @dataclass(frozen=True)
@@ -53,43 +53,60 @@ class Verdict:
 def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
     """The one expiry rule.
 
-    A valid pin wins whatever else is set, capped at `maxPin` from when it was set (never from a future
-    instant, so a forged `pinned-at` cannot stretch it). Otherwise the deadline is the EARLIER of the
-    recorded `retainUntil` and `createdAt + retention`, so a shortened window applies to existing
-    sandboxes. No usable `createdAt` is expired. An unparseable pin is no pin: the bounded direction.
+    Without a pin the deadline is the EARLIER of the recorded `retainUntil` and `createdAt + retention`,
+    so a shortened window applies to existing sandboxes; no usable `createdAt` is expired. A valid pin,
+    capped at `maxPin` from when it was set (never from a future instant, so a forged `pinned-at` cannot
+    stretch it), only ever extends: a pin not later than the unpinned deadline (or than `now` when there
+    is none) has no effect and says so, since `pin-for=0` or a mistyped year must mean "nothing", never
+    "delete now". An unparseable pin is no pin: the bounded direction. Total: every sum saturates.
     """
+    unpinned = _unpinned(sandbox, policy, now)
+    if sandbox.pin_until is None:
+        return unpinned
+    pin = parse_instant(sandbox.pin_until)
+    if isinstance(pin, Invalid):
+        return _with(unpinned, Reason.INVALID_PIN, f"pin ignored: {pin}")
     reasons: list[Reason] = []
     messages: list[str] = []
-    if sandbox.pin_until is not None:
-        pin = parse_instant(sandbox.pin_until)
-        if isinstance(pin, Invalid):
-            reasons.append(Reason.INVALID_PIN)
-            messages.append(f"pin ignored: {pin}")
-        else:
-            pinned_at = parse_instant(sandbox.pinned_at) if sandbox.pinned_at is not None else now
-            reference = now if isinstance(pinned_at, Invalid) else min(pinned_at, now)
-            cap = reference + policy.max_pin
-            if pin > cap:
-                reasons.append(Reason.PIN_CAPPED)
-                messages.append(f"pin capped at maxPin ({format_duration(policy.max_pin)}) from when it was set")
-                pin = cap
-            expired = pin <= now
-            if expired:
-                reasons.append(Reason.PIN_EXPIRED)
-            return Verdict(pin, DeadlineSource.PIN, expired, tuple(reasons), pin, tuple(messages))
+    pinned_at = parse_instant(sandbox.pinned_at) if sandbox.pinned_at is not None else now
+    reference = now if isinstance(pinned_at, Invalid) else min(pinned_at, now)
+    cap = shift(reference, policy.max_pin)
+    if pin > cap:
+        reasons.append(Reason.PIN_CAPPED)
+        messages.append(f"pin capped at maxPin ({format_duration(policy.max_pin)}) from when it was set")
+        pin = cap
+    floor = unpinned.deadline if unpinned.deadline is not None else now
+    if pin <= floor:
+        without = "now" if unpinned.deadline is None else format_instant(floor)
+        words = f"pin until {format_instant(pin)} has no effect: not later than the deadline without it ({without})"
+        return _with(_with(unpinned, *reasons, *messages), Reason.PIN_NO_EFFECT, words)
+    expired = pin <= now
+    if expired:
+        reasons.append(Reason.PIN_EXPIRED)
+    return Verdict(pin, DeadlineSource.PIN, expired, tuple(reasons), pin, tuple(messages))
+
+
+def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
+    """The deadline without any pin: the earlier of `retainUntil` and the window; none without createdAt."""
     if sandbox.created_at is None:
-        reasons.append(Reason.NO_CREATED_AT)
-        messages.append("no usable createdAt: nothing says how old it is")
-        return Verdict(None, DeadlineSource.NONE, True, tuple(reasons), None, tuple(messages))
-    window_until = sandbox.created_at + policy.retention
+        return Verdict(
+            None, DeadlineSource.NONE, True, (Reason.NO_CREATED_AT,), None,
+            ("no usable createdAt: nothing says how old it is",),
+        )  # fmt: skip
+    window_until = shift(sandbox.created_at, policy.retention)
     if sandbox.retain_until is not None and sandbox.retain_until < window_until:
         until, source, cause = sandbox.retain_until, DeadlineSource.RETAIN, Reason.RETAIN_UNTIL
     else:
         until, source, cause = window_until, DeadlineSource.WINDOW, Reason.WINDOW
     expired = until <= now
-    if expired:
-        reasons.append(cause)
-    return Verdict(until, source, expired, tuple(reasons), None, tuple(messages))
+    return Verdict(until, source, expired, (cause,) if expired else ())
+
+
+def _with(verdict: Verdict, *notes: Reason | str) -> Verdict:
+    """`verdict` with reasons (before its own, so the expiry cause stays last) and messages added."""
+    reasons = tuple(n for n in notes if isinstance(n, Reason))
+    messages = tuple(n for n in notes if not isinstance(n, Reason))
+    return replace(verdict, reasons=reasons + verdict.reasons, messages=messages + verdict.messages)
 
 
 @dataclass(frozen=True)

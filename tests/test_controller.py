@@ -128,6 +128,27 @@ def test_dry_run_decides_but_never_deletes() -> None:
     assert {cd["type"]: cd["reason"] for cd in decision.status["conditions"]}["DryRun"] == c.Reason.WOULD_DELETE
 
 
+def test_a_pin_that_would_shorten_retention_has_no_effect_and_says_so() -> None:
+    # pin-for=0 (settled into pin-until=now) and a mistyped year: the window stands, nothing is deleted.
+    ctx = Context(Policy(retention=2 * HOUR, max_pin=timedelta(days=1)))
+    for pin in (format_instant(NOW), "2025-06-01T12:00:00Z"):
+        decision = decide(_obj(**{c.ANN_PIN_UNTIL: pin, c.ANN_PINNED_AT: format_instant(NOW)}), ctx, NOW)
+        assert decision.phase is c.Phase.RETAINED and not decision.delete
+        assert decision.status["deadline"] == format_instant(NOW + HOUR) and "pinnedUntil" not in decision.status
+        pinned = {cd["type"]: cd for cd in decision.status["conditions"]}["Pinned"]
+        assert (pinned["status"], pinned["reason"]) == ("False", c.Reason.PIN_NO_EFFECT)
+        assert "no effect" in pinned["message"] and "write a later time" in pinned["message"]
+
+
+def test_an_out_of_range_pin_is_invalid_and_the_sandbox_still_expires() -> None:
+    # issue 12, item 4: decide() raised OverflowError on this pin on every reconcile, so it was never deleted.
+    obj = _obj(**{c.ANN_PIN_UNTIL: "0001-01-01T00:00:00+01:00"})
+    decision = decide(obj, Context(Policy(retention=HOUR / 2, max_pin=HOUR)), NOW)
+    assert decision.delete and decision.phase is c.Phase.EXPIRED
+    valid = {cd["type"]: cd for cd in decision.status["conditions"]}["PinValid"]
+    assert valid["reason"] == c.Reason.INVALID_PIN and "out of range" in valid["message"]
+
+
 # --- against the API server -------------------------------------------------------------------------------
 def test_creating_a_sandbox_sets_its_status(kube: Kube, namespace: str, start: Any) -> None:
     start("--retention=1h")
@@ -219,6 +240,29 @@ def test_an_invalid_pin_gives_a_condition_and_an_event_and_no_pin(
         warning = [e for e in kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
                    if e["reason"] == c.Reason.INVALID_PIN and e["involvedObject"]["name"] == name]  # fmt: skip
         assert warning[0]["type"] == "Warning"
+
+
+def test_pin_for_zero_and_a_past_pin_keep_the_window_with_a_condition_and_an_event(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    start("--retention=1h")
+    kube.create_sandbox(namespace, sandbox("zero"))
+    kube.create_sandbox(namespace, sandbox("past"))
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "zero", "-n", namespace, f"{c.ANN_PIN_FOR}=0")
+    cluster.kubectl("annotate", c.SANDBOX_SHORT, "past", "-n", namespace, f"{c.ANN_PIN_UNTIL}=2025-01-01T00:00:00Z")
+    for name in ("zero", "past"):
+        cond = wait_for(
+            "Pinned=False PinNoEffect",
+            lambda n=name: (
+                (cd := condition(get(kube, namespace, n), "Pinned")) and cd["reason"] == c.Reason.PIN_NO_EFFECT and cd
+            ),
+        )
+        assert cond["status"] == "False" and "no effect" in cond["message"]
+        status = status_of(kube, namespace, name)
+        assert status["phase"] == c.Phase.RETAINED and status["deadlineSource"] == c.DeadlineSource.WINDOW
+        wait_for("a PinNoEffect event", lambda n=name: c.Reason.PIN_NO_EFFECT in reasons_for(kube, namespace, n))
+    time.sleep(1)
+    assert not gone(kube, namespace, "zero") and not gone(kube, namespace, "past")
 
 
 def test_an_expired_sandbox_is_deleted(kube: Kube, namespace: str, start: Any) -> None:

@@ -10,11 +10,14 @@ from hypothesis import strategies as st
 
 from controller.durations import (
     MAX_DURATION,
+    MAX_INSTANT,
+    MIN_INSTANT,
     Invalid,
     format_duration,
     format_instant,
     parse_duration,
     parse_instant,
+    shift,
 )
 
 
@@ -109,3 +112,61 @@ def test_format_duration_is_short_and_signed() -> None:
     assert format_duration(timedelta(minutes=12)) == "12m"
     assert format_duration(timedelta(seconds=-5)) == "-5s"
     assert format_duration(timedelta(0)) == "0s"
+
+
+# --- hostile input (issue 12, items 4 and 10) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["３h", "٣d", "1h３0m", "72h\u2003", "\u00a072h", "72h\nx"])
+def test_durations_take_ascii_digits_and_spaces_only_as_the_crd_pattern_does(text: str) -> None:
+    assert isinstance(parse_duration(text), Invalid)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["２０２６-12-01T10:00:00Z", "2026-12-01T10:00:00Z\nx", "2026-12-01T10:00:00Z\u2003", "2026-12-01T1٠:00:00Z"],
+)
+def test_instants_take_ascii_digits_and_whole_strings_only(text: str) -> None:
+    assert isinstance(parse_instant(text), Invalid)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0001-01-01T00:00:00+01:00",  # before year 1 in UTC: OverflowError escaped, decide() raised forever
+        "9999-12-31T23:00:00-01:00",  # after year 9999 in UTC
+        "9999-12-31T23:00:00Z",  # representable, but `+ retention` is not: `sandkeep ls` died on it
+        "1969-12-31T23:59:59Z",
+        "0000-01-01T00:00:00Z",
+    ],
+)
+def test_an_instant_out_of_range_is_invalid_and_says_so(text: str) -> None:
+    result = parse_instant(text)
+    assert isinstance(result, Invalid)
+    assert "out of range" in result.why or "not a real date" in result.why
+
+
+@given(
+    st.from_regex(
+        r"\A[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,12})?([Zz]|[+-][0-9]{2}:[0-9]{2})\Z"
+    )
+)
+def test_every_rfc3339_shaped_text_parses_in_range_or_is_invalid(text: str) -> None:
+    result = parse_instant(text)
+    assert isinstance(result, Invalid) or MIN_INSTANT <= result <= MAX_INSTANT
+
+
+@given(
+    st.datetimes(min_value=MIN_INSTANT.replace(tzinfo=None), max_value=MAX_INSTANT.replace(tzinfo=None)),
+    st.timedeltas(min_value=-MAX_DURATION, max_value=MAX_DURATION),
+)
+def test_an_accepted_instant_plus_an_accepted_duration_never_overflows(when: datetime, delta: timedelta) -> None:
+    when = when.replace(tzinfo=UTC)
+    assert shift(when, delta) == when + delta
+
+
+@given(st.datetimes(timezones=st.just(UTC)), st.timedeltas())
+def test_shift_is_total_and_saturates(when: datetime, delta: timedelta) -> None:
+    moved = shift(when, delta)
+    assert moved.tzinfo is UTC
+    assert (moved >= when) if delta >= timedelta(0) else (moved <= when)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -43,7 +43,59 @@ def test_a_pinned_unexpired_sandbox_is_never_expired(f: Facts, retention, max_pi
     assume(pin - pinned_at <= max_pin)
     sandbox = Facts(f.created_at, f.retain_until, format_instant(pin), format_instant(pinned_at))
     verdict = deadline(sandbox, Policy(retention, max_pin), now.replace(microsecond=0))
-    assert verdict.pinned and not verdict.expired
+    assert not verdict.expired and verdict.deadline is not None and verdict.deadline >= pin.replace(microsecond=0)
+    assert verdict.pinned or Reason.PIN_NO_EFFECT in verdict.reasons
+
+
+def _unpinned(f: Facts) -> Facts:
+    return Facts(f.created_at, f.retain_until)
+
+
+@given(facts(), windows, windows, instants)
+def test_a_pin_only_ever_extends(f: Facts, retention, max_pin, now) -> None:
+    # Whatever the pin says (zero, past, capped, garbage), the deadline is never earlier than without it.
+    policy = Policy(retention, max_pin)
+    with_pin, without = deadline(f, policy, now), deadline(_unpinned(f), policy, now)
+    if with_pin.expired:
+        assert without.expired
+    if without.deadline is not None:
+        assert with_pin.deadline is not None and with_pin.deadline >= without.deadline
+
+
+@given(facts(), windows, windows, instants)
+def test_a_valid_pin_that_does_not_extend_says_it_has_no_effect(f: Facts, retention, max_pin, now) -> None:
+    verdict = deadline(f, Policy(retention, max_pin), now)
+    valid_pin = f.pin_until is not None and Reason.INVALID_PIN not in verdict.reasons
+    if valid_pin and not verdict.pinned:
+        assert Reason.PIN_NO_EFFECT in verdict.reasons
+        assert any("no effect" in m for m in verdict.messages)
+        assert verdict.pinned_until is None
+    if verdict.pinned:
+        assert Reason.PIN_NO_EFFECT not in verdict.reasons
+
+
+any_instants = st.datetimes(
+    timezones=st.sampled_from([UTC, timezone(timedelta(hours=14)), timezone(-timedelta(hours=12))])
+)
+any_spans = st.timedeltas(min_value=timedelta(0))
+rfc3339_ish = st.from_regex(
+    r"\A[0-9]{4}-[0-1][0-9]-[0-3][0-9]T[0-2][0-9]:[0-5][0-9]:[0-5][0-9](Z|[+-][0-2][0-9]:[0-5][0-9])\Z"
+)
+
+
+@given(
+    st.one_of(st.none(), any_instants),
+    st.one_of(st.none(), any_instants),
+    st.one_of(st.none(), rfc3339_ish, st.text(max_size=30)),
+    st.one_of(st.none(), rfc3339_ish, st.text(max_size=30)),
+    any_spans,
+    any_spans,
+    any_instants,
+)
+def test_the_rule_is_total_on_any_times_and_any_spans(created, retain, pin, pinned_at, retention, max_pin, now):
+    # Year 1 and year 9999, offsets, timedelta.max: the rule answers, it never raises (issue 12, item 4).
+    verdict = deadline(Facts(created, retain, pin, pinned_at), Policy(retention, max_pin), now)
+    assert verdict.expired or verdict.deadline is not None
 
 
 @given(facts(), windows, windows, windows, instants)
@@ -119,10 +171,47 @@ def test_a_valid_pin_wins_over_an_expired_window() -> None:
     assert verdict.pinned_until == NOW + D
 
 
-def test_a_lapsed_pin_is_expired_even_inside_the_window() -> None:
-    f = Facts(NOW - H, pin_until=format_instant(NOW - timedelta(seconds=1)), pinned_at=format_instant(NOW - 2 * H))
+def test_a_pin_that_extended_and_lapsed_is_expired() -> None:
+    f = Facts(NOW - 80 * H, pin_until=format_instant(NOW - timedelta(seconds=1)), pinned_at=format_instant(NOW - D))
     verdict = deadline(f, Policy(72 * H, 30 * D), NOW)
     assert verdict.expired and verdict.reasons == (Reason.PIN_EXPIRED,)
+
+
+def test_a_past_pin_inside_the_window_has_no_effect_and_says_so() -> None:
+    # A typo in the year: the sandbox keeps its window, it is not deleted at once.
+    f = Facts(NOW - H, pin_until="2025-11-29T12:00:00Z", pinned_at=format_instant(NOW))
+    verdict = deadline(f, Policy(72 * H, 30 * D), NOW)
+    assert (verdict.deadline, verdict.source, verdict.expired) == (NOW + 71 * H, DeadlineSource.WINDOW, False)
+    assert verdict.reasons == (Reason.PIN_NO_EFFECT,) and verdict.pinned_until is None
+    assert "2025-11-29T12:00:00Z has no effect" in verdict.messages[0]
+
+
+def test_pin_for_zero_has_no_effect() -> None:
+    # The controller turns pin-for=0 into pin-until=now: keeps the window, never "delete now".
+    f = Facts(NOW - H, pin_until=format_instant(NOW), pinned_at=format_instant(NOW))
+    verdict = deadline(f, Policy(72 * H, 30 * D), NOW)
+    assert not verdict.expired and verdict.source is DeadlineSource.WINDOW
+    assert Reason.PIN_NO_EFFECT in verdict.reasons
+
+
+def test_a_pin_capped_below_the_window_has_no_effect() -> None:
+    f = Facts(NOW - H, pin_until=format_instant(NOW + 365 * D), pinned_at=format_instant(NOW))
+    verdict = deadline(f, Policy(72 * H, timedelta(0)), NOW)
+    assert not verdict.expired and verdict.reasons == (Reason.PIN_NO_EFFECT, Reason.PIN_CAPPED)
+
+
+def test_an_out_of_range_pin_is_invalid_not_a_crash() -> None:
+    # issue 12, item 4: this pin made decide() raise OverflowError on every reconcile, so nothing was deleted.
+    f = Facts(NOW - 73 * H, pin_until="0001-01-01T00:00:00+01:00", pinned_at="9999-12-31T23:59:59-01:00")
+    verdict = deadline(f, Policy(72 * H, 30 * D), NOW)
+    assert verdict.expired and verdict.reasons == (Reason.INVALID_PIN, Reason.WINDOW)
+    assert "out of range" in verdict.messages[0]
+
+
+def test_a_created_at_at_the_end_of_time_does_not_overflow_the_window() -> None:
+    far = datetime.max.replace(tzinfo=UTC)
+    verdict = deadline(Facts(far, retain_until=far), Policy(timedelta.max, timedelta.max), NOW)
+    assert not verdict.expired and verdict.deadline == far
 
 
 def test_an_invalid_pin_is_no_pin_and_is_reported() -> None:
