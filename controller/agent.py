@@ -7,10 +7,11 @@ work (the API, /proc, the disk) runs in threads; the object cache is fed by a LI
 uses the server-side field selector `spec.nodeName=<node>`, so the agent never sees another node's
 objects. Sizes are measured by a background thread and never block a pass.
 
-Deletion is a chain of idempotent steps, each finished by the next agent if this one is SIGKILLed:
-reap recorded orphan commands -> check in-use (held: never renamed) -> rename to `.reap-<uid>-<ms>`
--> delete the tombstone (a worker thread) -> remove the finalizer (JSON patch guarded by
-resourceVersion). Leftover tombstones are cleared at the start of every pass, before anything else.
+Deletion is the shared pipeline of `controller/reaper.py` (the standalone sweep runs the same one), run in
+the agent's reap threads; this module only says what a tombstone is for (`_fate`) and reports each outcome
+(`_report`: status, Events, metrics, log lines), then removes the finalizer (a JSON patch guarded by
+resourceVersion) when the directory is gone or is not this object's. Leftover tombstones are cleared at the
+start of every pass, before anything else.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import errno as E
+import functools
 import json
 import logging
 import os
@@ -30,6 +32,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -37,14 +40,29 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from controller import commands, fsdelete, kube, leases, logs, metrics
+from controller import commands, kube, leases, logs, metrics
 from controller import contracts as c
 from controller.contracts import FINALIZER, Condition, Phase, Reason
-from controller.durations import Invalid, parse_instant
-from controller.inuse import Usage, pid_alive, scan_usage, uninspectable_pids
+from controller.inuse import Usage, scan_usage, uninspectable_pids
 from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj
 from controller.models import Settings, _duration
-from controller.store import Mismatch, Present, Read, Root, RootRefused, StoreError, Tombstone, Transient
+from controller.reaper import (
+    Claim,
+    Clear,
+    Deleted,
+    Fate,
+    Finish,
+    Held,
+    Hooks,
+    Keep,
+    Outcome,
+    Reaper,
+    Refused,
+    Restored,
+    Stuck,
+    Target,
+)
+from controller.store import Mismatch, Present, Root, RootRefused, Tombstone, Transient
 
 log = logging.getLogger("sandkeep.agent")
 
@@ -140,31 +158,13 @@ def stuck_message(sandbox: str, node: str, tombstone: str, errno: int | None, pa
     )
 
 
-def same_run(obj: Obj, read: Read) -> bool | None:
-    """Whether the directory (or tombstone) read is the run this object describes; None: cannot tell now.
+def claim_of(obj: Obj) -> Claim:
+    """What deleting this object asks for: the run it describes (createdAt, jobId), never another one.
 
-    A valid manifest must carry the object's createdAt (and jobId when both have one): a job retained
-    again under the same name is another run, which deleting this object must not delete. A manifest
-    naming another sandbox is never ours. No manifest, or one that does not parse, is the object's
-    (its name owns the path, and nothing says it is another run).
+    A job retained again under the same name is another run, which deleting this object must not delete.
     """
-    if isinstance(read, Transient):
-        return None
-    if isinstance(read, Mismatch):
-        return False
-    if not isinstance(read, Present):
-        return True
     spec = obj.get("spec") or {}
-    ours, theirs = _when(spec.get("createdAt")), _when(read.manifest.created_at)
-    if ours is not None and theirs is not None and ours != theirs:
-        return False
-    job = spec.get("jobId")
-    return not (job and read.manifest.job_id and job != read.manifest.job_id)
-
-
-def _when(text: Any) -> datetime | None:
-    parsed = parse_instant(text) if isinstance(text, str) else None
-    return None if parsed is None or isinstance(parsed, Invalid) else parsed
+    return Claim(created_at=kube.sandbox_facts(obj).created_at, job_id=spec.get("jobId") or None)
 
 
 def discount_orphans(usage: Mapping[Key, Usage], paths: Mapping[Key, Path]) -> dict[Key, Usage]:
@@ -331,20 +331,10 @@ class Sizer(threading.Thread):
 
 
 @dataclass
-class StuckInfo:
-    first_failed: float
-    errno: int | None
-    path: str | None
-    logged_at: float | None = None
-
-
-@dataclass
 class AgentState:
     objects: dict[Key, Obj] = field(default_factory=dict)
     usage: dict[Key, Usage] = field(default_factory=dict)
     present: set[Key] = field(default_factory=set)
-    stuck: dict[str, StuckInfo] = field(default_factory=dict)  # tombstone name -> failure
-    orphan_stuck: dict[str, StuckInfo] = field(default_factory=dict)
     said: dict[str, tuple[float, str]] = field(default_factory=dict)  # rate-limited lines: subject -> (when, what)
     events: dict[tuple[str, str], str] = field(default_factory=dict)  # (uid, reason) -> message posted
     synced: bool = False
@@ -376,7 +366,17 @@ class Agent:
         self.stopping = asyncio.Event()
         self.started = time.monotonic()
         self.last_pass: float | None = None
-        self.tried_this_pass: set[str] = set()  # stuck tombstones already retried in the current pass
+        self.reaper = Reaper(
+            root,
+            self._in_use_now,
+            stuck_after=settings.stuck_after,
+            orphan_timeout=settings.orphan_timeout,
+            kill=kill,
+            hooks=Hooks(after_rename=self._after_rename, before_delete=self._before_delete),
+        )
+        # The pipeline's own threads: a reap may wait on the loop (before_delete reports Deleting), whose
+        # API calls use the default executor, so the two never wait on each other.
+        self.reap_pool = ThreadPoolExecutor(PARALLEL, "reap")
 
     def healthy(self) -> bool:
         """Live while passes keep completing: a wedged loop (or a pass stuck on a hung mount) fails /healthz."""
@@ -483,6 +483,7 @@ class Agent:
             watcher.stopping.set()
             self.sizer.stop()
             beat.cancel()
+            self.reap_pool.shutdown(wait=False)
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
         """Renew the heartbeat Lease every HEARTBEAT_EVERY while passes keep completing (`healthy`).
@@ -512,7 +513,7 @@ class Agent:
 
     async def full_pass(self) -> None:
         """Leftover tombstones first; then the disk scan, in-use, adoption, every object, metrics, heartbeat."""
-        self.tried_this_pass.clear()
+        self.reaper.begin_pass()
         await self.clear_tombstones()
         t0 = time.monotonic()
         scan = await asyncio.to_thread(self.root.scan)
@@ -571,11 +572,12 @@ class Agent:
         await asyncio.gather(*(one(k) for k in keys))
 
     async def _pod_paths(self) -> list[tuple[str, Path]] | None:
+        return await asyncio.to_thread(self._pod_paths_now)
+
+    def _pod_paths_now(self) -> list[tuple[str, Path]] | None:
         """hostPath volumes of the Pods on this node: a Pod that mounts a sandbox uses it. None: unlisted."""
         try:
-            pods = await self._api(
-                self.kube.request, "GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={self.s.node}"}
-            )
+            pods = self.kube.request("GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={self.s.node}"})
         except KubeError as err:
             # Without the Pod list a mount cannot be ruled out: holds come from /proc alone this pass.
             self._say_limited("pods", "pods_unlisted", reason=Reason.IN_USE_UNKNOWN, error=str(err)[:200])
@@ -614,10 +616,12 @@ class Agent:
                 continue
             if isinstance(read, Mismatch):
                 refuse(
-                    key, Reason.MANIFEST_MISMATCH, entry.path,
+                    key,
+                    Reason.MANIFEST_MISMATCH,
+                    entry.path,
                     claims=f"{read.manifest.namespace}/{read.manifest.name}",
                     action="the manifest names another sandbox than its path; fix or remove the directory",
-                )  # fmt: skip
+                )
                 continue
             if not isinstance(read, Present):
                 refuse(key, read.reason, entry.path)
@@ -626,9 +630,11 @@ class Agent:
                 namespaces[entry.namespace] = await self._api(self._get_namespace, entry.namespace)
             if not namespaces[entry.namespace]:
                 refuse(
-                    key, Reason.NAMESPACE_MISSING, entry.path,
+                    key,
+                    Reason.NAMESPACE_MISSING,
+                    entry.path,
                     action=f"namespace {entry.namespace} does not exist; create it, or remove the directory",
-                )  # fmt: skip
+                )
                 continue
             todo[key] = read
         await self._each(list(todo), lambda key: self._create(key, todo[key]))
@@ -803,109 +809,210 @@ class Agent:
         self._remember(updated)
         return updated
 
-    # --- deletion --------------------------------------------------------------------------------------
+    # --- deletion: the shared pipeline (controller/reaper.py), reported here ------------------------------
 
     def _tombstone_of(self, uid: str) -> Tombstone | None:
         return next((t for t in self.root.tombstones() if t.id == uid), None)
 
+    async def _pipeline(self, fn: Callable[..., Outcome], *args: Any) -> Outcome:
+        """Run a pipeline step in the reap threads: the loop keeps serving the watch and the heartbeat."""
+        return await asyncio.get_running_loop().run_in_executor(self.reap_pool, functools.partial(fn, *args))
+
     async def delete(self, obj: Obj) -> None:
-        """One step of deleting a sandbox whose object is being deleted (idempotent, see the module doc)."""
-        key = _key(obj)
-        uid = obj["metadata"]["uid"]
+        """One step of deleting a sandbox whose object is being deleted (idempotent, see the module doc):
+        a tombstone of this object is finished; otherwise the directory goes through the whole pipeline."""
+        key, uid = _key(obj), obj["metadata"]["uid"]
         tomb = await asyncio.to_thread(self._tombstone_of, uid)
-        if tomb is None:
-            path = self.root.sandbox_path(*key)
-            try:
-                is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
-            except FileNotFoundError:
-                is_dir = False
-            if not is_dir:
-                await self._finish(obj, None)
-                return
-            same = same_run(obj, await asyncio.to_thread(self.root.read, *key))
-            if same is None:
-                self._later(key)  # the manifest could not be read just now: decide on a read that worked
-                return
-            if not same:
-                # Another run retained under this name since the object was made: not this object's to delete.
-                self._say_limited(f"other-run:{uid}", "deletion_skipped", reason=Reason.MANIFEST_CHANGED,
-                                  object="/".join(key), action="the directory holds another run; it stays on disk "
-                                  "and is adopted as its own object")  # fmt: skip
-                await self._finish(obj, None)
-                return
-            if not await self._clear_to_rename(obj, path):
-                return
-            try:
-                tomb = await asyncio.to_thread(self.root.tombstone, *key, id=uid, now=datetime.now(UTC))
-            except StoreError as err:
-                self.m.deletion_failures.labels(self.s.node, str(err.reason)).inc()
-                self._say_limited(
-                    f"rename:{uid}", "rename_failed", reason=err.reason, object="/".join(key), error=str(err)
-                )
-                await self._apply(obj, self._deleting_status(obj, Phase.DELETING), deleting=True)
-                self._later(key)
-                return
-            logs.say(log, "tombstoned", reason=Reason.TOMBSTONED, object=f"{key[0]}/{key[1]}", tombstone=tomb.name)
-            if os.environ.get(SEAM_KILL_AFTER_RENAME):
-                os.kill(os.getpid(), signal.SIGKILL)
-        await self.delete_tombstone(obj, tomb)
+        if tomb is not None:
+            outcome = await self._pipeline(self.reaper.leftover, tomb, lambda _read: self._fate(obj))
+        else:
+            outcome = await self._pipeline(self.reaper.reap, Target(*key, uid, claim_of(obj), Reason.DELETED))
+        await self._report(obj, tomb.name if tomb else None, outcome)
 
-    async def _clear_to_rename(self, obj: Obj, path: Path) -> bool:
-        """Reap recorded orphans, then check in-use fresh: False (held, retried) when anything remains.
+    async def clear_tombstones(self) -> None:
+        """Every tombstone in the root, before anything else in a pass: finish, restore or clear it.
 
-        Orphans first: their cwd is inside the sandbox, so an in-use check before the reap would hold
-        the sandbox forever on exactly the processes the reap exists to end.
+        A tombstone is named after its object's uid. Its object deleting: finish that deletion. Its
+        object alive and not deleting (nothing this agent does leaves that; a hand-made rename would):
+        put it back when the name is free, else hold it; never delete a sandbox still wanted. No object:
+        an orphan, cleared, unless another live process made it moments ago (a retain's staging dir).
         """
-        key = _key(obj)
-        timeout = self.s.orphan_timeout.total_seconds()
-        reaped = await asyncio.to_thread(commands.reap_orphans, path, timeout=timeout, kill=self.kill)
-        if reaped.signalled:
+        by_uid = {o["metadata"]["uid"]: o for o in self.state.objects.values()}
+        for tomb in await asyncio.to_thread(self.root.tombstones):
+            obj = by_uid.get(tomb.id)
+            outcome = await self._pipeline(self.reaper.leftover, tomb, lambda _read, o=obj: self._fate(o))
+            await self._report(obj, tomb.name, outcome)
+
+    @staticmethod
+    def _fate(obj: Obj | None) -> Fate:
+        """What a tombstone of `obj` (None: of no object) is for: finish its deletion, put it back, or clear it."""
+        if obj is not None and kube.is_deleting(obj) and FINALIZER in _finalizers(obj):
+            return Finish(_key(obj), claim_of(obj), Reason.DELETED)
+        if obj is not None and not kube.is_deleting(obj):
+            return Keep(_key(obj), Reason.TOMBSTONE_PINNED)
+        return Clear()
+
+    async def _report(self, obj: Obj | None, tombstone: str | None, outcome: Outcome) -> None:
+        """Turn one pipeline outcome into status, Events, metrics and log lines; finish what is finished."""
+        ref = "/".join(_key(obj)) if obj is not None else None
+        ours = obj is not None and kube.is_deleting(obj) and FINALIZER in _finalizers(obj)
+        if isinstance(outcome, Deleted):
+            self.m.deletion_duration.labels(self.s.node).observe(outcome.seconds)
+            self.m.deletions.labels(self.s.node, str(outcome.reason)).inc()
+            self.state.said.pop(f"stuck:{outcome.tombstone}", None)
             logs.say(
-                log, "orphans_reaped", reason=Reason.ORPHAN_REAPED, object="/".join(key), signalled=reaped.signalled
+                log,
+                "deleted",
+                reason=outcome.reason,
+                object=ref if ours else None,
+                tombstone=outcome.tombstone,
+                files=outcome.files,
             )
-        if reaped.survivors:
-            where = f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held"
-            message = commands.survivors_message(where, reaped.survivors, timeout)
-            cond = kube.condition(
-                Condition.ORPHANS_SURVIVED, True, Reason.ORPHAN_SURVIVOR, message, previous=self._conditions(obj)
-            )
-            status = self._deleting_status(obj, Phase.HELD, extra=[cond], held_by=[str(s) for s in reaped.survivors])
-            await self._apply(obj, status, deleting=True)
-            await self._event(obj, Reason.ORPHAN_SURVIVOR, message, "Warning")
+        elif isinstance(outcome, Stuck):
+            if outcome.tried:
+                await self._stuck(obj if ours else None, outcome)
+            return
+        elif isinstance(outcome, Restored):
             self._say_limited(
-                f"survivors:{obj['metadata']['uid']}",
-                "deletion_held",
-                reason=Reason.ORPHAN_SURVIVOR,
-                object="/".join(key),
-                survivors=" ".join(str(s.pid) for s in reaped.survivors),
+                f"restore:{outcome.tombstone}",
+                "tombstone_restored",
+                reason=outcome.reason,
+                object="/".join(outcome.key),
+                tombstone=outcome.tombstone,
             )
-            self._later(key)
-            return False
-        pods = await self._pod_paths()
-        usage = (await asyncio.to_thread(scan_usage, {key: path}, pods or [], Path("/proc"), self.ignore))[key]
+        elif isinstance(outcome, Refused) and outcome.reason != Reason.LOST and obj is not None:
+            # Another run retained under this name since the object was made: not this object's to delete.
+            self._say_limited(
+                f"other-run:{obj['metadata']['uid']}",
+                "deletion_skipped",
+                reason=outcome.reason,
+                object=ref,
+                action="the directory holds another run; it stays on disk and is adopted as its own object",
+            )
+        elif isinstance(outcome, Held):
+            await self._held(obj if ours else None, tombstone or outcome.tombstone, outcome)
+            return
+        if (
+            ours
+            and obj is not None
+            and not (isinstance(outcome, Restored) and outcome.reason != Reason.MANIFEST_CHANGED)
+        ):
+            await self._finish(self._newest(obj), tombstone)
+
+    async def _held(self, obj: Obj | None, tombstone: str | None, held: Held) -> None:
+        """A deletion (or a tombstone) that waits: say why where a person looks, and try again soon."""
+        if held.reason == Reason.TOMBSTONE_FOREIGN:
+            self._say_limited(
+                f"foreign:{tombstone}",
+                "tombstone_skipped",
+                level=logging.INFO,
+                reason=held.reason,
+                tombstone=tombstone,
+                pid=held.pid,
+            )
+            return
+        if held.tombstone is not None and held.reason != Reason.MANIFEST_UNREAD:
+            self._say_limited(
+                f"restore:{held.tombstone}",
+                "tombstone_held",
+                reason=held.reason,
+                object="/".join(held.key) if held.key else None,
+                tombstone=held.tombstone,
+            )
+            return
+        if obj is None:
+            return
+        key = _key(obj)
+        if held.survivors:
+            await self._held_by_survivors(obj, held.survivors)
+        elif held.usage is not None or held.reason in (Reason.IN_USE, Reason.IN_USE_UNKNOWN, Reason.POD_MOUNT):
+            usage = held.usage or Usage(None, (held.error or "the in-use check failed",), Reason.IN_USE_UNKNOWN)
+            await self._held_in_use(obj, usage)
+        elif held.reason != Reason.MANIFEST_UNREAD:  # the rename failed: counted, said, retried
+            self.m.deletion_failures.labels(self.s.node, str(held.reason)).inc()
+            self._say_limited(
+                f"rename:{obj['metadata']['uid']}",
+                "rename_failed",
+                reason=held.reason,
+                object="/".join(key),
+                error=held.error,
+            )
+            await self._apply(obj, self._deleting_status(obj, Phase.DELETING), deleting=True)
+        self._later(key)  # a manifest that could not be read just now: decided again on a read that works
+
+    async def _held_by_survivors(self, obj: Obj, survivors: tuple[commands.Survivor, ...]) -> None:
+        key = _key(obj)
+        where = f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held"
+        message = commands.survivors_message(where, survivors, self.s.orphan_timeout.total_seconds())
+        cond = kube.condition(
+            Condition.ORPHANS_SURVIVED, True, Reason.ORPHAN_SURVIVOR, message, previous=self._conditions(obj)
+        )
+        status = self._deleting_status(obj, Phase.HELD, extra=[cond], held_by=[str(s) for s in survivors])
+        await self._apply(obj, status, deleting=True)
+        await self._event(obj, Reason.ORPHAN_SURVIVOR, message, "Warning")
+        self._say_limited(
+            f"survivors:{obj['metadata']['uid']}",
+            "deletion_held",
+            reason=Reason.ORPHAN_SURVIVOR,
+            object="/".join(key),
+            survivors=" ".join(str(s.pid) for s in survivors),
+        )
+
+    async def _held_in_use(self, obj: Obj, usage: Usage) -> None:
+        key = _key(obj)
+        message = (
+            f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held, "
+            f"{'in use' if usage.in_use else 'use cannot be ruled out'} by {'; '.join(usage.holders)}. "
+            "It is deleted once nothing uses it (checked again every few seconds)."
+        )
+        status = self._deleting_status(obj, Phase.HELD, held_by=list(usage.holders), usage=usage)
+        await self._apply(obj, status, deleting=True)
+        await self._event(obj, usage.reason or Reason.IN_USE, message, "Warning")
+        self._say_limited(
+            f"held:{obj['metadata']['uid']}",
+            "deletion_held",
+            reason=usage.reason,
+            object="/".join(key),
+            holders=len(usage.holders),
+        )
+
+    def _in_use_now(self, path: Path) -> Usage:
+        """The pipeline's in-use check (in a reap thread): /proc and this node's Pods, asked fresh.
+
+        No Pod list, no way to rule out a Pod that mounts it: unknown, which holds.
+        """
+        key = (path.parent.name, path.name)
+        pods = self._pod_paths_now()
+        usage = scan_usage({key: path}, pods or [], Path("/proc"), self.ignore)[key]
         if pods is None and not usage.in_use:
-            # No Pod list, no way to rule out a Pod that mounts it: unknown, which holds.
             usage = Usage(None, ("the Pods on this node could not be listed",), Reason.IN_USE_UNKNOWN)
         self.state.usage[key] = usage
-        if usage.holds:
-            message = (
-                f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held, "
-                f"{'in use' if usage.in_use else 'use cannot be ruled out'} by {'; '.join(usage.holders)}. "
-                "It is deleted once nothing uses it (checked again every few seconds)."
-            )
-            status = self._deleting_status(obj, Phase.HELD, held_by=list(usage.holders), usage=usage)
-            await self._apply(obj, status, deleting=True)
-            await self._event(obj, usage.reason or Reason.IN_USE, message, "Warning")
-            self._say_limited(
-                f"held:{obj['metadata']['uid']}",
-                "deletion_held",
-                reason=usage.reason,
-                object="/".join(key),
-                holders=len(usage.holders),
-            )
-            self._later(key)
-            return False
-        return True
+        return usage
+
+    def _after_rename(self, key: Key, tomb: Tombstone | None) -> None:
+        if os.environ.get(SEAM_KILL_AFTER_RENAME):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _before_delete(self, key: Key, tomb: Tombstone | None) -> None:
+        """Report Deleting (and the tombstone's name) before a delete that may take a while, from the reap
+        thread. A stuck tombstone keeps its Stuck status meanwhile, so the phase does not flap."""
+        seam = os.environ.get(SEAM_KILL_DURING_DELETE)
+        if seam:
+            threading.Timer(float(seam), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        obj = self.state.objects.get(key)
+        if obj is None or tomb is None or self.loop is None or not kube.is_deleting(obj):
+            return
+        status = obj.get("status") or {}
+        if tomb.name in self.reaper.stuck or (
+            status.get("phase") == str(Phase.STUCK) and status.get("tombstone") == tomb.name
+        ):
+            return
+        deleting = self._deleting_status(obj, Phase.DELETING, tombstone=tomb.name)
+        done = asyncio.run_coroutine_threadsafe(self._apply(obj, deleting, deleting=True), self.loop)
+        try:
+            done.result(timeout=60)
+        except Exception as err:  # a report that failed never stops a deletion
+            self._say_limited(f"report:{key}", "status_failed", reason=Reason.AGENT_ERROR, error=repr(err)[:300])
 
     def _deleting_status(
         self,
@@ -928,86 +1035,46 @@ class Agent:
             status["tombstone"] = tombstone
         return status
 
-    async def delete_tombstone(self, obj: Obj, tomb: Tombstone) -> None:
-        """Delete a sandbox's tombstone off the loop; then remove the finalizer. A failure is Stuck.
+    async def _stuck(self, obj: Obj | None, stuck: Stuck) -> None:
+        """A tombstone that would not go: metrics, a rate-limited line, and for an object Stuck + an Event.
 
-        A stuck tombstone is retried once per pass (a retry walks what is left of the tree) and keeps its
-        Stuck status meanwhile, so the object's phase does not flap between Deleting and Stuck.
+        Retried by the next pass's tombstone sweep; the metric and the condition are always current.
         """
-        key = _key(obj)
-        stuck = tomb.name in self.state.stuck or (
-            (obj.get("status") or {}).get("phase") == str(Phase.STUCK)
-            and (obj.get("status") or {}).get("tombstone") == tomb.name
-        )
-        if stuck and tomb.name in self.tried_this_pass:
+        self.m.deletion_failures.labels(self.s.node, str(stuck.cause)).inc()
+        errno = _errno_name(stuck.errno)
+        if obj is None:
+            self._say_limited(
+                f"stuck:{stuck.tombstone}",
+                "tombstone_stuck",
+                reason=stuck.reason,
+                tombstone=stuck.tombstone,
+                errno=errno,
+                path=stuck.path,
+                orphan=True,
+            )
             return
-        self.tried_this_pass.add(tomb.name)
-        if not await self._tombstone_is_this_run(obj, tomb):
-            return
-        if not stuck:
-            status = self._deleting_status(obj, Phase.DELETING, tombstone=tomb.name)
-            obj = await self._apply(obj, status, deleting=True)
-        seam = os.environ.get(SEAM_KILL_DURING_DELETE)
-        if seam:
-            threading.Timer(float(seam), os.kill, (os.getpid(), signal.SIGKILL)).start()
-        started = time.monotonic()
-        result = await fsdelete.delete_tree_async(self.root.path, tomb.name)
-        if not result.ok:
-            await self._stuck(obj, tomb, result)
-            return
-        self.m.deletion_duration.labels(self.s.node).observe(time.monotonic() - started)
-        self.m.deletions.labels(self.s.node, str(Reason.DELETED)).inc()
-        self._unstick(tomb.name)
-        logs.say(
-            log, "deleted", reason=Reason.DELETED, object=f"{key[0]}/{key[1]}", tombstone=tomb.name, files=result.files
-        )
-        await self._finish(obj, tomb)
-
-    async def _tombstone_is_this_run(self, obj: Obj, tomb: Tombstone) -> bool:
-        """Read the manifest through the tombstone before deleting it: the one change a rename cannot see
-        is a re-retain landing between the fresh read and the rename. Another run's tombstone is put
-        back under its name (or, when the name is taken, held and said); never deleted here."""
         key = _key(obj)
-        same = same_run(obj, await asyncio.to_thread(self.root.read_tombstone, tomb))
-        if same:
-            return True
-        if same is None:
-            self._later(key)
-            return False
-        restored = await asyncio.to_thread(self.root.restore, tomb, *key)
-        self._say_limited(f"restore:{tomb.name}", "tombstone_restored" if restored else "tombstone_held",
-                          reason=Reason.MANIFEST_CHANGED, object="/".join(key), tombstone=tomb.name)  # fmt: skip
-        if restored:
-            await self._finish(obj, None)
-        return False
-
-    async def _stuck(self, obj: Obj, tomb: Tombstone, result: fsdelete.DeleteResult) -> None:
-        key = _key(obj)
-        info = self.state.stuck.setdefault(tomb.name, StuckInfo(time.monotonic(), result.errno, result.path))
-        info.errno, info.path = result.errno, result.path
-        self.m.deletion_failures.labels(self.s.node, str(result.reason)).inc()
-        message = stuck_message(f"{key[0]}/{key[1]}", self.s.node, tomb.name, result.errno, result.path)
-        cond = kube.condition(Condition.TOMBSTONE_STUCK, True, result.reason, message, previous=self._conditions(obj))
-        await self._apply(
-            obj, self._deleting_status(obj, Phase.STUCK, extra=[cond], tombstone=tomb.name), deleting=True
-        )
+        message = stuck_message(f"{key[0]}/{key[1]}", self.s.node, stuck.tombstone, stuck.errno, stuck.path)
+        cond = kube.condition(Condition.TOMBSTONE_STUCK, True, stuck.cause, message, previous=self._conditions(obj))
+        status = self._deleting_status(obj, Phase.STUCK, extra=[cond], tombstone=stuck.tombstone)
+        await self._apply(obj, status, deleting=True)
         await self._event(obj, Reason.TOMBSTONE_STUCK, message, "Warning")
         self._say_limited(
-            f"stuck:{tomb.name}",
+            f"stuck:{stuck.tombstone}",
             "tombstone_stuck",
-            reason=Reason.TOMBSTONE_STUCK,
+            reason=stuck.reason,
             object=f"{key[0]}/{key[1]}",
-            tombstone=tomb.name,
-            errno=_errno_name(result.errno),
-            path=result.path,
-        )  # retried by the next pass's tombstone sweep
+            tombstone=stuck.tombstone,
+            errno=errno,
+            path=stuck.path,
+        )
 
-    def _unstick(self, name: str) -> None:
-        self.state.stuck.pop(name, None)
-        self.state.orphan_stuck.pop(name, None)
-        self.state.said.pop(f"stuck:{name}", None)
+    def _newest(self, obj: Obj) -> Obj:
+        """The cache's copy when it is the same object (our own status writes land there first)."""
+        cached = self.state.objects.get(_key(obj))
+        return cached if cached is not None and cached["metadata"].get("uid") == obj["metadata"]["uid"] else obj
 
-    async def _finish(self, obj: Obj, tomb: Tombstone | None) -> None:
+    async def _finish(self, obj: Obj, tombstone: str | None) -> None:
         """Remove the finalizer, guarded by resourceVersion; on a conflict read fresh and try again."""
         key = _key(obj)
         for _ in range(5):
@@ -1025,85 +1092,9 @@ class Agent:
                     return
                 obj = fresh
                 continue
-            logs.say(
-                log,
-                "finalizer_removed",
-                reason=Reason.DELETED,
-                object=f"{key[0]}/{key[1]}",
-                tombstone=tomb.name if tomb else None,
-            )
+            logs.say(log, "finalizer_removed", reason=Reason.DELETED, object=f"{key[0]}/{key[1]}", tombstone=tombstone)
             return
         self._later(key)
-
-    # --- leftover tombstones ---------------------------------------------------------------------------
-
-    async def clear_tombstones(self) -> None:
-        """Every tombstone in the root, before anything else in a pass: finish, restore or clear it.
-
-        A tombstone is named after its object's uid. Its object deleting: finish that deletion. Its
-        object alive and not deleting (nothing this agent does leaves that; a hand-made rename would):
-        put it back when the name is free, else hold it; never delete a sandbox still wanted. No object:
-        an orphan, cleared, unless another live process made it moments ago (a retain's staging dir).
-        """
-        by_uid = {o["metadata"]["uid"]: o for o in self.state.objects.values()}
-        now = datetime.now(UTC)
-        for tomb in await asyncio.to_thread(self.root.tombstones):
-            obj = by_uid.get(tomb.id)
-            if obj is not None and kube.is_deleting(obj) and FINALIZER in _finalizers(obj):
-                await self.delete_tombstone(obj, tomb)
-            elif obj is not None and not kube.is_deleting(obj):
-                await self._restore(obj, tomb)
-            elif (
-                tomb.pid is not None
-                and tomb.pid != os.getpid()
-                and tomb.age(now) < self.s.stuck_after
-                and pid_alive(tomb.pid)
-            ):
-                self._say_limited(
-                    f"foreign:{tomb.name}",
-                    "tombstone_skipped",
-                    level=logging.INFO,
-                    reason=Reason.TOMBSTONE_FOREIGN,
-                    tombstone=tomb.name,
-                    pid=tomb.pid,
-                )
-            else:
-                await self._clear_orphan(tomb)
-
-    async def _restore(self, obj: Obj, tomb: Tombstone) -> None:
-        key = _key(obj)
-        read = await asyncio.to_thread(self.root.read_tombstone, tomb)
-        ours = isinstance(read, Present) and (read.manifest.namespace, read.manifest.name) == key
-        restored = ours and await asyncio.to_thread(self.root.restore, tomb, *key)
-        self._say_limited(
-            f"restore:{tomb.name}",
-            "tombstone_restored" if restored else "tombstone_held",
-            reason=Reason.RESTORED if restored else Reason.TOMBSTONE_PINNED,
-            object="/".join(key),
-            tombstone=tomb.name,
-        )
-
-    async def _clear_orphan(self, tomb: Tombstone) -> None:
-        started = time.monotonic()
-        result = await fsdelete.delete_tree_async(self.root.path, tomb.name)
-        if result.ok:
-            self.m.deletions.labels(self.s.node, str(Reason.TOMBSTONE_LEFTOVER)).inc()
-            self.m.deletion_duration.labels(self.s.node).observe(time.monotonic() - started)
-            self._unstick(tomb.name)
-            logs.say(log, "deleted", reason=Reason.TOMBSTONE_LEFTOVER, tombstone=tomb.name, files=result.files)
-            return
-        self.m.deletion_failures.labels(self.s.node, str(result.reason)).inc()
-        info = self.state.orphan_stuck.setdefault(tomb.name, StuckInfo(time.monotonic(), result.errno, result.path))
-        info.errno, info.path = result.errno, result.path
-        self._say_limited(
-            f"stuck:{tomb.name}",
-            "tombstone_stuck",
-            reason=Reason.TOMBSTONE_STUCK,
-            tombstone=tomb.name,
-            errno=_errno_name(result.errno),
-            path=result.path,
-            orphan=True,
-        )
 
     # --- reporting -------------------------------------------------------------------------------------
 
@@ -1126,10 +1117,7 @@ class Agent:
         node = self.s.node
         now = datetime.now(UTC)
         live = {t.name for t in self.root.tombstones()}
-        for table in (self.state.stuck, self.state.orphan_stuck):
-            for name in list(table):
-                if name not in live:
-                    self._unstick(name)
+        self.reaper.forget(live)
         remaining = [t for t in tombstones if t.name in live]
         ages = [t.age(now).total_seconds() for t in remaining if t.age(now) >= self.s.stuck_after]
         self.m.tombstones.labels(node).set(len(remaining))
@@ -1156,15 +1144,10 @@ class Agent:
         """Stuck tombstones with no object, for `doctor` (published on the heartbeat Lease)."""
         now = time.monotonic()
         out = []
-        for name, info in sorted(self.state.orphan_stuck.items()):
-            out.append(
-                {
-                    "name": name,
-                    "errno": _errno_name(info.errno),
-                    "path": info.path,
-                    "failingFor": int(now - info.first_failed),
-                }
-            )
+        for name, info in sorted(self.reaper.stuck.items()):
+            if info.key is None:
+                failing = int(now - info.first_failed)
+                out.append({"name": name, "errno": _errno_name(info.errno), "path": info.path, "failingFor": failing})
         return out
 
     async def _heartbeat(self) -> None:
@@ -1274,11 +1257,14 @@ def _warn_uninspectable(ignored: Collection[int]) -> None:
     hidden = sorted(set(uninspectable_pids()) - set(ignored))
     if hidden:
         logs.say(
-            log, "processes_uninspectable", level=logging.WARNING, reason=Reason.IN_USE_UNKNOWN,
+            log,
+            "processes_uninspectable",
+            level=logging.WARNING,
+            reason=Reason.IN_USE_UNKNOWN,
             pids=",".join(map(str, hidden[:20])),
             message="these processes cannot be inspected, so no sandbox can be shown unused and every deletion is "
             "held; run the agent with hostPID and CAP_SYS_PTRACE, or vouch for them with --ignore-pid",
-        )  # fmt: skip
+        )
 
 
 async def _main(agent: Agent) -> None:
