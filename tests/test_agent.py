@@ -96,6 +96,7 @@ class AgentProcess:
         log: Path,
         env: dict[str, str] | None = None,
         kubeconfig: Path | None = None,
+        extra: list[str] | None = None,
     ):
         args = [
             sys.executable, "-m", "controller.cli", "agent", "--node", node.name, "--root", str(node.root.path),
@@ -104,6 +105,7 @@ class AgentProcess:
         ]  # fmt: skip
         for pid in IGNORE:
             args += ["--ignore-pid", str(pid)]
+        args += extra or []  # a flag given again wins (argparse keeps the last)
         self.log_path = log
         self.log_file = log.open("ab")
         self.proc = subprocess.Popen(
@@ -136,8 +138,11 @@ class AgentProcess:
 def agents(cluster: Any, namespace: str, tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
     started: list[AgentProcess] = []
 
-    def start(node: Node, env: dict[str, str] | None = None, kubeconfig: Path | None = None) -> AgentProcess:
-        a = AgentProcess(cluster, node, namespace, tmp_path / f"agent-{node.name}-{len(started)}.log", env, kubeconfig)
+    def start(
+        node: Node, env: dict[str, str] | None = None, kubeconfig: Path | None = None, extra: list[str] | None = None
+    ) -> AgentProcess:
+        log = tmp_path / f"agent-{node.name}-{len(started)}.log"
+        a = AgentProcess(cluster, node, namespace, log, env, kubeconfig, extra)
         started.append(a)
         return a
 
