@@ -30,6 +30,7 @@ from kubernetes import config as k8s_config
 from controller import __version__, logs
 from controller import contracts as c
 from controller.durations import Invalid, format_instant, parse_duration, parse_instant
+from controller.models import bounded_name
 from controller.policy import Facts, Policy
 
 log = logging.getLogger(__name__)
@@ -306,7 +307,10 @@ class Kube:
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"name": f"{meta.get('name', 'unknown')}.{secrets.token_hex(8)}", "namespace": namespace},
+            "metadata": {
+                "name": bounded_name("", f"{meta.get('name', 'unknown')}.{secrets.token_hex(8)}"),
+                "namespace": namespace,
+            },
             "involvedObject": {
                 "apiVersion": obj.get("apiVersion", c.API_VERSION),
                 "kind": obj.get("kind", c.SANDBOX_KIND),

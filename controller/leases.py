@@ -22,6 +22,7 @@ from controller import contracts as c
 from controller import logs
 from controller.durations import Invalid, parse_instant
 from controller.kube import Kube, KubeError, micro_time, now_utc
+from controller.models import bounded_name, label_value
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,17 @@ class LeaderElector:
 
 # --- the agent's per-node heartbeat ----------------------------------------------------------------------
 def heartbeat_name(node: str) -> str:
-    return f"{c.AGENT_LEASE_PREFIX}{node}"
+    """`sandkeep-agent-<node>`, or with a hash where a 253-character node name would not fit."""
+    return bounded_name(c.AGENT_LEASE_PREFIX, node)
+
+
+def heartbeat_meta(node: str) -> dict[str, Any]:
+    """The heartbeat's metadata: the node's full name in an annotation, a bounded form in the label."""
+    return {
+        "name": heartbeat_name(node),
+        "labels": {c.LABEL_NODE: label_value(node), c.LABEL_MANAGED_BY: c.MANAGED_BY},
+        "annotations": {c.LABEL_NODE: node},
+    }
 
 
 def renew_heartbeat(kube: Kube, namespace: str, node: str, identity: str, duration_s: int = 60) -> None:
@@ -230,8 +241,7 @@ def renew_heartbeat(kube: Kube, namespace: str, node: str, identity: str, durati
         try:
             if current is None:
                 spec["acquireTime"] = micro_time(now)
-                meta = {"name": heartbeat_name(node), "labels": {c.LABEL_NODE: node, c.LABEL_MANAGED_BY: c.MANAGED_BY}}
-                kube.request("POST", lease_path(namespace), body=_new_lease(meta, spec))
+                kube.request("POST", lease_path(namespace), body=_new_lease(heartbeat_meta(node), spec))
             else:
                 spec["acquireTime"] = micro_time(current.acquire_time or now)
                 body = dict(current.raw) | {"spec": spec}
@@ -249,8 +259,11 @@ def agent_heartbeats(kube: Kube, namespace: str) -> dict[str, LeaseState]:
     result: dict[str, LeaseState] = {}
     for raw in items:
         name = raw["metadata"]["name"]
-        if name.startswith(c.AGENT_LEASE_PREFIX):
-            result[name.removeprefix(c.AGENT_LEASE_PREFIX)] = _state(raw)
+        if not name.startswith(c.AGENT_LEASE_PREFIX):
+            continue
+        node = (raw["metadata"].get("annotations") or {}).get(c.LABEL_NODE) or name.removeprefix(c.AGENT_LEASE_PREFIX)
+        if heartbeat_name(node) == name:  # a hashed name maps back only through the node it was made from
+            result[node] = _state(raw)
     return result
 
 

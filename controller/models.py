@@ -6,6 +6,7 @@ fit is refused with a message naming the field, never coerced into something els
 
 from __future__ import annotations
 
+import hashlib
 import re
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -16,18 +17,48 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from controller.durations import Invalid, parse_duration, parse_instant
 from controller.policy import Ceiling, Facts, Policy
 
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# Whole-string matches: `$` also matches before a final newline, which let `ns\n` pass as a namespace.
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+LABEL_VALUE_MAX = 63
+NAME_MAX = 253  # a DNS-1123 subdomain: object names, node names
+_HASH_LEN = 16  # hex digits of sha256 kept: 64 bits, so two names of one cluster never share a bounded form
 
 
 def is_namespace_name(text: str) -> bool:
     """A DNS-1123 label (what a namespace may be called): never empty, never starting with a dot."""
-    return len(text) <= 63 and bool(_DNS1123_LABEL.match(text))
+    return len(text) <= 63 and bool(_DNS1123_LABEL.fullmatch(text))
 
 
 def is_object_name(text: str) -> bool:
     """A DNS-1123 subdomain (what a RetainedSandbox may be called)."""
-    return len(text) <= 253 and bool(_DNS1123_SUBDOMAIN.match(text))
+    return len(text) <= NAME_MAX and bool(_DNS1123_SUBDOMAIN.fullmatch(text))
+
+
+def _bounded(text: str, limit: int) -> str:
+    """`text` cut to fit `limit` with `-<hash of all of text>` appended: stable, distinct, alnum at the end."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:_HASH_LEN]
+    kept = re.sub(r"[^A-Za-z0-9._-]", "-", text[: limit - _HASH_LEN - 1]).strip("-._")
+    return f"{kept}-{digest}" if kept else digest
+
+
+def label_value(text: str) -> str:
+    """`text` as a label value: itself when it is one, else a bounded form with a hash of the whole.
+
+    Node and object names run to 253 characters and label values stop at 63, so a label built from a
+    name as-is is a 422 from the API server, retried forever. Select by field (spec.nodeName), not by it.
+    """
+    if len(text) <= LABEL_VALUE_MAX and _LABEL_VALUE.fullmatch(text):
+        return text
+    return _bounded(text, LABEL_VALUE_MAX)
+
+
+def bounded_name(prefix: str, name: str, limit: int = NAME_MAX) -> str:
+    """`prefix + name` as an object name: as-is when it fits in `limit`, else cut with a hash of `name`."""
+    if len(prefix) + len(name) <= limit:
+        return prefix + name
+    return prefix + _bounded(name, limit - len(prefix))
 
 
 def _instant_or_none(value: Any) -> datetime | None:

@@ -67,7 +67,7 @@ from controller.contracts import (
     WORKSPACE_DIR,
     Reason,
 )
-from controller.durations import format_instant
+from controller.durations import MAX_INSTANT, MIN_INSTANT, format_instant, shift
 from controller.models import Manifest, is_namespace_name, is_object_name
 
 # A read that failed for a moment: held this pass and read again next pass, never acted on.
@@ -76,9 +76,10 @@ TRANSIENT_ERRNOS = frozenset(
 )
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few hundred bytes; anything this large is not ours
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
-_TOMBSTONE = re.compile(r"^" + re.escape(TOMBSTONE_PREFIX) + r"([A-Za-z0-9][A-Za-z0-9-]{0,63})-(\d{1,15})$")
-_STANDALONE_ID = re.compile(r"^p(\d{1,10})-[0-9a-f]{4,32}(?:-[a-z]{1,8})?$")
+# Whole-string matches (fullmatch) and ASCII digits: `$` accepts a final newline, `\d` accepts `３`.
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+_TOMBSTONE = re.compile(re.escape(TOMBSTONE_PREFIX) + r"([A-Za-z0-9][A-Za-z0-9-]{0,63})-([0-9]{1,15})")
+_STANDALONE_ID = re.compile(r"p([0-9]{1,10})-[0-9a-f]{4,32}(?:-[a-z]{1,8})?")
 _STAGE_SUFFIX = "stage"  # staging directories are tombstone-named: a crash mid-retain leaves a plain leftover
 
 
@@ -175,7 +176,7 @@ class Tombstone:
     @property
     def pid(self) -> int | None:
         """The pid that made it, when the id is a standalone one (`p<pid>-<hex>`); None for an object uid."""
-        m = _STANDALONE_ID.match(self.id)
+        m = _STANDALONE_ID.fullmatch(self.id)
         return int(m.group(1)) if m else None
 
     def age(self, now: datetime) -> timedelta:
@@ -193,14 +194,14 @@ def _ms(now: datetime) -> int:
 
 def tombstone_name(id: str, now: datetime) -> str:
     """`.reap-<id>-<unix-ms>`: at most 86 bytes whatever the sandbox is called (well inside NAME_MAX)."""
-    if not _ID.match(id):
+    if not _ID.fullmatch(id):
         raise ValueError(f"tombstone id {id!r} must be 1-64 letters, digits or '-' (an object uid or a short hex)")
     return f"{TOMBSTONE_PREFIX}{id}-{max(_ms(now), 0)}"
 
 
 def parse_tombstone(name: str, root: Path | None = None) -> Tombstone | None:
     """The tombstone a root entry's name describes, or None when it is not a name this module writes."""
-    m = _TOMBSTONE.match(name)
+    m = _TOMBSTONE.fullmatch(name)
     if not m:
         return None
     try:
@@ -755,6 +756,11 @@ class Root:
         On any failure nothing is left in the root and the source is where it was (minus excluded files).
         """
         _check_names(namespace, name)
+        if not MIN_INSTANT <= created_at <= MAX_INSTANT:
+            raise ValueError(
+                f"createdAt {created_at.isoformat()} is out of range; sandkeep takes times from "
+                f"{MIN_INSTANT.year} to {MAX_INSTANT.year} (give the job's real start time)"
+            )
         now = now or datetime.now(UTC)
         src = Path(os.path.abspath(source))  # noqa: PTH100 (lexical: the last component is not resolved)
         self._check_source(src)
@@ -766,7 +772,7 @@ class Root:
                 "name": name,
                 "jobId": job_id,
                 "createdAt": _instant_ms(created_at),
-                "retainUntil": None if retention is None else _instant_ms(created_at + retention),
+                "retainUntil": None if retention is None else _instant_ms(shift(created_at, retention)),
                 "keepUntil": None,
                 "pinnedAt": None,
                 "node": node,

@@ -1,0 +1,219 @@
+"""Hostile workspaces and hostile input (issue 12): what an attacker or a typo can hand sandkeep.
+
+Each test generates its input (hypothesis) or builds the worst case by hand, and checks the three
+things that matter: nothing outside the root changed, memory stayed bounded (measured in a child
+process where it is memory that is at stake), and the component answered instead of crashing.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from controller_harness import Controller, condition, reasons_for, wait_for
+from diskkit import NOW, listing, make_job, outside_bait
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from localcluster import LocalCluster
+
+from controller import contracts as c
+from controller.durations import format_instant
+from controller.kube import Kube
+from controller.leases import agent_heartbeats, heartbeat_name, read_lease, renew_heartbeat
+from controller.models import (
+    LABEL_VALUE_MAX,
+    NAME_MAX,
+    Manifest,
+    bounded_name,
+    is_namespace_name,
+    is_object_name,
+    label_value,
+)
+from controller.store import Root, parse_tombstone
+
+pytest_plugins = ["diskkit"]
+H = timedelta(hours=1)
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+labels = st.from_regex(r"\A[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
+subdomains = st.lists(labels, min_size=1, max_size=8).map(".".join).filter(lambda n: len(n) <= NAME_MAX)
+
+
+def longest_name(seed: str = "s") -> str:
+    """A 253-character DNS-1123 subdomain, as long as Kubernetes allows an object or node name to be."""
+    part = (seed * 63)[:63]
+    return ".".join([part, part, part, part[:61]])
+
+
+def longest_namespace(seed: str = "n") -> str:
+    return (seed * 63)[:63]
+
+
+# --- item 7: names are whole-string matches ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["ns\n", "ns\r\n", "\nns", "ns\x00", "n\u0455", "ns ", "ns\n\n"])
+def test_a_name_with_a_newline_or_anything_else_after_it_is_refused(bad: str) -> None:
+    assert not is_namespace_name(bad) and not is_object_name(bad)
+
+
+@given(st.text(alphabet=string.ascii_lowercase + string.digits + "-.\n\r\t \x00", max_size=80))
+def test_name_checks_accept_exactly_the_dns1123_shapes(text: str) -> None:
+    assert is_namespace_name(text) == (len(text) <= 63 and "." not in text and bool(_SUBDOMAIN.fullmatch(text)))
+    assert is_object_name(text) == (len(text) <= NAME_MAX and bool(_SUBDOMAIN.fullmatch(text)))
+
+
+def test_retain_refuses_a_namespace_ending_in_a_newline_and_creates_nothing(tmp_path: Path) -> None:
+    # issue 12, item 7: `retain --namespace $'ns\n'` created `<root>/ns\n/`.
+    root = Root(tmp_path / "root")
+    job = make_job(tmp_path)
+    before = listing(root.path)
+    for ns, name in (("ns\n", "job"), ("ns", "job\n")):
+        with pytest.raises(ValueError, match="DNS-1123"):
+            root.retain(job, ns, name, job_id="j", created_at=NOW, retention=H, now=NOW)
+    assert listing(root.path) == before and (job / "README").read_text() == "hello\n"
+    with pytest.raises(ValueError, match="not a DNS-1123"):
+        Manifest.model_validate({"namespace": "ns\n", "name": "job"})
+
+
+def test_a_tombstone_name_with_a_trailing_newline_is_not_a_tombstone() -> None:
+    assert parse_tombstone(".reap-abc-1700000000000") is not None
+    assert parse_tombstone(".reap-abc-1700000000000\n") is None
+    assert parse_tombstone(".reap-abc-１700000000000") is None
+
+
+# --- item 4: out-of-range times are invalid input, never a crash ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "created_at",
+    [datetime(9999, 12, 31, 23, tzinfo=UTC), datetime(1, 1, 1, tzinfo=UTC), datetime.max.replace(tzinfo=UTC)],
+)
+def test_retain_refuses_a_created_at_out_of_range_and_the_root_stays_listable(tmp_path: Path, created_at) -> None:
+    # issue 12, item 4: this retain succeeded, and then every `sandkeep ls` of the root died on it.
+    root = Root(tmp_path / "root")
+    job = make_job(tmp_path)
+    with pytest.raises(ValueError, match="out of range"):
+        root.retain(job, "ns", "far", job_id="j", created_at=created_at, retention=H, now=NOW)
+    assert not (root.path / "ns" / "far").exists() and (job / "README").exists()
+    assert root.scan().sandboxes == []
+
+
+def test_a_manifest_with_out_of_range_times_reads_as_expired_not_as_a_crash(tmp_path: Path) -> None:
+    from controller.policy import Policy, deadline
+
+    body = {
+        "namespace": "ns",
+        "name": "x",
+        "createdAt": "9999-12-31T23:00:00Z",
+        "keepUntil": "0001-01-01T00:00:00+01:00",
+    }
+    verdict = deadline(Manifest.model_validate(body).facts(), Policy(72 * H, 30 * 24 * H), NOW)
+    assert verdict.expired and c.Reason.INVALID_PIN in verdict.reasons and c.Reason.NO_CREATED_AT in verdict.reasons
+
+
+# --- item 11: every valid Kubernetes name works ----------------------------------------------------------------
+
+
+@settings(max_examples=300)
+@given(subdomains)
+def test_a_label_value_made_from_any_name_is_a_valid_bounded_label_value(name: str) -> None:
+    value = label_value(name)
+    assert len(value) <= LABEL_VALUE_MAX and _LABEL_VALUE.fullmatch(value)
+    assert value == label_value(name), "stable: the same name always gives the same value"
+    if len(name) <= LABEL_VALUE_MAX:
+        assert value == name, "a name that is already a label value is kept as it is"
+
+
+@settings(max_examples=300)
+@given(subdomains, subdomains)
+def test_two_names_never_share_a_label_value_or_a_heartbeat_name(a: str, b: str) -> None:
+    if a != b:
+        assert label_value(a) != label_value(b)
+        assert heartbeat_name(a) != heartbeat_name(b)
+    for name in (a, b):
+        lease = bounded_name(c.AGENT_LEASE_PREFIX, name)
+        assert len(lease) <= NAME_MAX and _SUBDOMAIN.fullmatch(lease)
+
+
+def test_the_longest_node_name_has_a_heartbeat_the_api_server_accepts(kube: Kube, namespace: str) -> None:
+    node = longest_name("h")
+    renew_heartbeat(kube, namespace, node, "agent-1")
+    renew_heartbeat(kube, namespace, node, "agent-1")  # the renewal (a PUT) too
+    lease = read_lease(kube, namespace, heartbeat_name(node))
+    assert lease is not None and lease.holder == "agent-1"
+    labels = lease.raw["metadata"]["labels"]
+    assert labels[c.LABEL_NODE] == label_value(node) and len(labels[c.LABEL_NODE]) <= LABEL_VALUE_MAX
+    renew_heartbeat(kube, namespace, "node-b", "agent-2")
+    beats = agent_heartbeats(kube, namespace)
+    assert set(beats) == {node, "node-b"}, "the hashed name maps back to the full node name"
+
+
+def test_a_forged_node_annotation_on_a_heartbeat_is_not_believed(kube: Kube, namespace: str) -> None:
+    renew_heartbeat(kube, namespace, "node-b", "agent-2")
+    lease = read_lease(kube, namespace, heartbeat_name("node-b"))
+    assert lease is not None
+    body = dict(lease.raw)
+    body["metadata"] = dict(body["metadata"]) | {"annotations": {c.LABEL_NODE: "node-c"}}
+    kube.request(
+        "PUT", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{heartbeat_name('node-b')}", body=body
+    )
+    assert set(agent_heartbeats(kube, namespace)) == set()
+
+
+@pytest.fixture
+def long_namespace(cluster: LocalCluster) -> Any:
+    name = longest_namespace(f"n{datetime.now(UTC).microsecond % 10}")
+    cluster.kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=true", check=False)
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+def test_the_longest_names_are_kept_pinned_and_deleted_on_the_real_api_server(
+    kube: Kube, cluster: LocalCluster, long_namespace: str, tmp_path: Path
+) -> None:
+    # A 253-char sandbox in a 63-char namespace on a 253-char node: every write sandkeep makes about it
+    # (status, Events, the pin's annotations, the label, the DELETE) is accepted by a real API server.
+    name, node = longest_name("s"), longest_name("o")
+    ctl = Controller(cluster, long_namespace, tmp_path / "controller.log", "--retention=1h")
+    try:
+        ctl.wait_leader()
+        body = {
+            "metadata": {"name": name, "labels": {c.LABEL_NODE: label_value(node), c.LABEL_MANAGED_BY: c.MANAGED_BY}},
+            "spec": {"nodeName": node, "createdAt": format_instant(datetime.now(UTC) - 2 * H)},
+        }
+        kube.create_sandbox(long_namespace, body)
+        wait_for("Expired then deleted", lambda: kube.get_sandbox(long_namespace, name) is None, timeout=30)
+        kube.create_sandbox(
+            long_namespace, body | {"spec": body["spec"] | {"createdAt": format_instant(datetime.now(UTC))}}
+        )
+        cluster.kubectl("annotate", c.SANDBOX_SHORT, name, "-n", long_namespace, f"{c.ANN_PIN_FOR}=72h")
+        wait_for(
+            "Pinned",
+            lambda: ((kube.get_sandbox(long_namespace, name) or {}).get("status") or {}).get("phase") == c.Phase.PINNED,
+        )
+        wait_for("a Pinned event", lambda: c.Reason.PINNED in reasons_for(kube, long_namespace, name))
+        assert condition(kube.get_sandbox(long_namespace, name), "Pinned")["reason"] == c.Reason.PINNED  # type: ignore[index]
+        cluster.kubectl("delete", c.SANDBOX_SHORT, name, "-n", long_namespace)
+        assert kube.get_sandbox(long_namespace, name) is None
+        assert "Unprocessable" not in ctl.log() and "422" not in ctl.log()
+    finally:
+        ctl.stop()
+
+
+def test_a_root_holds_the_longest_names(tmp_path: Path) -> None:
+    bait_file, bait_dir = outside_bait(tmp_path)
+    root = Root(tmp_path / "root")
+    ns, name = longest_namespace(), longest_name()
+    job = make_job(tmp_path)
+    root.retain(job, ns, name, job_id="j", created_at=NOW, retention=H, now=NOW)
+    assert [(e.namespace, e.name) for e in root.scan().sandboxes] == [(ns, name)]
+    t = root.tombstone(ns, name, id="u1", now=NOW)
+    assert root.delete_tombstone(t).ok
+    assert bait_file.read_text() == "must survive too\n" and (bait_dir / "keep.txt").exists()
