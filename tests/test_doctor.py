@@ -6,13 +6,14 @@ import errno
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from controller_harness import install_crds
-from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
+from localcluster import LocalCluster
+from own_cluster import own_cluster
 
 from controller import contracts as c
 from controller import kube, leases
@@ -45,12 +46,13 @@ def _create(client: Kube, namespace: str, name: str, node: str, **meta: Any) -> 
     return client.create_sandbox(namespace, body)
 
 
+def _run_doctor(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "controller.cli", "doctor", "--kubeconfig", str(cluster.kubeconfig), *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
 def _doctor(cluster: Any, namespace: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "controller.cli", "doctor", "--kubeconfig", str(cluster.kubeconfig),
-         "--namespace", namespace, "--sandbox-namespace", namespace, *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    return _run_doctor(cluster, "--namespace", namespace, "--sandbox-namespace", namespace, *extra)
 
 
 def test_doctor_names_stuck_held_lapsing_stale_and_orphans_and_exits_non_zero(cluster, namespace, crd, client):
@@ -163,23 +165,9 @@ def test_with_no_live_lease_the_most_recently_renewed_namespace_is_the_install()
 
 
 @pytest.fixture(scope="module")
-def empty_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A control plane of its own: the shared one holds other tests' Leases in many namespaces, and
-    finding the install is a question about the whole cluster."""
-    local = LocalCluster(tmp_path_factory.mktemp("doctor-cluster"), tools_bin(CLUSTER_TOOLS))
-    local.start()
-    try:
-        install_crds(local)
-        yield local
-    finally:
-        local.stop()
-
-
-def _doctor_found(cluster: Any, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "controller.cli", "doctor", "--kubeconfig", str(cluster.kubeconfig), *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+def empty_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Finding the install is a question about the whole cluster, so it gets a cluster of its own."""
+    yield from own_cluster(tmp_path_factory.mktemp("doctor-cluster"))
 
 
 def test_doctor_finds_an_install_in_namespace_sandkeep_and_names_leftovers_in_sandkeep_system(empty_cluster):
@@ -196,7 +184,7 @@ def test_doctor_finds_an_install_in_namespace_sandkeep_and_names_leftovers_in_sa
     old["spec"]["renewTime"] = kube.micro_time(datetime.now(UTC) - timedelta(days=2))
     client.request("PUT", leases.lease_path("sandkeep-system", leases.heartbeat_name("node-1")), body=old)
 
-    found = _doctor_found(empty_cluster)
+    found = _run_doctor(empty_cluster)
 
     assert found.returncode == 0, found.stdout + found.stderr
     assert "Agents not reporting: none" in found.stdout
@@ -204,14 +192,14 @@ def test_doctor_finds_an_install_in_namespace_sandkeep_and_names_leftovers_in_sa
     assert "Expired sandkeep Leases also in namespace sandkeep-system" in found.stdout
 
     # The flag still wins: told to read the old namespace, doctor reads it and finds node-1 silent there.
-    told = _doctor_found(empty_cluster, "--namespace", "sandkeep-system")
+    told = _run_doctor(empty_cluster, "--namespace", "sandkeep-system")
     assert told.returncode == 1, told.stdout + told.stderr
     assert "node-1" in told.stdout.split("Agents not reporting")[1].split("\n\n")[0]
     assert "namespace sandkeep-system (--namespace)" in told.stdout
 
     # A second live install: doctor will not guess which one is meant.
     leases.renew_heartbeat(client, "other", "node-2", "agent-2")
-    ambiguous = _doctor_found(empty_cluster)
+    ambiguous = _run_doctor(empty_cluster)
     assert ambiguous.returncode == 2
     assert "namespaces other, sandkeep all hold live sandkeep Leases" in ambiguous.stderr
     assert "--namespace" in ambiguous.stderr
