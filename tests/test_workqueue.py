@@ -1,0 +1,137 @@
+"""The work queue's verbs on a real event loop: dedupe, priorities, add_after, backoff, forget, drop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from controller.workqueue import WorkQueue
+
+T = TypeVar("T")
+
+
+def run(body: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(body())  # type: ignore[arg-type]
+
+
+async def drain(q: WorkQueue[str]) -> list[str]:
+    """Every key ready right now, in order, each marked done."""
+    out = []
+    while True:
+        try:
+            key = await asyncio.wait_for(q.get(), 0.01)
+        except TimeoutError:
+            return out
+        out.append(key)
+        q.done(key)
+
+
+def test_a_key_added_many_times_is_processed_once() -> None:
+    async def body() -> list[str]:
+        q: WorkQueue[str] = WorkQueue()
+        for key in ("a", "b", "a", "a", "b"):
+            q.add(key)
+        return await drain(q)
+
+    assert run(body) == ["a", "b"]
+
+
+def test_priority_zero_goes_before_queued_watch_work() -> None:
+    async def body() -> list[str]:
+        q: WorkQueue[str] = WorkQueue()
+        for i in range(5):
+            q.add(f"status-{i}")
+        q.add("due", priority=0)
+        q.add("status-3", priority=0)  # raised: moves ahead, runs once
+        return await drain(q)
+
+    assert run(body) == ["due", "status-3", "status-0", "status-1", "status-2", "status-4"]
+
+
+def test_a_key_added_while_being_processed_runs_again_after_done_never_twice_at_once() -> None:
+    async def body() -> list[str]:
+        q: WorkQueue[str] = WorkQueue()
+        q.add("a")
+        first = await q.get()
+        q.add("a")  # an event arrives mid-reconcile
+        assert await drain(q) == []  # not handed out while active
+        q.done(first)
+        return await drain(q)
+
+    assert run(body) == ["a"]
+
+
+def test_add_after_waits_and_the_earliest_request_wins() -> None:
+    async def body() -> tuple[list[str], list[str], float]:
+        q: WorkQueue[str] = WorkQueue()
+        started = time.monotonic()
+        q.add_after("late", 0.3)
+        q.add_after("soon", 0.5)
+        q.add_after("soon", 0.1)  # earlier: wins
+        q.add_after("soon", 0.4)  # later than pending: ignored
+        early = await drain(q)
+        key = await q.get()
+        q.done(key)
+        got = [key, await q.get()]
+        return early, got, time.monotonic() - started
+
+    early, got, took = run(body)
+    assert early == []
+    assert got == ["soon", "late"]
+    assert 0.3 <= took < 0.45  # "late" came at 0.3 s; the superseded 0.5 s request never fired
+
+
+def test_backoff_doubles_per_failure_is_capped_and_forget_resets_it() -> None:
+    async def body() -> tuple[list[float], float, int]:
+        q: WorkQueue[str] = WorkQueue(base_delay=0.01, max_delay=0.05)
+        delays = [q.add_rate_limited("k") for _ in range(5)]
+        assert q.num_requeues("k") == 5
+        q.forget("k")
+        return delays, q.add_rate_limited("k"), q.num_requeues("k")
+
+    delays, after_forget, requeues = run(body)
+    assert delays == [0.01, 0.02, 0.04, 0.05, 0.05]
+    assert after_forget == 0.01 and requeues == 1
+
+
+def test_a_rate_limited_key_comes_back_after_its_delay() -> None:
+    async def body() -> tuple[str, float]:
+        q: WorkQueue[str] = WorkQueue(base_delay=0.1)
+        started = time.monotonic()
+        q.add_rate_limited("k")
+        key = await q.get()
+        return key, time.monotonic() - started
+
+    key, took = run(body)
+    assert key == "k" and 0.09 <= took < 0.3
+
+
+def test_drop_cancels_a_pending_add_after() -> None:
+    async def body() -> tuple[list[str], int]:
+        q: WorkQueue[str] = WorkQueue()
+        q.add_after("gone", 0.05)
+        q.add_after("kept", 0.05)
+        q.drop("gone")
+        await asyncio.sleep(0.1)
+        return await drain(q), q.waiting()
+
+    assert run(body) == (["kept"], 0)
+
+
+def test_the_queue_is_busy_only_while_keys_are_queued_or_processed() -> None:
+    async def body() -> list[bool]:
+        q: WorkQueue[str] = WorkQueue()
+        states = [q.busy()]
+        q.add_after("later", 10)
+        states.append(q.busy())
+        q.add("now")
+        states.append(q.busy())
+        key = await q.get()
+        states.append(q.busy())
+        q.done(key)
+        states.append(q.busy())
+        return states
+
+    assert run(body) == [False, False, True, True, False]
