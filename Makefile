@@ -11,7 +11,7 @@ TOOLS_BIN := $(SANDKEEP_TOOLS_DIR)/bin
 export PATH := $(CURDIR)/$(VENV)/bin:$(TOOLS_BIN):$(PATH)
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv tools lint types test test-fast demo cluster bench clean
+.PHONY: all venv tools lint types test test-fast demo cluster bench clean image
 
 all: test
 
@@ -26,6 +26,11 @@ venv: $(STAMP)
 ## Build kube-apiserver, kube-controller-manager, kubectl, etcd, helm and promtool from pinned Go modules (cached; instant when built).
 tools:
 	bash hack/tools/build.sh >/dev/null
+
+## Build the sandkeep image from the Dockerfile with buildah (no Docker, no registry; cached by a hash of its inputs)
+## into a docker archive for `ctr -n k8s.io images import`; prints the archive's path and the image reference.
+image:
+	bash hack/image.sh
 
 lint: venv
 	$(VENV)/bin/ruff check controller tests hack
