@@ -2,7 +2,8 @@
 
 The rule is the oldest (creationTimestamp, then name): adding a policy never silently changes what a
 namespace already runs under. Every other policy gets `Active=False` with reason `Superseded`, naming
-the one that applies, so `kubectl get sbp` shows the conflict instead of hiding it. Pure: no I/O.
+the one that applies, so `kubectl get sbp` shows the conflict instead of hiding it. The rule and the
+statuses are pure; `write_statuses` is the thin adapter the controller's leader calls.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from datetime import datetime
 
 from controller import contracts as c
 from controller import kube
-from controller.kube import Obj
+from controller.kube import CONTROLLER_MANAGER, Kube, Obj, policy_path
 
 
 def _age_key(name: str, obj: Obj) -> tuple[str, str]:
@@ -65,3 +66,37 @@ def policy_statuses(namespace: str, policies: Mapping[str, Obj], now: datetime |
             status["observedGeneration"] = generation
         result[name] = status
     return result
+
+
+def _unchanged(current: Obj, desired: Obj) -> bool:
+    have = {cd.get("type"): cd for cd in current.get("conditions") or []}
+    return current.get("observedGeneration") == desired.get("observedGeneration") and all(
+        kube.same_condition(have.get(cd["type"]), cd) for cd in desired["conditions"]
+    )
+
+
+def write_statuses(client: Kube, namespace: str, policies: Mapping[str, Obj]) -> list[str]:
+    """Apply each policy's status as the controller (server-side apply, its own field manager); only the
+    ones that would change are written, so a steady namespace costs no writes. Returns the names written.
+
+    A policy deleted meanwhile (404) is skipped: its namespace is recomputed on the DELETED event.
+    """
+    written = []
+    for name, status in policy_statuses(namespace, policies).items():
+        if _unchanged(policies[name].get("status") or {}, status):
+            continue
+        body = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": {"name": name, "namespace": namespace}}
+        try:
+            client.request(
+                "PATCH",
+                policy_path(namespace, name) + "/status",
+                body=body | {"status": status},
+                query={"fieldManager": CONTROLLER_MANAGER, "force": "true"},
+                content_type="application/apply-patch+yaml",
+            )
+        except kube.KubeError as err:
+            if err.not_found:
+                continue
+            raise
+        written.append(name)
+    return written

@@ -18,7 +18,6 @@ from controller_harness import CRDS, install_crds, instant
 from localcluster import KubectlError, LocalCluster
 
 from controller import contracts as c
-from controller.policyset import policy_statuses
 from controller.sizes import human_size
 
 
@@ -247,25 +246,6 @@ def test_kubectl_get_shows_the_size_for_people_and_the_bytes_when_wide(crds: Loc
     assert narrow["SIZE"] == "1.5G" and "BYTES" not in narrow
     [wide] = _rows(crds.kubectl("get", c.SANDBOX_SHORT, "big", "-n", namespace, "-o", "wide").stdout)
     assert (wide["SIZE"], wide["BYTES"], wide["FILES"]) == ("1.5G", str(size), "12")
-
-
-def test_the_oldest_policy_is_active_and_a_newer_one_is_superseded_on_the_server(
-    crds: LocalCluster, namespace: str
-) -> None:
-    # The older policy sorts last by name, so the test tells "oldest applies" from "first by name applies".
-    create(crds, namespace, {"metadata": {"name": "zz-team"}, "spec": {"retention": "3d"}}, c.POLICY_KIND)
-    time.sleep(1.1)  # creationTimestamp has one-second resolution
-    create(crds, namespace, {"metadata": {"name": "aa-late"}, "spec": {"retention": "1h"}}, c.POLICY_KIND)
-    policies = {p["metadata"]["name"]: p for p in crds.kubectl_json("get", c.POLICY_SHORT, "-n", namespace)["items"]}
-    status_patch = ["patch", c.POLICY_SHORT, "-n", namespace, "--subresource=status", "--type=merge", "-p"]
-    for name, status in policy_statuses(namespace, policies).items():  # what the controller applies
-        crds.kubectl(*status_patch[:2], name, *status_patch[2:], json.dumps({"status": status}))
-    rows = _rows(crds.kubectl("get", c.POLICY_SHORT, "-n", namespace).stdout)
-    assert list(rows[0]) == ["NAME", "RETENTION", "MAXPIN", "DRYRUN", "ACTIVE", "AGE"]
-    assert {row["NAME"]: row["ACTIVE"] for row in rows} == {"zz-team": "True", "aa-late": "False"}
-    late = crds.kubectl_json("get", c.POLICY_SHORT, "aa-late", "-n", namespace)["status"]["conditions"]
-    assert [(k["type"], k["reason"]) for k in late] == [("Active", c.Reason.SUPERSEDED)]
-    assert f"SandboxPolicy {namespace}/zz-team applies instead" in late[0]["message"]
 
 
 def test_a_policy_status_outside_the_schema_is_refused(crds: LocalCluster, namespace: str) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 from controller import contracts as c
-from controller.policyset import in_force, policy_statuses
+from controller.kube import CONTROLLER_MANAGER, Kube
+from controller.policyset import in_force, policy_statuses, write_statuses
 
 NOW = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 
@@ -64,3 +67,55 @@ def test_an_unchanged_condition_keeps_its_transition_time_so_reapplying_is_a_no_
         NOW,
     )
     assert demoted["p"]["conditions"][0]["lastTransitionTime"] != then
+
+
+# --- against the real API server ---------------------------------------------------------------------------
+def _policies(client: Kube, namespace: str) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p for p in client.list_policies(namespace)}
+
+
+def test_the_controller_marks_the_oldest_active_and_a_newer_one_superseded_with_no_write_when_steady(
+    kube: Kube, kubectl: Any, namespace: str
+) -> None:
+    # The older policy sorts last by name, so the test tells "oldest applies" from "first by name applies".
+    kubectl("create", "-f", "-", input=_policy_manifest(namespace, "zz-team", "3d"))
+    time.sleep(1.1)  # creationTimestamp has one-second resolution
+    kubectl("create", "-f", "-", input=_policy_manifest(namespace, "aa-late", "1h"))
+
+    assert sorted(write_statuses(kube, namespace, _policies(kube, namespace))) == ["aa-late", "zz-team"]
+
+    header, *rows = kubectl("get", c.POLICY_SHORT, "-n", namespace).stdout.splitlines()
+    active_at = header.index("ACTIVE")
+    assert {row.split()[0]: row[active_at:].split()[0] for row in rows} == {"zz-team": "True", "aa-late": "False"}
+    late = _policies(kube, namespace)["aa-late"]
+    [cond] = late["status"]["conditions"]
+    assert (cond["reason"], cond["observedGeneration"]) == (c.Reason.SUPERSEDED, 1)
+    assert f"SandboxPolicy {namespace}/zz-team applies instead" in cond["message"]
+    managers = {(f["manager"], f.get("subresource")) for f in late["metadata"]["managedFields"]}
+    assert (CONTROLLER_MANAGER, "status") in managers
+
+    before = {n: p["metadata"]["resourceVersion"] for n, p in _policies(kube, namespace).items()}
+    assert write_statuses(kube, namespace, _policies(kube, namespace)) == []  # steady: nothing written
+    assert {n: p["metadata"]["resourceVersion"] for n, p in _policies(kube, namespace).items()} == before
+
+    kubectl("delete", c.POLICY_SHORT, "zz-team", "-n", namespace)
+    assert write_statuses(kube, namespace, _policies(kube, namespace)) == ["aa-late"]
+    [cond] = _policies(kube, namespace)["aa-late"]["status"]["conditions"]
+    assert (cond["status"], cond["reason"]) == ("True", c.Reason.IN_FORCE)
+
+
+def test_a_policy_deleted_before_its_status_is_written_is_skipped(kube: Kube, kubectl: Any, namespace: str) -> None:
+    kubectl("create", "-f", "-", input=_policy_manifest(namespace, "gone", "3d"))
+    seen = _policies(kube, namespace)
+    kubectl("delete", c.POLICY_SHORT, "gone", "-n", namespace)
+    assert write_statuses(kube, namespace, seen) == []
+
+
+def _policy_manifest(namespace: str, name: str, retention: str) -> str:
+    body = {
+        "apiVersion": c.API_VERSION,
+        "kind": c.POLICY_KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"retention": retention},
+    }
+    return json.dumps(body)
