@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -100,15 +101,50 @@ def _new_lease(metadata: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
 
 
+@dataclass
+class Observed:
+    """What this replica last saw of a Lease, and when by its OWN monotonic clock: client-go's observedTime.
+
+    Another replica's `renewTime` is only ever compared with itself (has it changed?), never with our
+    wall clock: with clocks minutes apart, judging expiry by `renewTime + duration <= now` made one
+    replica steal a live Lease (two acting leaders) or never take over a dead one.
+    """
+
+    record: tuple[Any, ...] | None = None
+    at: float = 0.0
+
+    def see(self, lease: LeaseState, now: float) -> None:
+        spec = lease.raw.get("spec") or {}
+        keys = ("holderIdentity", "renewTime", "acquireTime", "leaseTransitions")
+        record = (*(spec.get(k) for k in keys), lease.duration)
+        if record != self.record:
+            self.record, self.at = record, now
+
+    def expired(self, lease: LeaseState, now: float) -> bool:
+        """Free to take: nobody holds it, or it has not changed for a whole duration as we count time."""
+        return not lease.holder or self.at + lease.duration.total_seconds() <= now
+
+
 def try_acquire_or_renew(
-    kube: Kube, namespace: str, name: str, identity: str, duration_s: int = LEASE_DURATION
+    kube: Kube,
+    namespace: str,
+    name: str,
+    identity: str,
+    duration_s: int = LEASE_DURATION,
+    *,
+    observed: Observed | None = None,
+    wall: Callable[[], datetime] = now_utc,
+    clock: Callable[[], float] = time.monotonic,
 ) -> bool:
     """One round of leader election: True when `identity` holds the Lease afterwards.
 
-    Acquire when the Lease is absent, free or expired; renew when we hold it. Any write races with the
-    other replicas: a 409 means someone else won this round, which is an answer (False), not an error.
+    Acquire when the Lease is absent, free, or unchanged for a whole duration since this replica first
+    saw it so (`observed`, kept across rounds; a fresh one never takes a held Lease); renew when we hold
+    it. `wall` only stamps what we write, for people reading the Lease. Any write races with the other
+    replicas: a 409 means someone else won this round, which is an answer (False), not an error.
     """
-    now = now_utc()
+    now = wall()
+    observed = observed if observed is not None else Observed()
     current = read_lease(kube, namespace, name)
     spec = _held_by(identity, duration_s, now)
     try:
@@ -116,7 +152,8 @@ def try_acquire_or_renew(
             spec |= {"acquireTime": micro_time(now), "leaseTransitions": 0}
             kube.request("POST", lease_path(namespace), body=_new_lease({"name": name}, spec))
             return True
-        if current.holder != identity and not current.expired(now):
+        observed.see(current, clock())
+        if current.holder != identity and not observed.expired(current, clock()):
             return False
         if current.holder == identity:
             spec |= {
@@ -166,8 +203,11 @@ class LeaderElector:
         duration_s: int = LEASE_DURATION,
         retry_period: float = RETRY_PERIOD,
         on_change: Callable[[bool], Awaitable[None]] | None = None,
+        wall: Callable[[], datetime] = now_utc,
     ) -> None:
         self.kube = kube
+        self.wall = wall  # stamps renewTime only; expiry is judged by `self.observed` on our monotonic clock
+        self.observed = Observed()
         self.namespace = namespace
         self.name = name
         self.identity = identity or default_identity()
@@ -190,7 +230,14 @@ class LeaderElector:
             while True:
                 try:
                     won = await asyncio.to_thread(
-                        try_acquire_or_renew, self.kube, self.namespace, self.name, self.identity, self.duration_s
+                        try_acquire_or_renew,
+                        self.kube,
+                        self.namespace,
+                        self.name,
+                        self.identity,
+                        self.duration_s,
+                        observed=self.observed,
+                        wall=self.wall,
                     )
                 except KubeError as err:
                     logs.say(log, "lease_renew_failed", level=logging.WARNING, lease=self.name, error=str(err)[:300])

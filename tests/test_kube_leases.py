@@ -6,9 +6,11 @@ guarded patches and deletes, Lease election races (exactly one winner) and the a
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from controller_harness import sandbox, wait_for
@@ -17,6 +19,8 @@ from controller import contracts as c
 from controller.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, KubeError, now_utc
 from controller.kube import condition as make_condition
 from controller.leases import (
+    LeaderElector,
+    Observed,
     agent_heartbeats,
     agent_stale,
     read_lease,
@@ -117,9 +121,11 @@ def test_two_candidates_racing_for_the_lease_never_both_win(kube: Kube, namespac
 
 def test_an_expired_lease_is_taken_over_and_a_released_one_at_once(kube: Kube, namespace: str) -> None:
     assert try_acquire_or_renew(kube, namespace, "lead", "a", 1)
-    assert not try_acquire_or_renew(kube, namespace, "lead", "b", 1)
+    seen_by_b = Observed()
+    assert not try_acquire_or_renew(kube, namespace, "lead", "b", 1, observed=seen_by_b)
     time.sleep(1.2)
-    assert try_acquire_or_renew(kube, namespace, "lead", "b", 15)
+    assert not try_acquire_or_renew(kube, namespace, "lead", "c", 1), "one who never saw it change cannot judge it"
+    assert try_acquire_or_renew(kube, namespace, "lead", "b", 15, observed=seen_by_b)
     lease = read_lease(kube, namespace, "lead")
     assert lease is not None and lease.holder == "b" and lease.transitions == 1
     release(kube, namespace, "lead", "b")
@@ -135,3 +141,55 @@ def test_agent_heartbeat_is_renewed_and_goes_stale(kube: Kube, namespace: str) -
     assert second.renew_time and first.renew_time and second.renew_time > first.renew_time
     wait_for("the heartbeat to go stale", lambda: agent_stale(agent_heartbeats(kube, namespace)["node-x"], now_utc()))
     assert agent_stale(agent_heartbeats(kube, namespace).get("node-y"), now_utc())
+
+
+class _Down:
+    """An API server this replica can no longer reach: it stops renewing without releasing (a crash)."""
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        raise KubeError(503, "unreachable (test)", "GET")
+
+
+def test_replicas_whose_wall_clocks_differ_by_minutes_have_one_acting_leader(kube: Kube, namespace: str) -> None:
+    # issue 12, item 12: expiry judged by renewTime vs our own wall clock let a replica whose clock runs
+    # ahead steal a live Lease (two acting leaders), and one whose clock runs behind never take over.
+    skews = {"behind": -timedelta(minutes=7), "ahead": timedelta(minutes=5), "late": -timedelta(minutes=12)}
+    duration, retry = 2, 0.2
+
+    async def scenario() -> list[str]:
+        electors = {
+            who: LeaderElector(kube, namespace, "skewed", who, duration, retry, wall=lambda s=skew: now_utc() + s)
+            for who, skew in skews.items()
+        }
+        tasks: dict[str, asyncio.Task[None]] = {}
+        leaders_seen: list[str] = []
+
+        async def watch(seconds: float, alive: set[str]) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                acting = [w for w in alive if electors[w].is_leader]
+                assert len(acting) <= 1, f"two acting leaders: {acting}"
+                if acting and (not leaders_seen or leaders_seen[-1] != acting[0]):
+                    leaders_seen.append(acting[0])
+                await asyncio.sleep(0.02)
+
+        try:
+            tasks["behind"] = asyncio.create_task(electors["behind"].run())
+            await watch(1.0, {"behind"})
+            tasks["ahead"] = asyncio.create_task(electors["ahead"].run())
+            await watch(3 * duration, {"behind", "ahead"})  # "ahead" sees "behind" renew and never steals
+            electors["behind"].kube = _Down()  # type: ignore[assignment]
+            await watch(3 * duration, {"behind", "ahead"})  # "ahead" takes over once it stops changing
+            tasks["late"] = asyncio.create_task(electors["late"].run())
+            await watch(3 * duration, {"ahead", "late"})  # "late" sees renewTimes in its future, never steals
+            electors["ahead"].kube = _Down()  # type: ignore[assignment]
+            await watch(3 * duration, {"ahead", "late"})  # ...and still takes over a dead leader in time
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+        return leaders_seen
+
+    assert asyncio.run(scenario()) == ["behind", "ahead", "late"]
+    lease = read_lease(kube, namespace, "skewed")
+    assert lease is not None and lease.transitions == 2, "exactly the two take-overs of a dead leader"
