@@ -4,6 +4,7 @@
 # charts/sandkeep/templates/agent-daemonset.yaml).
 #
 #   docker build -t sandkeep:dev .
+#   make image     # the same file with buildah, with no Docker engine and no registry (docs/image.md)
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
