@@ -158,11 +158,14 @@ main() {
 
 	pipconf=$(mktemp)
 	trap 'rm -f "$pipconf"' EXIT
-	local mounts=()
+	# pip inside the build uses the host's CA bundle and, if the host sets one, its package index (a mirror).
+	local mounts=(-v "$pipconf:/etc/pip.conf:ro")
+	printf '[global]\n' >"$pipconf"
 	if [[ -s $ca_bundle ]]; then
-		printf '[global]\ncert = /etc/ssl/host-ca.crt\n' >"$pipconf"
-		mounts=(-v "$ca_bundle:/etc/ssl/host-ca.crt:ro" -v "$pipconf:/etc/pip.conf:ro")
+		printf 'cert = /etc/ssl/host-ca.crt\n' >>"$pipconf"
+		mounts+=(-v "$ca_bundle:/etc/ssl/host-ca.crt:ro")
 	fi
+	[[ -z ${PIP_INDEX_URL:-} ]] || printf 'index-url = %s\n' "$PIP_INDEX_URL" >>"$pipconf"
 	log "buildah bud $ref (from $base_ref)"
 	local start=$SECONDS
 	if ! bh bud --isolation chroot --pull-never --build-arg "PYTHON_IMAGE=$base_ref" "${mounts[@]}" \
