@@ -63,6 +63,7 @@ from controller.reaper import (
     Target,
 )
 from controller.store import Mismatch, Present, Root, RootRefused, Tombstone, Transient
+from controller.workqueue import WorkQueue
 
 log = logging.getLogger("sandkeep.agent")
 
@@ -72,7 +73,6 @@ OWNED_FIELDS = ("sizeBytes", "fileCount", "inUse", "heldBy", "tombstone")
 ORPHANS_ANNOTATION = c.ANN_ORPHAN_TOMBSTONES
 HEARTBEAT_EVERY = 15.0  # seconds between heartbeat renewals (the Lease says 60 s)
 PARALLEL = 8  # API requests in flight at once during a pass
-RETRY_HELD = 5.0  # seconds before a held or failed deletion is tried again (besides every pass)
 
 # Test seams: make the agent SIGKILL itself right after the rename, or N seconds into a tombstone delete.
 SEAM_KILL_AFTER_RENAME = "SANDKEEP_TEST_KILL_AFTER_RENAME"
@@ -356,13 +356,12 @@ class Agent:
         self.m = agent_metrics
         self.kill = kill
         self.state = AgentState()
-        self.queue: asyncio.Queue[Key] = asyncio.Queue()
+        self.queue: WorkQueue[Key] = WorkQueue()  # a held or failed key comes back with per-key backoff
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sizer = Sizer(root, self._size_changed)
         self.identity = leases.default_identity()
         self.ignore = {os.getpid(), *settings.ignore_pids}
         self.last_orphans_published: str | None = None
-        self.retrying: set[Key] = set()
         self.stopping = asyncio.Event()
         self.started = time.monotonic()
         self.last_pass: float | None = None
@@ -388,7 +387,7 @@ class Agent:
 
     def _size_changed(self, key: Key) -> None:
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, key)
+            self.loop.call_soon_threadsafe(self.queue.add, key)
 
     def _deliver(self, kind: str, payload: Any) -> None:
         assert self.loop is not None
@@ -399,7 +398,7 @@ class Agent:
             self.state.objects = {_key(o): _slim(o) for o in payload if self._mine(o)}
             self.state.synced = True
             for key in self.state.objects:
-                self.queue.put_nowait(key)
+                self.queue.add(key)
             return
         obj: Obj = payload
         if not self._mine(obj):
@@ -407,9 +406,10 @@ class Agent:
         key = _key(obj)
         if kind == "DELETED":
             self.state.objects.pop(key, None)
+            self.queue.drop(key)
             return
         self._remember(obj)
-        self.queue.put_nowait(key)
+        self.queue.add(key)
 
     def _remember(self, obj: Obj) -> None:
         """Keep the newest version of an object (a watch event can arrive after our own write's answer)."""
@@ -425,18 +425,10 @@ class Agent:
     def _mine(self, obj: Obj) -> bool:
         return (obj.get("spec") or {}).get("nodeName") == self.s.node
 
-    def _later(self, key: Key, delay: float = RETRY_HELD) -> None:
-        """Process `key` again after `delay`; one pending retry per object, however often it is asked for."""
-        assert self.loop is not None
-        if key in self.retrying:
-            return
-        self.retrying.add(key)
-
-        def fire() -> None:
-            self.retrying.discard(key)
-            self.queue.put_nowait(key)
-
-        self.loop.call_later(delay, fire)
+    def _later(self, key: Key) -> float:
+        """Process `key` again after its backoff (doubling while it stays held or failing; every pass
+        processes it too); one pending retry per object, however often it is asked for."""
+        return self.queue.add_rate_limited(key)
 
     def _say_limited(self, subject: str, event: str, level: int = logging.WARNING, **kv: Any) -> None:
         """Log `event` about `subject` when first seen and then at most once per relog period; a subject
@@ -452,7 +444,7 @@ class Agent:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def _event(self, obj: Obj, reason: Reason, message: str, type_: str = "Normal") -> None:
-        """Post an Event once per (object, reason, message): a retry every few seconds is not news."""
+        """Post an Event once per (object, reason, message): a retry is not news."""
         uid = obj["metadata"].get("uid", "")
         if self.state.events.get((uid, str(reason))) == message:
             return
@@ -507,7 +499,10 @@ class Agent:
                 key = await asyncio.wait_for(self.queue.get(), timeout=min(left, 0.5))
             except TimeoutError:
                 continue
-            await self._process_logged(key)
+            try:
+                await self._process_logged(key)
+            finally:
+                self.queue.done(key)
 
     # --- one pass --------------------------------------------------------------------------------------
 
@@ -547,16 +542,17 @@ class Agent:
     async def _process_logged(self, key: Key) -> None:
         try:
             await self.process(key)
-        except Exception as err:
+        except Exception as err:  # retried with backoff: a warning per attempt, further apart each time
+            delay = self._later(key)
             logs.say(
                 log,
                 "process_failed",
-                level=logging.ERROR,
+                level=logging.WARNING,
                 reason=Reason.AGENT_ERROR,
                 object="/".join(key),
-                error=repr(err),
+                error=repr(err)[:500],
+                retry_in=f"{delay:.1f}s",
             )
-            self._later(key)
 
     async def _each(self, keys: list[Key], fn: Callable[[Key], Any], limit: int = PARALLEL) -> None:
         """Run `fn` for every key, at most `limit` at a time: API latency, not CPU, bounds a pass over
@@ -711,6 +707,7 @@ class Agent:
                 return
         self._check_spec_path(obj)
         await self._apply(obj, self.observed_status(obj))
+        self.queue.forget(key)
 
     def _check_spec_path(self, obj: Obj) -> None:
         """spec.workspace.path is never used for disk work; one pointing elsewhere is reported, not followed."""
@@ -963,7 +960,7 @@ class Agent:
         message = (
             f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held, "
             f"{'in use' if usage.in_use else 'use cannot be ruled out'} by {'; '.join(usage.holders)}. "
-            "It is deleted once nothing uses it (checked again every few seconds)."
+            "It is deleted once nothing uses it (checked again at least every pass)."
         )
         status = self._deleting_status(obj, Phase.HELD, held_by=list(usage.holders), usage=usage)
         await self._apply(obj, status, deleting=True)
@@ -1093,6 +1090,7 @@ class Agent:
                 obj = fresh
                 continue
             logs.say(log, "finalizer_removed", reason=Reason.DELETED, object=f"{key[0]}/{key[1]}", tombstone=tombstone)
+            self.queue.forget(key)
             return
         self._later(key)
 

@@ -2,9 +2,10 @@
 
 kopf watches RetainedSandboxes, SandboxPolicies and Nodes with low-level `on.event` handlers only, which
 persist nothing on the objects (no finalizer, no progress or diff-base annotations). Every watch event
-updates an in-memory view and queues the object's key; a few workers reconcile keys one at a time
-each, and ONE scheduler (a heap of deadlines) queues a key again exactly when its deadline passes, as
-the TTL-after-finished controller's `AddAfter` does. With nothing changing, nothing is written.
+updates an in-memory view and queues the object's key (`controller/workqueue.py`); a few workers
+reconcile keys one at a time each, and a key is queued again exactly when its deadline passes, with the
+queue's `add_after`, as the TTL-after-finished controller's `AddAfter` does. With nothing changing,
+nothing is written.
 
 Deleting is the only dangerous step, so it is guarded twice: the object is read fresh and the one rule
 is run again, then the DELETE carries preconditions on uid AND resourceVersion, so a pin (or any
@@ -17,8 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import heapq
-import itertools
 import logging
 import os
 import sys
@@ -55,6 +54,7 @@ from controller.kube import (
 )
 from controller.leases import LeaderElector
 from controller.policy import Policy, Verdict, deadline, effective_policy, phase_of
+from controller.workqueue import WorkQueue
 
 log = logging.getLogger("sandkeep.controller")
 
@@ -73,7 +73,6 @@ OWNED_CONDITIONS = (
 EXPIRY_CAUSES = (Reason.PIN_EXPIRED, Reason.RETAIN_UNTIL, Reason.WINDOW, Reason.NO_CREATED_AT)
 # Test seam: when set, the controller waits at `<dir>/<ns>.<name>.go` between its fresh read and DELETE.
 SEAM_ENV = "SANDKEEP_TEST_BEFORE_DELETE_DIR"
-MAX_BACKOFF = 60.0
 
 
 class ControllerSettings(models.Settings):
@@ -334,7 +333,7 @@ def _slim(obj: Obj) -> Obj:
 
 
 class Reconciler:
-    """The controller's core: a view, a work queue, one deadline heap, and the decisions on each key.
+    """The controller's core: a view, a work queue (deadlines and retries included), the decisions on each key.
 
     `before_delete` is a test seam: an async callable run between the fresh read and the DELETE, so a
     test can land a pin exactly there (the env var SEAM_ENV does the same for a controller subprocess).
@@ -349,14 +348,7 @@ class Reconciler:
         self.ceiling = settings.ceiling()
         self.is_leader: Callable[[], bool] = lambda: True
         self.before_delete: Callable[[Obj], Awaitable[None]] | None = None
-        self._queue: asyncio.PriorityQueue[tuple[int, int, Key]] = asyncio.PriorityQueue()
-        self._queued: dict[Key, int] = {}  # key -> the priority it is queued with
-        self._seq = itertools.count()
-        self._active: set[Key] = set()
-        self._heap: list[tuple[float, Key]] = []
-        self._next_wake: dict[Key, float] = {}
-        self._wake = asyncio.Event()
-        self._failures: dict[Key, int] = {}
+        self.queue: WorkQueue[Key] = WorkQueue()
         self._phases: dict[Key, tuple[str, str]] = {}  # key -> (phase, node) as the metric counts it
         self._background: set[asyncio.Future[None]] = set()
         # Events get their own few threads: under load they queue there, never in front of a DELETE.
@@ -367,7 +359,7 @@ class Reconciler:
         key = key_of(obj)
         if event_type == "DELETED":
             self.view.sandboxes.pop(key, None)
-            self._next_wake.pop(key, None)
+            self.queue.drop(key)
             self._count(key, None)
             return
         self.remember(obj)
@@ -427,21 +419,17 @@ class Reconciler:
         if new[0] == Phase.PINNED:
             self.metrics.pins_active.inc()
 
-    # --- the queue and the scheduler ---------------------------------------------------------------------
+    # --- the queue ----------------------------------------------------------------------------------------
     def enqueue(self, key: Key, priority: int = 1) -> None:
         """Queue a key once; a key being reconciled is queued again when its current pass ends.
 
         Keys whose deadline came (priority 0) go before watch-driven work (1): a policy change that
         rewrites ten thousand statuses must not make due deletions wait behind it.
         """
-        if self._queued.get(key, 2) <= priority:
-            return
-        self._queued[key] = priority
-        if key not in self._active:
-            self._queue.put_nowait((priority, next(self._seq), key))
+        self.queue.add(key, priority)
 
     def schedule(self, key: Key) -> None:
-        """Put the key's next deadline in the heap straight from the view: pure, no API call.
+        """Queue the key at its next deadline straight from the view: pure, no API call.
 
         A policy change queues every sandbox of its namespace for a status rewrite; their new deadlines
         must not wait for that rewrite, or sandboxes at the back of the queue would expire late.
@@ -462,60 +450,31 @@ class Reconciler:
 
     def wake_at(self, key: Key, when: datetime) -> None:
         """Reconcile `key` again at `when` (the AddAfter of the TTL controller); the earliest request wins."""
-        ts = when.timestamp()
-        current = self._next_wake.get(key)
-        if current is not None and current <= ts and current > time.time():
-            return
-        self._next_wake[key] = ts
-        heapq.heappush(self._heap, (ts, key))
-        if self._heap[0][0] == ts:
-            self._wake.set()
-
-    async def scheduler(self) -> None:
-        """The one timer: sleeps until the earliest deadline in the heap, then queues the keys that are due."""
-        loop = asyncio.get_running_loop()
-        while True:
-            now = time.time()
-            while self._heap and self._heap[0][0] <= now:
-                ts, key = heapq.heappop(self._heap)
-                if self._next_wake.get(key) == ts:
-                    del self._next_wake[key]
-                    self.enqueue(key, priority=0)
-            self._wake.clear()
-            # A timer callback, not wait_for: wait_for spawns a task per sleep, and kopf's shutdown waits
-            # 5 s for every task it did not start.
-            timer = loop.call_later(self._heap[0][0] - now, self._wake.set) if self._heap else None
-            await self._wake.wait()
-            if timer is not None:
-                timer.cancel()
+        self.queue.add_after(key, (when - now_utc()).total_seconds(), priority=0)
 
     async def worker(self) -> None:
         while True:
-            _priority, _seq, key = await self._queue.get()
-            if key not in self._queued or key in self._active:
-                continue  # a stale entry: the key was queued again with a higher priority, or is running
-            del self._queued[key]
-            self._active.add(key)
+            key = await self.queue.get()
             try:
                 await self.reconcile(key)
-                self._failures.pop(key, None)
+                self.queue.forget(key)
             except Exception as err:
                 self._retry_later(key, err)
             finally:
-                self._active.discard(key)
-                if key in self._queued:
-                    self._queue.put_nowait((self._queued[key], next(self._seq), key))
+                self.queue.done(key)
 
     def _retry_later(self, key: Key, err: Exception) -> None:
         """A failed pass is retried with exponential backoff; the error is counted and logged once."""
-        failures = self._failures[key] = self._failures.get(key, 0) + 1
-        delay = min(MAX_BACKOFF, 0.5 * 2 ** (failures - 1))
+        delay = self.queue.add_rate_limited(key)
         self.metrics.reconcile_errors.labels(component="controller").inc()
         logs.say(
-            log, "reconcile_failed", level=logging.WARNING, object=f"{key[0]}/{key[1]}",
-            error=str(err)[:300], retry_in=f"{delay:.1f}s",
-        )  # fmt: skip
-        self.wake_at(key, now_utc() + timedelta(seconds=delay))
+            log,
+            "reconcile_failed",
+            level=logging.WARNING,
+            object=f"{key[0]}/{key[1]}",
+            error=str(err)[:300],
+            retry_in=f"{delay:.1f}s",
+        )
 
     # --- one reconcile pass --------------------------------------------------------------------------------
     def context(self, obj: Obj, now: datetime) -> Context:
@@ -710,7 +669,7 @@ class Reconciler:
 
     def idle(self) -> bool:
         """Nothing queued, being reconciled or being posted (for tests and the benchmark)."""
-        return not self._queued and not self._active and not self._background
+        return not self.queue.busy() and not self._background
 
 
 async def _seam(obj: Obj) -> None:
@@ -782,7 +741,11 @@ def operator_settings() -> kopf.OperatorSettings:
 
 
 def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
-    """Low-level watch handlers only: they feed the view and never write to the watched objects."""
+    """Low-level watch handlers only: they feed the view and never write to the watched objects.
+
+    They are coroutines so that kopf runs them on the loop (a plain function runs in a thread), where the
+    work queue lives: the queue is for one loop and is not thread-safe.
+    """
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -790,15 +753,15 @@ def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
         return connection_info(rec.kube)
 
     @kopf.on.event(c.GROUP, c.VERSION, c.SANDBOX_PLURAL, registry=registry)
-    def sandbox_event(event: kopf.RawEvent, **_: Any) -> None:
+    async def sandbox_event(event: kopf.RawEvent, **_: Any) -> None:
         rec.on_sandbox(event.get("type"), dict(event["object"]))
 
     @kopf.on.event(c.GROUP, c.VERSION, c.POLICY_PLURAL, registry=registry)
-    def policy_event(event: kopf.RawEvent, **_: Any) -> None:
+    async def policy_event(event: kopf.RawEvent, **_: Any) -> None:
         rec.on_policy(event.get("type"), dict(event["object"]))
 
     @kopf.on.event("v1", "nodes", registry=registry)
-    def node_event(event: kopf.RawEvent, **_: Any) -> None:
+    async def node_event(event: kopf.RawEvent, **_: Any) -> None:
         rec.on_node(event.get("type"), dict(event["object"]))
 
     return registry
@@ -821,8 +784,7 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
 
     elector.on_change = leadership
     rec.is_leader = lambda: elector.is_leader
-    tasks = [asyncio.create_task(rec.scheduler(), name="scheduler")]
-    tasks += [asyncio.create_task(rec.worker(), name=f"worker-{i}") for i in range(settings.workers)]
+    tasks = [asyncio.create_task(rec.worker(), name=f"worker-{i}") for i in range(settings.workers)]
     server = metrics.serve(
         metrics_.registry, settings.metrics_port, settings.metrics_host,
         healthy=lambda: all(not t.done() for t in tasks),
