@@ -5,8 +5,10 @@ One implementation used by the tests (`tests/conftest.py`), the demo (`hack/demo
 certificates made on the fly by the `openssl` CLI, RBAC authorization and a service-account issuer (so
 TokenRequest and impersonation work), waits for `/readyz`, keeps each component's log in a file, and
 stops every process it started by pid. kube-controller-manager runs the loops named in CONTROLLERS
-(Deployments and DaemonSets get Pods, deleted namespaces go away, ClusterRoles are aggregated); no
-scheduler or kubelet runs, so those Pods are never bound to a node and never start.
+(Deployments and DaemonSets get Pods, deleted namespaces go away, ClusterRoles are aggregated). By
+itself no scheduler or kubelet runs, so those Pods are never bound to a node and never start;
+`hack/localnode.py` joins a real node (kubelet, containerd, kube-scheduler) to a cluster started with
+`LocalCluster(node_mode=True)`.
 
     from localcluster import LocalCluster, tools_bin
     with LocalCluster() as cluster:
@@ -57,10 +59,17 @@ CONTROLLERS = (
     "replicaset-controller",
     "daemonset-controller",
     "disruption-controller",
+    # Pods' projected ServiceAccount tokens carry this ConfigMap's CA.
+    "root-ca-certificate-publisher-controller",
 )
+# With a real node, the node lifecycle controller lifts the kubelet's registration taint once the Node
+# is Ready (and would mark a silent kubelet's Node unreachable, which is why it is off without one).
+NODE_CONTROLLERS = ("node-lifecycle-controller",)
 KEEP_DIR_ENV = "SANDKEEP_KEEP_CLUSTER_DIR"
-# Allocation only: no kube-proxy runs, so nothing ever routes to a Service IP from this range.
-SERVICE_CIDR = "10.0.0.0/24"
+# TEST-NET-3 (RFC 5737). No kube-proxy runs: the only Service IP anything reaches is the `kubernetes`
+# Service's first address, which a real node (hack/localnode.py) forwards to the API server.
+SERVICE_CIDR = "203.0.113.0/24"
+SERVICE_IP = "203.0.113.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 LOG_TAIL_LINES = 60
 
@@ -220,8 +229,13 @@ class LocalCluster:
     which `stop()` removes unless the cluster failed and SANDKEEP_KEEP_CLUSTER_DIR is set.
     """
 
-    def __init__(self, workdir: Path | str | None = None, tools_bin: Path | str | None = None) -> None:
+    def __init__(
+        self, workdir: Path | str | None = None, tools_bin: Path | str | None = None, *, node_mode: bool = False
+    ) -> None:
         self._parent = Path(workdir) if workdir is not None else None
+        # node_mode: ready for a real kubelet (ServiceAccount admission mounts tokens into Pods, the node
+        # lifecycle controller runs); see hack/localnode.py.
+        self.node_mode = node_mode
         self._tools_bin = Path(tools_bin) if tools_bin is not None else None
         self.dir: Path | None = None
         self.components: list[Component] = []
@@ -345,7 +359,13 @@ class LocalCluster:
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 # ServiceAccount admission rejects a Pod whose ServiceAccount does not exist yet: tests
                 # create Pods in namespaces they made a moment before the `default` account appears.
-                "--disable-admission-plugins=ServiceAccount",
+                # With a real node it runs: it is what mounts the token a Pod's client uses.
+                *([] if self.node_mode else ["--disable-admission-plugins=ServiceAccount"]),
+                # `kubectl logs` and `exec` go through the kubelet, which authorizes this client with a
+                # SubjectAccessReview (system:masters may do everything).
+                f"--kubelet-client-certificate={pki / 'admin.crt'}",
+                f"--kubelet-client-key={pki / 'admin.key'}",
+                "--kubelet-preferred-address-types=InternalIP",
                 "--allow-privileged=true",
                 # The `kubernetes` Service's Endpoints may not hold a loopback address: the default lease
                 # reconciler would log a validation error every few seconds, so it is off.
@@ -361,7 +381,7 @@ class LocalCluster:
             "kube-controller-manager",
             [
                 f"--kubeconfig={self.kubeconfig}",
-                f"--controllers={','.join(CONTROLLERS)}",
+                f"--controllers={','.join(CONTROLLERS + (NODE_CONTROLLERS if self.node_mode else ()))}",
                 "--secure-port=0",  # serves nothing: readiness is read from the work it does
                 "--leader-elect=false",
                 "--concurrent-gc-syncs=2",
@@ -443,38 +463,49 @@ class LocalCluster:
         pki = self._path("pki")
         pki.mkdir(mode=0o700)
 
-        def openssl(*args: str) -> None:
-            result = subprocess.run(["openssl", *args], cwd=pki, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise ClusterError(f"openssl {' '.join(args)} failed: {result.stderr.strip()}")
-
         for key in ("ca", "server", "admin", "sa"):
-            openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", f"{key}.key")
-        openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub")
+            self._openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", f"{key}.key")
+        self._openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub")
         (pki / "ext.cnf").write_text(
             "[req]\ndistinguished_name=dn\n[dn]\n"
             "[ca]\nbasicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign,cRLSign,digitalSignature\n"
             "subjectKeyIdentifier=hash\n"
             "[server]\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-            "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n"
+            f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,IP:{SERVICE_IP},DNS:localhost\n"
             "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
             "[client]\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
             "extendedKeyUsage=clientAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
         )
-        openssl(
+        self._openssl(
             "req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=sandkeep-local-ca", "-days", "3650",
             "-config", "ext.cnf", "-extensions", "ca", "-out", "ca.crt",
         )  # fmt: skip
-        for name, subject, section in (
-            ("server", "/CN=kube-apiserver", "server"),
-            ("admin", "/O=system:masters/CN=sandkeep-admin", "client"),
-        ):
-            openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-config", "ext.cnf", "-out", f"{name}.csr")
-            openssl(
-                "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                "-set_serial", str(int.from_bytes(os.urandom(8), "big") | 1), "-days", "365",
-                "-extfile", "ext.cnf", "-extensions", section, "-out", f"{name}.crt",
-            )  # fmt: skip
+        self._sign("server", "/CN=kube-apiserver", "server")
+        self._sign("admin", "/O=system:masters/CN=sandkeep-admin", "client")
+
+    def _openssl(self, *args: str) -> None:
+        result = subprocess.run(["openssl", *args], cwd=self._path("pki"), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ClusterError(f"openssl {' '.join(args)} failed: {result.stderr.strip()}")
+
+    def _sign(self, name: str, subject: str, section: str) -> None:
+        """pki/NAME.crt for the existing pki/NAME.key, signed by the cluster's CA."""
+        serial = str(int.from_bytes(os.urandom(8), "big") | 1)
+        self._openssl(
+            "req", "-new", "-key", f"{name}.key", "-subj", subject, "-config", "ext.cnf", "-out", f"{name}.csr"
+        )
+        signing = ("-CA", "ca.crt", "-CAkey", "ca.key", "-set_serial", serial, "-days", "365")
+        extensions = ("-extfile", "ext.cnf", "-extensions", section)
+        self._openssl("x509", "-req", "-in", f"{name}.csr", *signing, *extensions, "-out", f"{name}.crt")
+
+    def client_kubeconfig(self, name: str, subject: str, path: Path, server: str | None = None) -> Path:
+        """A kubeconfig at `path` for a new client certificate with `subject` (e.g. a kubelet's
+        `/O=system:nodes/CN=system:node:NAME`), talking to `server` (default: this cluster's URL)."""
+        self._openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", f"{name}.key")
+        self._sign(name, subject, "client")
+        return self._write_kubeconfig(
+            path, {"client-certificate": f"{name}.crt", "client-key": f"{name}.key"}, server=server
+        )
 
     def _ssl_context(self, *, client_cert: bool) -> ssl.SSLContext:
         context = ssl.create_default_context(cafile=str(self.ca_file))
@@ -483,7 +514,7 @@ class LocalCluster:
             context.load_cert_chain(pki / "admin.crt", pki / "admin.key")
         return context
 
-    def _write_kubeconfig(self, path: Path, user: dict[str, str]) -> Path:
+    def _write_kubeconfig(self, path: Path, user: dict[str, str], server: str | None = None) -> Path:
         """Write a kubeconfig for this server; certificate files named in `user` are embedded as data.
 
         Self-contained (no paths into the cluster dir), so it still works when copied or read from
@@ -503,7 +534,7 @@ class LocalCluster:
                 {
                     "name": "sandkeep-local",
                     "cluster": {
-                        "server": self.server,
+                        "server": server or self.server,
                         "certificate-authority-data": base64.b64encode(self.ca_file.read_bytes()).decode(),
                     },
                 }

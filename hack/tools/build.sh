@@ -63,9 +63,12 @@ for tool in $want; do
 	kube-apiserver) build kube kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "$stamp" ;;
 	kube-controller-manager) build kube kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager "$stamp" ;;
 	kubectl) build kube kubectl k8s.io/kubernetes/cmd/kubectl "$stamp" ;;
+	kubelet) build kube kubelet k8s.io/kubernetes/cmd/kubelet "$stamp" ;;
+	kube-scheduler) build kube kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler "$stamp" ;;
 	etcd) build etcd etcd go.etcd.io/etcd/server/v3 ;;
 	helm) build helm helm helm.sh/helm/v3/cmd/helm "$helm_stamp" ;;
 	promtool) build promtool promtool github.com/prometheus/prometheus/cmd/promtool ;;
+	prometheus) build promtool prometheus github.com/prometheus/prometheus/cmd/prometheus ;;
 	*) log "unknown tool: $tool"; exit 2 ;;
 	esac
 done

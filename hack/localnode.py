@@ -1,0 +1,554 @@
+"""A real node for the local control plane: containerd, runc and the kubelet, plus kube-scheduler.
+
+The node lives in its own PID, mount and network namespaces (made by `unshare`, led by
+`hack/node/init.sh`), so everything it starts dies with it and nothing it mounts or configures is
+seen by the host: containers, Pod volumes, the CNI bridge and the Pods' network namespaces all live
+inside. Its /var/lib, /var/log and /run are the node directory's (under a temp dir). What crosses to
+the host is one veth pair in TEST-NET-2 (the node is 198.51.100.2, the host side 198.51.100.1); the host
+also carries the `kubernetes` Service's address (203.0.113.1, TEST-NET-3), where `socat` forwards to
+the API server on loopback, which is how the kubelet and every Pod's in-cluster client reach it (no
+kube-proxy runs). Pods get addresses from 198.51.100.128/25 on a bridge inside the node,
+routed from the host so Prometheus can scrape them. The kubelet's cgroups live under one cgroup
+root of the node's own (`/sandkeep-node-<pid>`), removed when the node stops. One node per machine
+at a time (a lock), since the addresses are fixed.
+
+    with LocalCluster(node_mode=True) as cluster, LocalNode(cluster) as node:
+        node.import_image(archive)
+        cluster.kubectl("get", "nodes")
+
+`make node` runs this file: a control plane with a Ready node, until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+from localcluster import (
+    REPO,
+    SERVICE_IP,
+    ClusterError,
+    Component,
+    LocalCluster,
+    ToolsMissingError,
+    _die_with_parent,
+    _tail,
+    signals_raise,
+    tools_bin,
+    tools_dir,
+)
+
+NODE_TOOLS = ("kubelet", "kube-scheduler")
+# What the node needs from Debian, by command: `make node` and the tests install these when missing.
+DEBIAN_PACKAGES = {
+    "containerd": "containerd",
+    "ctr": "containerd",
+    "runc": "runc",
+    "socat": "socat",
+    "unshare": "util-linux",
+    "ip": "iproute2",
+    "cc": "gcc",
+}
+CNI_PLUGINS = Path("/usr/lib/cni")  # containernetworking-plugins
+# TEST-NET-2 (RFC 5737); not TEST-NET-1, which these machines' own network uses (the host is 192.0.2.2).
+NODE_IP = "198.51.100.2"
+HOST_IP = "198.51.100.1"
+POD_CIDR = "198.51.100.128/25"
+LOCK = Path("/run/lock/sandkeep-node.lock")
+HERE = Path(__file__).resolve().parent / "node"
+PAUSE_IMAGE = "sandkeep.local/pause"
+
+
+def missing_packages() -> list[str]:
+    """The Debian packages whose commands (or the CNI plugins) are not on this machine."""
+    need = {pkg for cmd, pkg in DEBIAN_PACKAGES.items() if shutil.which(cmd) is None}
+    if not (CNI_PLUGINS / "bridge").exists():
+        need.add("containernetworking-plugins")
+    return sorted(need)
+
+
+def install_packages() -> None:
+    """apt-get install what the node needs (as root); raise with the list to install otherwise."""
+    need = missing_packages()
+    if not need:
+        return
+    if os.geteuid() != 0:
+        raise ClusterError(f"the local node needs these Debian packages: {' '.join(need)} (apt-get install them)")
+    print(f"[node] installing Debian packages: {' '.join(need)}", file=sys.stderr, flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", *need], check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def pause_image(cache: Path) -> tuple[Path, str]:
+    """An OCI archive of the Pod sandbox image (hack/node/pause.c, built static), cached by its source.
+
+    No registry is reachable here, so containerd's sandbox image is made locally: one layer holding
+    /pause, a config whose entrypoint it is, in an OCI image layout `ctr images import` reads.
+    """
+    source = (HERE / "pause.c").read_bytes()
+    key = hashlib.sha256(source).hexdigest()[:12]
+    ref = f"{PAUSE_IMAGE}:{key}"
+    archive = cache / f"pause-{key}.tar"
+    if archive.exists():
+        return archive, ref
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        binary = Path(tmp) / "pause"
+        subprocess.run(["cc", "-static", "-O2", "-o", str(binary), str(HERE / "pause.c")], check=True)
+        layer = _tar({"pause": (binary.read_bytes(), 0o755)})
+        config = {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Entrypoint": ["/pause"]},
+            "rootfs": {"type": "layers", "diff_ids": [_digest(layer)]},
+        }
+        blobs = {}
+        config_blob = json.dumps(config).encode()
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": _descriptor("application/vnd.oci.image.config.v1+json", config_blob),
+            "layers": [_descriptor("application/vnd.oci.image.layer.v1.tar", layer)],
+        }
+        manifest_blob = json.dumps(manifest).encode()
+        for blob in (layer, config_blob, manifest_blob):
+            blobs[f"blobs/sha256/{_digest(blob).removeprefix('sha256:')}"] = (blob, 0o644)
+        index = {
+            "schemaVersion": 2,
+            "manifests": [
+                {
+                    **_descriptor("application/vnd.oci.image.manifest.v1+json", manifest_blob),
+                    "platform": {"architecture": "amd64", "os": "linux"},
+                    "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": key},
+                }
+            ],
+        }
+        files = {
+            "oci-layout": (b'{"imageLayoutVersion":"1.0.0"}', 0o644),
+            "index.json": (json.dumps(index).encode(), 0o644),
+            **blobs,
+        }
+        partial = Path(tmp) / "image.tar"
+        partial.write_bytes(_tar(files))
+        partial.rename(archive)
+    return archive, ref
+
+
+def _digest(blob: bytes) -> str:
+    return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
+def _descriptor(media_type: str, blob: bytes) -> dict[str, object]:
+    return {"mediaType": media_type, "digest": _digest(blob), "size": len(blob)}
+
+
+def _tar(files: dict[str, tuple[bytes, int]]) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, (data, mode) in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), mode, 0
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+class LocalNode:
+    """One real Node, `name`, joined to a started LocalCluster (which must be in node_mode)."""
+
+    def __init__(self, cluster: LocalCluster, name: str = "sandkeep-node", tools: Path | None = None) -> None:
+        if not cluster.node_mode:
+            raise ClusterError("a real node needs LocalCluster(node_mode=True): ServiceAccount admission and more")
+        self.cluster = cluster
+        self.name = name
+        self._tools = tools
+        self.dir: Path | None = None
+        self.components: list[Component] = []
+        self.init: subprocess.Popen[bytes] | None = None
+        self.init_pid: int | None = None
+        self.cgroup_root = ""
+        self.failed = False
+        self._lock_file: IO[bytes] | None = None
+        self._stop_lock = threading.Lock()
+
+    @property
+    def root(self) -> Path:
+        """A directory on the node's disk for sandkeep's root (the chart's `agent.root`)."""
+        return self._dir("sandkeep")
+
+    @property
+    def containerd_socket(self) -> Path:
+        return self._dir("containerd.sock")
+
+    def _dir(self, name: str) -> Path:
+        if self.dir is None:
+            raise ClusterError("the node is not started")
+        return self.dir / name
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is not None:
+            self.failed = True
+        self.stop()
+
+    # --- start ----------------------------------------------------------------------------------------
+    def start(self, timeout: float = 120.0) -> None:
+        """Start the node and kube-scheduler; return once the Node is Ready and schedulable."""
+        install_packages()
+        bin_dir = self._tools or tools_bin(NODE_TOOLS)
+        self._lock_file = LOCK.open("wb")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            self._lock_file = None
+            raise ClusterError(f"another local node runs on this machine (it holds {LOCK})") from None
+        deadline = time.monotonic() + timeout
+        try:
+            self.dir = Path(tempfile.mkdtemp(prefix="sandkeep-node-", dir=self.cluster.dir))
+            self.cgroup_root = f"/{self.dir.name}"  # unique: named like the node's temp dir
+            for sub in ("var-lib", "var-log", "cni", "sandkeep"):
+                self._dir(sub).mkdir()
+            archive, pause_ref = pause_image(tools_dir().parent / "node")
+            self._write_config(bin_dir, pause_ref)
+            self._make_cgroups()
+            self._start_namespaces()
+            self._connect_network()
+            self._spawn_host("socat", ["socat", f"TCP-LISTEN:443,bind={SERVICE_IP},reuseaddr,fork", self._api_target()])
+            self._wait(lambda: self._dir("containerd.ready").exists(), "containerd to start", deadline)
+            self.import_image(archive)
+            self._dir("kubelet.go").touch()
+            self._spawn_host(
+                "kube-scheduler",
+                [
+                    str(bin_dir / "kube-scheduler"),
+                    f"--kubeconfig={self.cluster.kubeconfig}",
+                    "--leader-elect=false",
+                    "--secure-port=0",
+                    "--v=1",
+                ],
+            )
+            self._wait(self._ready, f"Node {self.name} to be Ready and untainted", deadline)
+        except BaseException:
+            self.failed = True
+            self.stop()
+            raise
+
+    def _api_target(self) -> str:
+        host, _, port = self.cluster.server.removeprefix("https://").rpartition(":")
+        return f"TCP:{host}:{port}"
+
+    def _write_config(self, bin_dir: Path, pause_ref: str) -> None:
+        d = self._dir
+        pki = self.cluster.ca_file.parent
+        kubeconfig = self.cluster.client_kubeconfig(
+            "kubelet", f"/O=system:nodes/CN=system:node:{self.name}", d("kubelet.kubeconfig"), f"https://{SERVICE_IP}"
+        )
+        d("containerd.toml").write_text(
+            f"""version = 2
+root = "/var/lib/containerd"
+state = "/run/containerd"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+[grpc]
+  address = "{d("containerd.sock")}"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{pause_ref}"
+  # Without CAP_SYS_RESOURCE (these machines' VMs) a container may not lower its oom_score_adj below
+  # its parent's: without this every sandbox fails with "can't get final child's PID from pipe: EOF".
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{CNI_PLUGINS}"
+    conf_dir = "{d("cni")}"
+"""
+        )
+        bridge = {
+            "type": "bridge",
+            "bridge": "cni0",
+            "isGateway": True,
+            "ipMasq": False,  # the host routes the Pod range back to the node: no NAT, no iptables
+            "hairpinMode": True,
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_CIDR}]], "routes": [{"dst": "0.0.0.0/0"}]},
+        }
+        conflist = {"cniVersion": "0.4.0", "name": "sandkeep-node", "plugins": [bridge]}
+        d("cni/10-sandkeep.conflist").write_text(json.dumps(conflist, indent=2))
+        d("resolv.conf").write_text("")  # Pods resolve nothing: no DNS server here, and no name is needed
+        config = {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": NODE_IP,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "containerRuntimeEndpoint": f"unix://{d('containerd.sock')}",
+            "authentication": {
+                "anonymous": {"enabled": False},
+                "webhook": {"enabled": True},
+                "x509": {"clientCAFile": str(pki / "ca.crt")},
+            },
+            "authorization": {"mode": "Webhook"},
+            # These machines' kernels run cgroup v1 (hybrid); the kubelet refuses it unless told.
+            "failCgroupV1": False,
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": self.cgroup_root,
+            "failSwapOn": False,
+            "makeIPTablesUtilChains": False,
+            "resolvConf": str(d("resolv.conf")),
+            # A shared build machine's disk: evict only when it is truly full, never collect the images
+            # imported by hand (they cannot be pulled back).
+            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "serializeImagePulls": False,
+            "nodeStatusUpdateFrequency": "4s",
+        }
+        d("kubelet.yaml").write_text(json.dumps(config, indent=2))
+        command = [
+            str(bin_dir / "kubelet"),
+            f"--config={d('kubelet.yaml')}",
+            f"--kubeconfig={kubeconfig}",
+            f"--hostname-override={self.name}",
+            f"--node-ip={NODE_IP}",
+            "--v=1",
+        ]
+        d("kubelet.cmd").write_text("\n".join(command) + "\n")
+
+    def _start_namespaces(self) -> None:
+        log = self._dir("init.log").open("ab")
+        preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
+        self.init = subprocess.Popen(
+            [
+                "unshare", "--pid", "--mount", "--net", "--fork", "--mount-proc", "--propagation=private",
+                "--kill-child=SIGTERM", "--", "bash", str(HERE / "init.sh"), str(self.dir), NODE_IP, HOST_IP,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )  # fmt: skip
+        log.close()
+        children = Path(f"/proc/{self.init.pid}/task/{self.init.pid}/children")
+        self._wait(lambda: bool(children.read_text().split()), "the node's init process", time.monotonic() + 10)
+        self.init_pid = int(children.read_text().split()[0])
+
+    @property
+    def host_link(self) -> str:
+        return f"skn{self.init_pid}"[:15]
+
+    def _connect_network(self) -> None:
+        link = self.host_link
+
+        def ip(*args: str) -> None:
+            result = subprocess.run(["ip", *args], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise ClusterError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+
+        # The host end goes with the node: a veth pair is destroyed with the namespace holding its peer.
+        ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", str(self.init_pid))
+        ip("addr", "add", f"{HOST_IP}/30", "dev", link)
+        ip("addr", "add", f"{SERVICE_IP}/32", "dev", link)
+        ip("link", "set", link, "up")
+        ip("route", "add", POD_CIDR, "via", NODE_IP, "dev", link)
+
+    def _spawn_host(self, name: str, command: list[str]) -> None:
+        log = self._dir(f"{name}.log")
+        log_file = log.open("ab")
+        preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
+        self.components.append(Component(name, proc, log, log_file))
+
+    def _wait(self, ready: Callable[[], bool], what: str, deadline: float) -> None:
+        while True:
+            if self.init is not None and self.init.poll() is not None:
+                raise ClusterError(f"the node exited ({self.init.returncode}) while waiting for {what}\n{self.logs()}")
+            with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
+                if ready():
+                    return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out waiting for {what}\n{self.logs()}")
+            time.sleep(0.2)
+
+    def _ready(self) -> bool:
+        node = self.cluster.kubectl_json("get", "node", self.name)
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True" for c in node.get("status", {}).get("conditions", [])
+        )
+        return ready and not node.get("spec", {}).get("taints")
+
+    # --- using it -------------------------------------------------------------------------------------
+    def import_image(self, archive: Path | str) -> str:
+        """`ctr images import` an OCI or docker archive into the node's containerd (namespace k8s.io)."""
+        result = subprocess.run(
+            ["ctr", f"--address={self.containerd_socket}", "--namespace=k8s.io", "images", "import", str(archive)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            raise ClusterError(f"ctr images import {archive} failed: {result.stderr.strip()}")
+        return result.stdout
+
+    def in_node(self, *command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run a command in the node's namespaces (as a process of the node, outside any container)."""
+        if self.init_pid is None:
+            raise ClusterError("the node is not started")
+        return subprocess.run(
+            ["nsenter", f"--target={self.init_pid}", "--pid", "--mount", "--net", "--", *command],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=60,
+        )
+
+    def logs(self, lines: int = 40) -> str:
+        if self.dir is None:
+            return "(node not started: no logs)"
+        names = ["init", "containerd", "kubelet", *(c.name for c in self.components)]
+        return "\n".join(
+            f"----- {n} ({self.dir / f'{n}.log'}), last {lines} lines -----\n{_tail(self.dir / f'{n}.log', lines)}"
+            for n in names
+        )
+
+    # --- stop -----------------------------------------------------------------------------------------
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the node (kubelet, then containerd; anything left in its PID namespace is killed with it),
+        kube-scheduler and the forwarder, remove its cgroups and its directory. Safe to call twice."""
+        with self._stop_lock:
+            for component in reversed(self.components):
+                component.stop()
+            self.components.clear()
+            if self.init is not None:
+                # unshare ignores SIGTERM while it waits: signal the node's init, by its host pid, which
+                # is still its child until unshare has been reaped (so the pid cannot have been reused).
+                if self.init.poll() is None and self.init_pid is not None:
+                    for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL of init ends the PID namespace
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(self.init_pid, sig)
+                        try:
+                            self.init.wait(timeout)
+                            break
+                        except subprocess.TimeoutExpired:
+                            continue
+                if self.init.poll() is None:
+                    os.killpg(self.init.pid, signal.SIGKILL)
+                    self.init.wait(timeout)
+                self.init = None
+            if self.cgroup_root:
+                self._remove_cgroups()
+            if self.dir is not None and self.dir.exists():
+                if self.failed and os.environ.get("SANDKEEP_KEEP_CLUSTER_DIR"):
+                    print(f"localnode: kept {self.dir}", file=sys.stderr)
+                else:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+            if self._lock_file is not None:
+                self._lock_file.close()
+                self._lock_file = None
+
+    def _cgroup_dirs(self) -> list[Path]:
+        return [h / self.cgroup_root.lstrip("/") for h in sorted(Path("/sys/fs/cgroup").iterdir()) if h.is_dir()]
+
+    def _make_cgroups(self) -> None:
+        """The kubelet wants its cgroup root to exist in every hierarchy; a new cpuset starts empty."""
+        for path in self._cgroup_dirs():
+            path.mkdir()
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                if (path / name).exists():
+                    (path / name).write_text((path.parent / name).read_text())
+
+    def _remove_cgroups(self, timeout: float = 20.0) -> None:
+        """rmdir the node's cgroup tree in every hierarchy, deepest first; the processes in it are gone,
+        but the kernel may take a moment to let go of an exited task's cgroup."""
+        deadline = time.monotonic() + timeout
+        tops = self._cgroup_dirs()
+        while True:
+            left = []
+            for top in tops:
+                if not top.is_dir():
+                    continue
+                for path in sorted((p for p, _, _ in os.walk(top)), key=len, reverse=True):
+                    with contextlib.suppress(FileNotFoundError):
+                        try:
+                            os.rmdir(path)
+                        except OSError:
+                            left.append(path)
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                print(f"localnode: cgroups left behind: {left}", file=sys.stderr)
+                return
+            time.sleep(0.2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`make node`: a control plane with one real, Ready node until Ctrl-C."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--workdir", type=Path, help="parent of the cluster's temp dir (default: system temp)")
+    parser.add_argument("--image", action="append", default=[], help="an image archive to import (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        tools_bin(NODE_TOOLS)
+    except ToolsMissingError as e:
+        print(f"localnode: {e}", file=sys.stderr)
+        return 2
+    with signals_raise():
+        try:
+            began = time.monotonic()
+            with LocalCluster(args.workdir, node_mode=True) as cluster, LocalNode(cluster) as node:
+                for archive in args.image:
+                    node.import_image(archive)
+                print(f"# control plane and node {node.name} Ready in {time.monotonic() - began:.1f}s")
+                print(f"# node dir {node.dir}, sandkeep root {node.root}")
+                print(f"export KUBECONFIG={cluster.kubeconfig}")
+                print(f'export PATH="{cluster.bin}:$PATH"')
+                print("# Ctrl-C stops the node and the control plane and removes everything.", flush=True)
+                while node.init is not None and node.init.poll() is None:
+                    time.sleep(0.5)
+                node.failed = True
+                print(f"localnode: the node exited\n{node.logs()}", file=sys.stderr)
+                return 1
+        except KeyboardInterrupt:
+            print("\nlocalnode: stopped", file=sys.stderr)
+            return 130
+        except ClusterError as e:
+            print(f"localnode: {e}", file=sys.stderr)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO / "hack"))
+    sys.exit(main())
