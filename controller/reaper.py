@@ -4,8 +4,9 @@ Both callers use it: the node agent (an object being deleted) and the standalone
 manifest). They differ only in who asks and how they report; every step below exists once, here.
 
     reap(target)      the directory there? -> still the run that was asked for? -> recorded orphans
-                      killed -> in use? -> still that run (a fresh read)? -> rename to a tombstone ->
-                      the run, read back through the tombstone? -> delete the tombstone (Stuck if not)
+                      killed -> in use? -> still that run (a fresh read)? (the pure `next_step`) ->
+                      rename to a tombstone -> the run, read back through the tombstone? -> delete
+                      the tombstone (Stuck if it will not go)
     leftover(tomb)    a young tombstone of another live process? -> readable? -> the caller's fate for
                       it: Finish (read back, delete), Keep (put back under its name) or Clear (delete)
 
@@ -23,9 +24,10 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from pathlib import Path
 
 from controller import commands, logs
@@ -215,6 +217,45 @@ class Hooks:
     before_delete: Hook | None = None
 
 
+# --- the decision before a rename (pure) ---------------------------------------------------------
+
+
+class Look(StrEnum):
+    """What `reap` looks at before it may rename, in this order (`ORDER`)."""
+
+    DIRECTORY = "directory"  # a real directory under its name (never a link)
+    RUN = "run"  # the manifest is the run the caller decided on
+    ORPHANS = "orphans"  # recorded orphans killed, none survived
+    IN_USE = "in-use"  # nothing uses it (unknown holds)
+    RUN_AGAIN = "run-again"  # still that run, read fresh right before the rename
+
+
+ORDER = (Look.DIRECTORY, Look.RUN, Look.ORPHANS, Look.IN_USE, Look.RUN_AGAIN)
+Stop = Held | Refused
+
+
+class Go(StrEnum):
+    RENAME = "rename"  # every look found nothing against it
+
+
+RENAME = Go.RENAME
+
+
+def next_step(found: Mapping[Look, Stop | None]) -> Look | Stop | Go:
+    """The next look to take, the reason to stop, or RENAME when every look found nothing against it.
+
+    `found` maps each look taken to what it found (None: nothing). Pure; the property that matters
+    (tests/test_agent_decide.py): no set of findings with a hold or a refusal in it ever says RENAME.
+    """
+    for look in ORDER:
+        if look not in found:
+            return look
+        stop = found[look]
+        if stop is not None:
+            return stop
+    return RENAME
+
+
 # --- the pipeline ------------------------------------------------------------------------------------
 
 
@@ -250,26 +291,21 @@ class Reaper:
     # --- a sandbox -------------------------------------------------------------------------------
 
     def reap(self, target: Target) -> Outcome:
-        """Take `target` from its directory to gone, or say why not. The caller checked it should go."""
+        """Take `target` from its directory to gone, or say why not. The caller checked it should go.
+
+        The looks before the rename are taken in `next_step`'s order, each at most once; the first that
+        finds a reason to stop is the outcome, and only when every one found nothing does it rename.
+        """
         key = target.key
         path = self.root.sandbox_path(*key)
-        try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                return Refused(Reason.LOST)  # a link or a file is never renamed: only reported
-        except FileNotFoundError:
-            return Refused(Reason.LOST)
-        except OSError as err:
-            return Held(Reason.MANIFEST_UNREAD, errno=err.errno)
-        changed = self._still_the_run(target)
-        if changed is not None:
-            return changed
-        held = self._clear_to_rename(key, path)
-        if held is not None:
-            return held
-        self._hook(self.hooks.after_check, key, None)
-        changed = self._still_the_run(target)  # a re-retain or a pin may have landed during the checks
-        if changed is not None:
-            return changed
+        found: dict[Look, Stop | None] = {}
+        while True:
+            step = next_step(found)
+            if isinstance(step, Held | Refused):
+                return step
+            if isinstance(step, Go):
+                break
+            found[step] = self._look(step, target, path)
         self._hook(self.hooks.before_rename, key, None)
         try:
             tomb = self.root.tombstone(*key, id=target.id, now=self.clock())
@@ -279,29 +315,43 @@ class Reaper:
         self._hook(self.hooks.after_rename, key, tomb)
         return self._read_back_and_delete(key, target.claim, tomb, target.cause)
 
-    def _still_the_run(self, target: Target) -> Held | Refused | None:
+    def _look(self, look: Look, target: Target, path: Path) -> Stop | None:
+        """Take one look; None when it found no reason to stop."""
+        if look is Look.DIRECTORY:
+            try:
+                is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+            except FileNotFoundError:
+                is_dir = False
+            except OSError as err:
+                return Held(Reason.MANIFEST_UNREAD, errno=err.errno)
+            return None if is_dir else Refused(Reason.LOST)  # a link or a file is never renamed: only reported
+        if look is Look.ORPHANS:
+            return self._reap_orphans(target.key, path)
+        if look is Look.IN_USE:
+            return self._check_in_use(path)
+        if look is Look.RUN_AGAIN:  # a re-retain or a pin may have landed during the checks
+            self._hook(self.hooks.after_check, target.key, None)
         same = target.claim.matches(self.root.read(*target.key))
         if same is None:
             return Held(Reason.MANIFEST_UNREAD)
         return None if same else Refused(Reason.MANIFEST_CHANGED)
 
-    def _clear_to_rename(self, key: Key, path: Path) -> Held | None:
-        """Kill recorded orphans, then ask fresh whether anything uses it. Held when anything remains.
-
-        Orphans first: their cwd is inside the sandbox, so an in-use check before the reap would hold
-        the sandbox forever on exactly the processes the reap exists to end.
-        """
+    def _reap_orphans(self, key: Key, path: Path) -> Held | None:
+        """Kill recorded orphans (before the in-use check: their cwd is inside, so checking first would
+        hold the sandbox forever on exactly the processes the reap exists to end). Survivors hold it."""
         timeout = self.orphan_timeout.total_seconds()
         reaped = commands.reap_orphans(path, timeout=timeout, kill=self.kill)
         if reaped.signalled:
             logs.say(
                 log, "orphans_reaped", reason=Reason.ORPHAN_REAPED, object="/".join(key), signalled=reaped.signalled
             )
-        if reaped.survivors:
-            return Held(Reason.ORPHAN_SURVIVOR, survivors=reaped.survivors)
+        return Held(Reason.ORPHAN_SURVIVOR, survivors=reaped.survivors) if reaped.survivors else None
+
+    def _check_in_use(self, path: Path) -> Held | None:
+        """Asked fresh right before the rename: in use, or unknown (a failed check too), holds."""
         try:
             usage = self.in_use(path)
-        except Exception as err:  # an in-use check that failed is "unknown", which holds
+        except Exception as err:
             return Held(Reason.IN_USE_UNKNOWN, error=str(err)[:300])
         if usage.holds:
             return Held(usage.reason or (Reason.IN_USE if usage.in_use else Reason.IN_USE_UNKNOWN), usage=usage)

@@ -1,0 +1,143 @@
+"""Adoption: a retained directory with a valid manifest and no object gets one, finalizer included."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from controller import contracts as c
+from controller import logs
+from controller.agent.decide import Key
+from controller.agent.report import Reporter
+from controller.agent.settings import AgentSettings
+from controller.agent.state import AgentState
+from controller.contracts import FINALIZER, Reason
+from controller.kube import Kube, KubeError, Obj
+from controller.store import Entry, Mismatch, Present, Root, Transient
+
+log = logging.getLogger("sandkeep.agent")
+
+Each = Callable[[list[Key], Callable[[Key], Awaitable[None]]], Awaitable[None]]
+
+
+class Adopter:
+    def __init__(
+        self, settings: AgentSettings, client: Kube, root: Root, state: AgentState, report: Reporter, each: Each
+    ) -> None:
+        self.s = settings
+        self.kube = client
+        self.root = root
+        self.state = state
+        self.report = report
+        self.each = each  # runs one coroutine per key, a bounded number at once
+
+    async def adopt(self, entries: Iterable[Entry]) -> dict[str, int]:
+        """Create the missing objects for a scan's sandboxes.
+
+        Returns the refused entries by reason (a bad, foreign or unreadable manifest, a missing
+        namespace) for the invalid-entries metric; each is logged with its reason code.
+        """
+        refused: Counter[str] = Counter()
+        namespaces: dict[str, bool] = {}
+        todo: dict[Key, Present] = {}
+
+        def refuse(key: Key, reason: Reason, path: Path, **kv: Any) -> None:
+            refused[reason] += 1
+            self.report.say_limited(f"adopt:{key}", "adoption_refused", reason=reason, path=path, **kv)
+
+        for entry in entries:
+            key = (entry.namespace, entry.name)
+            if key in self.state.objects:
+                continue
+            read = await asyncio.to_thread(self.root.read, *key)
+            if isinstance(read, Transient):
+                continue
+            if isinstance(read, Mismatch):
+                refuse(
+                    key,
+                    Reason.MANIFEST_MISMATCH,
+                    entry.path,
+                    claims=f"{read.manifest.namespace}/{read.manifest.name}",
+                    action="the manifest names another sandbox than its path; fix or remove the directory",
+                )
+                continue
+            if not isinstance(read, Present):
+                refuse(key, read.reason, entry.path)
+                continue
+            if entry.namespace not in namespaces:
+                namespaces[entry.namespace] = await asyncio.to_thread(self._namespace_exists, entry.namespace)
+            if not namespaces[entry.namespace]:
+                refuse(
+                    key,
+                    Reason.NAMESPACE_MISSING,
+                    entry.path,
+                    action=f"namespace {entry.namespace} does not exist; create it, or remove the directory",
+                )
+                continue
+            todo[key] = read
+        await self.each(list(todo), lambda key: self._create(key, todo[key]))
+        return refused
+
+    def _namespace_exists(self, name: str) -> bool:
+        try:
+            self.kube.request("GET", f"/api/v1/namespaces/{name}")
+        except KubeError as err:
+            if err.not_found:
+                return False
+            raise
+        return True
+
+    def _body(self, key: Key, read: Present) -> Obj:
+        """The object for a manifest: its times and job, the node, a pin it carries, our finalizer."""
+        m = read.manifest
+        spec: Obj = {
+            "nodeName": self.s.node,
+            "createdAt": m.created_at,
+            "workspace": {"path": str(self.root.sandbox_path(*key) / m.workspace)},
+        }
+        if m.retain_until:
+            spec["retainUntil"] = m.retain_until
+        if m.job_id:
+            spec["jobId"] = m.job_id
+        body: Obj = {
+            "metadata": {
+                "name": key[1],
+                "namespace": key[0],
+                "finalizers": [FINALIZER],
+                "labels": {c.LABEL_NODE: self.s.node, c.LABEL_MANAGED_BY: c.MANAGED_BY},
+            },
+            "spec": spec,
+        }
+        if m.keep_until:
+            body["metadata"]["annotations"] = {c.ANN_PIN_UNTIL: m.keep_until}
+            if m.pinned_at:
+                body["metadata"]["annotations"][c.ANN_PINNED_AT] = m.pinned_at
+        return body
+
+    async def _create(self, key: Key, read: Present) -> None:
+        try:
+            created: Obj = await asyncio.to_thread(self.kube.create_sandbox, key[0], self._body(key, read))
+        except KubeError as err:
+            terminating = err.status == 403 and "being terminated" in err.message
+            self.report.say_limited(
+                f"adopt:{key}",
+                "adoption_failed",
+                reason=Reason.CONFLICT if err.conflict else Reason.ADOPTION_FAILED,
+                object=f"{key[0]}/{key[1]}",
+                error=err.message[:300],
+                action=(
+                    f"namespace {key[0]} is being deleted: the directory is kept and retried every pass; "
+                    "remove it if it is not needed"
+                    if terminating
+                    else "retried every pass"
+                ),
+            )
+            return
+        self.state.remember(created)
+        logs.say(log, "adopted", reason=Reason.ADOPTED, object=f"{key[0]}/{key[1]}", uid=created["metadata"]["uid"])
+        where = f"adopted {self.root.sandbox_path(*key)} on node {self.s.node}"
+        await self.report.event(created, Reason.ADOPTED, where)

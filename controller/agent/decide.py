@@ -1,0 +1,148 @@
+"""The agent's decisions, pure: what one object needs next, what a tombstone is for, what status to write.
+
+No I/O, no clock, no client: `observe()` reduces an object (and whether a tombstone of it exists) to an
+`Observation`, and `next_step()` says what to do with it, as the controller's `decide()` does. The runtime
+(`runtime.py`) does what it says; the deletion itself is the shared pipeline (`controller/reaper.py`),
+whose own pure core is `reaper.next_step`. Tested without a server in tests/test_agent_decide.py.
+
+The rule that matters: only an object being deleted (the controller's decision, or a person's `kubectl
+delete`) with this agent's finalizer ever leads to the pipeline; a kept (pinned or unexpired) object is
+observed and reported, never renamed; a tombstone of a kept object is put back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from controller import kube
+from controller.contracts import FINALIZER, Condition, Reason
+from controller.inuse import Usage
+from controller.kube import Obj
+from controller.reaper import Claim, Clear, Fate, Finish, Keep
+
+Key = tuple[str, str]
+OWNED_CONDITIONS = (Condition.DISK_PRESENT, Condition.IN_USE, Condition.TOMBSTONE_STUCK, Condition.ORPHANS_SURVIVED)
+OWNED_FIELDS = ("sizeBytes", "fileCount", "inUse", "heldBy", "tombstone")
+
+
+def finalizers(obj: Obj) -> list[str]:
+    return list(obj.get("metadata", {}).get("finalizers") or [])
+
+
+# --- one object ----------------------------------------------------------------------------------------
+
+
+class Step(StrEnum):
+    IGNORE = "ignore"  # not this node's, gone, or deleting without our finalizer: nothing of ours to do
+    ADD_FINALIZER = "add-finalizer"  # ours and kept, but not yet guarded: add the finalizer first
+    REPORT = "report"  # ours and kept: observe the directory and write status
+    FINISH = "finish"  # being deleted and already renamed aside: read back and delete the tombstone
+    REAP = "reap"  # being deleted: the whole pipeline (it holds or refuses when it must)
+
+
+@dataclass(frozen=True)
+class Observation:
+    mine: bool  # spec.nodeName is this node
+    deleting: bool  # the delete request: metadata.deletionTimestamp
+    guarded: bool  # carries this agent's finalizer
+    tombstone: bool  # a tombstone named after this object's uid is in the root
+
+
+def observe(obj: Obj | None, node: str, tombstone: bool) -> Observation | None:
+    if obj is None:
+        return None
+    mine = (obj.get("spec") or {}).get("nodeName") == node
+    return Observation(mine, kube.is_deleting(obj), FINALIZER in finalizers(obj), tombstone)
+
+
+def next_step(seen: Observation | None) -> Step:
+    """What one object needs next. Only a deleting, guarded object of this node goes to the pipeline."""
+    if seen is None or not seen.mine:
+        return Step.IGNORE
+    if seen.deleting:
+        if not seen.guarded:
+            return Step.IGNORE
+        return Step.FINISH if seen.tombstone else Step.REAP
+    return Step.REPORT if seen.guarded else Step.ADD_FINALIZER
+
+
+def claim_of(obj: Obj) -> Claim:
+    """What deleting this object asks for: the run it describes (createdAt, jobId), never another one.
+
+    A job retained again under the same name is another run, which deleting this object must not delete.
+    """
+    spec = obj.get("spec") or {}
+    return Claim(created_at=kube.sandbox_facts(obj).created_at, job_id=spec.get("jobId") or None)
+
+
+def fate(obj: Obj | None) -> Fate:
+    """What a tombstone of `obj` (None: of no object) is for: finish its deletion, put it back, or clear it.
+
+    Its object deleting (and guarded): finish that deletion. Its object alive and not deleting (nothing
+    the agent does leaves that; a hand-made rename would): put it back, never delete a sandbox still
+    wanted. No object, or one deleting without our finalizer: nobody's, cleared.
+    """
+    if obj is not None and kube.is_deleting(obj) and FINALIZER in finalizers(obj):
+        return Finish(kube.key_of(obj), claim_of(obj), Reason.DELETED)
+    if obj is not None and not kube.is_deleting(obj):
+        return Keep(kube.key_of(obj), Reason.TOMBSTONE_PINNED)
+    return Clear()
+
+
+# --- status ---------------------------------------------------------------------------------------------
+
+
+def _strip(cond: Obj) -> Obj:
+    return {k: v for k, v in cond.items() if k != "lastTransitionTime"}
+
+
+def owned_view(status: Obj) -> Obj:
+    """The part of a status this agent owns, in a comparable shape (condition times left out)."""
+    view: Obj = {k: status[k] for k in OWNED_FIELDS if k in status}
+    if status.get("phase") is not None:
+        view["phase"] = status["phase"]
+    conds = {cd["type"]: _strip(cd) for cd in status.get("conditions") or [] if cd.get("type") in OWNED_CONDITIONS}
+    view["conditions"] = conds
+    return view
+
+
+def status_changed(obj: Obj, desired: Obj, *, deleting: bool) -> bool:
+    """Whether applying `desired` would change anything the agent owns (phase only counts while deleting)."""
+    have = owned_view(obj.get("status") or {})
+    want = owned_view(desired)
+    if not deleting:
+        have.pop("phase", None)
+        want.pop("phase", None)
+    return have != want
+
+
+def orphans_pending(pids: frozenset[int]) -> Usage:
+    """Not in use; heldBy and the InUse condition say which orphans a deletion will reap first."""
+    listed = ",".join(str(p) for p in sorted(pids))
+    why = (
+        f"only orphans of a killed `sandkeep exec` use it: pids {listed}, "
+        "which are killed (SIGKILL) before the sandbox is deleted"
+    )
+    return Usage(False, (why,), Reason.ORPHANS_PENDING, pids)
+
+
+def discount_orphans(
+    usage: Mapping[Key, Usage], paths: Mapping[Key, Path], orphans_of: Callable[[Path], frozenset[int]]
+) -> dict[Key, Usage]:
+    """The pass's answers, with a sandbox used only by its own recorded orphans reported as not in use.
+
+    Orphans (what a killed `sandkeep exec` left running) are debris: they are SIGKILLed on the way to
+    deletion, before the in-use check right before the rename. Counting them as users would hold an
+    expired sandbox forever, since only a deletion reaps them. Any other holder (a live command, a
+    process nobody recorded, a Pod, a mount, a process that cannot be inspected) keeps it in use.
+    `orphans_of` reads the records (commands.orphan_pids); it is asked only for sandboxes held by
+    processes alone, and signals nothing.
+    """
+    out = dict(usage)
+    for key, answer in usage.items():
+        if answer.in_use is True and answer.only_pids and answer.held_only_by(orphans_of(paths[key])):
+            out[key] = orphans_pending(answer.pids)
+    return out

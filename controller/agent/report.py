@@ -1,0 +1,396 @@
+"""What the agent says: status and conditions on its objects, Events, metrics and log lines.
+
+Everything a person or Prometheus reads about a node comes from here; nothing here decides. `outcome()`
+turns one result of the deletion pipeline (`controller/reaper.py`) into status, an Event, metrics and a
+line, and tells the runtime what follows (`After`): remove the finalizer, retry later, or nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno as E
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from enum import Enum
+from typing import Any
+
+from controller import commands, kube, logs, metrics
+from controller.agent.decide import Key, finalizers, status_changed
+from controller.agent.settings import AgentSettings
+from controller.agent.state import AgentState
+from controller.contracts import FINALIZER, Condition, Phase, Reason
+from controller.inuse import Usage
+from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj
+from controller.reaper import Deleted, Held, Outcome, Reaper, Refused, Restored, Stuck
+from controller.store import Root, Tombstone
+
+log = logging.getLogger("sandkeep.agent")
+
+
+class After(Enum):
+    NOTHING = "nothing"
+    FINISH = "finish"  # the directory is gone, or is not this object's: remove the finalizer
+    RETRY = "retry"  # held or unread: process the object again after its backoff
+
+
+def errno_name(code: int | None) -> str:
+    return E.errorcode.get(code or 0, str(code))
+
+
+def stuck_message(sandbox: str, node: str, tombstone: str, errno: int | None, path: str | None) -> str:
+    """The TombstoneStuck condition's words (`doctor` reads the errno and path back from them)."""
+    return (
+        f"sandbox {sandbox} on node {node}: tombstone {tombstone} could not be deleted: "
+        f"{errno_name(errno)} at {path}. Retried every pass; fix the cause "
+        "(e.g. `chattr -i`, a mount, a file owned by another account) and it goes."
+    )
+
+
+def conditions(obj: Obj) -> list[Obj]:
+    return list((obj.get("status") or {}).get("conditions") or [])
+
+
+class Reporter:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        client: Kube,
+        root: Root,
+        agent_metrics: metrics.AgentMetrics,
+        state: AgentState,
+        sizes: Callable[[], dict[Key, tuple[int, int]]],
+    ) -> None:
+        self.s = settings
+        self.kube = client
+        self.root = root
+        self.m = agent_metrics
+        self.state = state
+        self.sizes = sizes
+
+    # --- lines and Events ------------------------------------------------------------------------------
+
+    def say_limited(self, subject: str, event: str, level: int = logging.WARNING, **kv: Any) -> None:
+        """Log `event` about `subject` when first seen and then at most once per relog period; a subject
+        whose event or reason changes (adoption failed, then its namespace went missing) is news at once."""
+        now, what = time.monotonic(), f"{event} {kv.get('reason')}"
+        last = self.state.said.get(subject)
+        if last is not None and last[1] == what and now - last[0] < self.s.relog_every.total_seconds():
+            return
+        self.state.said[subject] = (now, what)
+        logs.say(log, event, level=level, **kv)
+
+    async def event(self, obj: Obj, reason: Reason, message: str, type_: str = "Normal") -> None:
+        """Post an Event once per (object, reason, message): a retry is not news."""
+        uid = obj["metadata"].get("uid", "")
+        if self.state.events.get((uid, str(reason))) == message:
+            return
+        self.state.events[(uid, str(reason))] = message
+        await asyncio.to_thread(self.kube.post_event, obj, reason, message, type_, "sandkeep-agent")
+
+    def check_spec_path(self, obj: Obj) -> None:
+        """spec.workspace.path is never used for disk work; one pointing elsewhere is reported, not followed."""
+        key = kube.key_of(obj)
+        given = ((obj.get("spec") or {}).get("workspace") or {}).get("path")
+        mine = self.root.sandbox_path(*key)
+        if given and not (given == str(mine) or given.startswith(f"{mine}/")):
+            self.say_limited(
+                f"path:{key}",
+                "spec_path_refused",
+                reason=Reason.PATH_OUTSIDE_ROOT,
+                object=f"{key[0]}/{key[1]}",
+                path=given,
+                action=f"the agent only ever works on {mine}; fix spec.workspace.path",
+            )
+
+    # --- status ----------------------------------------------------------------------------------------
+
+    def disk_condition(self, obj: Obj) -> Obj:
+        path = self.root.sandbox_path(*kube.key_of(obj))
+        where = f"{path} on node {self.s.node}"
+        status: bool | str
+        try:
+            present = stat.S_ISDIR(os.lstat(path).st_mode)
+            status, reason, message = (
+                (True, Reason.RETAINED, where)
+                if present
+                else (False, Reason.LOST, f"{where}: it is not a directory (never followed)")
+            )
+        except FileNotFoundError:
+            status, reason, message = False, Reason.LOST, f"{where}: it does not exist"
+        except OSError as err:
+            status, reason, message = "Unknown", Reason.MANIFEST_UNREAD, f"{path}: {os.strerror(err.errno or 0)}"
+        return kube.condition(Condition.DISK_PRESENT, status, reason, message, previous=conditions(obj))
+
+    def in_use_condition(self, obj: Obj, usage: Usage | None) -> Obj:
+        prev = conditions(obj)
+        if usage is not None and usage.in_use is False and usage.reason is not None:  # e.g. OrphansPending
+            return kube.condition(Condition.IN_USE, False, usage.reason, "; ".join(usage.holders), previous=prev)
+        if usage is None or usage.in_use is False:
+            return kube.condition(
+                Condition.IN_USE, False, Reason.RETAINED, "nothing on the node uses it", previous=prev
+            )
+        status: bool | str = True if usage.in_use else "Unknown"
+        assert usage.reason is not None
+        return kube.condition(Condition.IN_USE, status, usage.reason, "; ".join(usage.holders), previous=prev)
+
+    def observed_status(self, obj: Obj) -> Obj:
+        """What the agent reports about a live object: presence, size, use."""
+        key = kube.key_of(obj)
+        usage = self.state.usage.get(key)
+        status: Obj = {
+            "inUse": bool(usage is not None and usage.holds),
+            "conditions": [self.disk_condition(obj), self.in_use_condition(obj, usage)],
+        }
+        if usage is not None and usage.holders:
+            status["heldBy"] = list(usage.holders)
+        size = self.sizes().get(key)
+        if size is not None and key in self.state.present:
+            status["sizeBytes"], status["fileCount"] = size
+        return status
+
+    def deleting_status(
+        self,
+        obj: Obj,
+        phase: Phase,
+        *,
+        extra: list[Obj] | None = None,
+        held_by: list[str] | None = None,
+        usage: Usage | None = None,
+        tombstone: str | None = None,
+    ) -> Obj:
+        status: Obj = {
+            "phase": str(phase),
+            "inUse": bool(usage is not None and usage.holds) or bool(held_by),
+            "conditions": [self.disk_condition(obj), self.in_use_condition(obj, usage), *(extra or [])],
+        }
+        if held_by:
+            status["heldBy"] = held_by[:32]
+        if tombstone:
+            status["tombstone"] = tombstone
+        return status
+
+    async def apply(self, obj: Obj, status: Obj, *, deleting: bool = False) -> Obj:
+        """Server-side apply of the agent's part of status, only when it changes anything."""
+        if not status_changed(obj, status, deleting=deleting):
+            return obj
+        try:
+            updated: Obj = await asyncio.to_thread(self.kube.apply_status, obj, status, AGENT_MANAGER)
+        except KubeError as err:
+            if err.not_found:
+                return obj
+            raise
+        self.state.remember(updated)
+        return updated
+
+    # --- one outcome of the deletion pipeline ------------------------------------------------------------
+
+    async def outcome(self, obj: Obj | None, tombstone: str | None, outcome: Outcome) -> After:
+        """Say one pipeline outcome where a person looks; what follows for the object."""
+        ours = obj is not None and kube.is_deleting(obj) and FINALIZER in finalizers(obj)
+        mine = obj if ours else None
+        ref = "/".join(kube.key_of(obj)) if mine is not None and obj is not None else None
+        if isinstance(outcome, Deleted):
+            self.m.deletion_duration.labels(self.s.node).observe(outcome.seconds)
+            self.m.deletions.labels(self.s.node, str(outcome.reason)).inc()
+            self.state.said.pop(f"stuck:{outcome.tombstone}", None)
+            logs.say(
+                log, "deleted", reason=outcome.reason, object=ref, tombstone=outcome.tombstone, files=outcome.files
+            )
+        elif isinstance(outcome, Stuck):
+            if outcome.tried:
+                await self._stuck(mine, outcome)
+            return After.NOTHING
+        elif isinstance(outcome, Restored):
+            self.say_limited(
+                f"restore:{outcome.tombstone}",
+                "tombstone_restored",
+                reason=outcome.reason,
+                object="/".join(outcome.key),
+                tombstone=outcome.tombstone,
+            )
+            if outcome.reason != Reason.MANIFEST_CHANGED:
+                return After.NOTHING  # a kept object's tombstone put back: nothing to finish
+        elif isinstance(outcome, Refused) and outcome.reason != Reason.LOST and obj is not None:
+            # Another run retained under this name since the object was made: not this object's to delete.
+            self.say_limited(
+                f"other-run:{obj['metadata']['uid']}",
+                "deletion_skipped",
+                reason=outcome.reason,
+                object="/".join(kube.key_of(obj)),
+                action="the directory holds another run; it stays on disk and is adopted as its own object",
+            )
+        elif isinstance(outcome, Held):
+            return await self._held(mine, tombstone or outcome.tombstone, outcome)
+        return After.FINISH if ours else After.NOTHING
+
+    async def _held(self, obj: Obj | None, tombstone: str | None, held: Held) -> After:
+        """A deletion (or a tombstone) that waits: say why where a person looks, and try again later."""
+        if held.reason == Reason.TOMBSTONE_FOREIGN:
+            self.say_limited(
+                f"foreign:{tombstone}",
+                "tombstone_skipped",
+                level=logging.INFO,
+                reason=held.reason,
+                tombstone=tombstone,
+                pid=held.pid,
+            )
+            return After.NOTHING
+        if held.tombstone is not None and held.reason != Reason.MANIFEST_UNREAD:
+            self.say_limited(
+                f"restore:{held.tombstone}",
+                "tombstone_held",
+                reason=held.reason,
+                object="/".join(held.key) if held.key else None,
+                tombstone=held.tombstone,
+            )
+            return After.NOTHING
+        if obj is None:
+            return After.NOTHING
+        key = kube.key_of(obj)
+        if held.survivors:
+            await self._held_by_survivors(obj, held.survivors)
+        elif held.usage is not None or held.reason in (Reason.IN_USE, Reason.IN_USE_UNKNOWN, Reason.POD_MOUNT):
+            usage = held.usage or Usage(None, (held.error or "the in-use check failed",), Reason.IN_USE_UNKNOWN)
+            await self._held_in_use(obj, usage)
+        elif held.reason != Reason.MANIFEST_UNREAD:  # the rename failed: counted, said, retried
+            self.m.deletion_failures.labels(self.s.node, str(held.reason)).inc()
+            self.say_limited(
+                f"rename:{obj['metadata']['uid']}",
+                "rename_failed",
+                reason=held.reason,
+                object="/".join(key),
+                error=held.error,
+            )
+            await self.apply(obj, self.deleting_status(obj, Phase.DELETING), deleting=True)
+        return After.RETRY  # a manifest that could not be read just now: decided again on a read that works
+
+    async def _held_by_survivors(self, obj: Obj, survivors: tuple[commands.Survivor, ...]) -> None:
+        key = kube.key_of(obj)
+        where = f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held"
+        message = commands.survivors_message(where, survivors, self.s.orphan_timeout.total_seconds())
+        cond = kube.condition(
+            Condition.ORPHANS_SURVIVED, True, Reason.ORPHAN_SURVIVOR, message, previous=conditions(obj)
+        )
+        status = self.deleting_status(obj, Phase.HELD, extra=[cond], held_by=[str(s) for s in survivors])
+        await self.apply(obj, status, deleting=True)
+        await self.event(obj, Reason.ORPHAN_SURVIVOR, message, "Warning")
+        self.say_limited(
+            f"survivors:{obj['metadata']['uid']}",
+            "deletion_held",
+            reason=Reason.ORPHAN_SURVIVOR,
+            object="/".join(key),
+            survivors=" ".join(str(s.pid) for s in survivors),
+        )
+
+    async def _held_in_use(self, obj: Obj, usage: Usage) -> None:
+        key = kube.key_of(obj)
+        message = (
+            f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held, "
+            f"{'in use' if usage.in_use else 'use cannot be ruled out'} by {'; '.join(usage.holders)}. "
+            "It is deleted once nothing uses it (checked again at least every pass)."
+        )
+        status = self.deleting_status(obj, Phase.HELD, held_by=list(usage.holders), usage=usage)
+        await self.apply(obj, status, deleting=True)
+        await self.event(obj, usage.reason or Reason.IN_USE, message, "Warning")
+        self.say_limited(
+            f"held:{obj['metadata']['uid']}",
+            "deletion_held",
+            reason=usage.reason,
+            object="/".join(key),
+            holders=len(usage.holders),
+        )
+
+    async def _stuck(self, obj: Obj | None, stuck: Stuck) -> None:
+        """A tombstone that would not go: metrics, a rate-limited line, and for an object Stuck + an Event.
+
+        Retried by the next pass's tombstone sweep; the metric and the condition are always current.
+        """
+        self.m.deletion_failures.labels(self.s.node, str(stuck.cause)).inc()
+        errno = errno_name(stuck.errno)
+        if obj is None:
+            self.say_limited(
+                f"stuck:{stuck.tombstone}",
+                "tombstone_stuck",
+                reason=stuck.reason,
+                tombstone=stuck.tombstone,
+                errno=errno,
+                path=stuck.path,
+                orphan=True,
+            )
+            return
+        key = kube.key_of(obj)
+        message = stuck_message(f"{key[0]}/{key[1]}", self.s.node, stuck.tombstone, stuck.errno, stuck.path)
+        cond = kube.condition(Condition.TOMBSTONE_STUCK, True, stuck.cause, message, previous=conditions(obj))
+        status = self.deleting_status(obj, Phase.STUCK, extra=[cond], tombstone=stuck.tombstone)
+        await self.apply(obj, status, deleting=True)
+        await self.event(obj, Reason.TOMBSTONE_STUCK, message, "Warning")
+        self.say_limited(
+            f"stuck:{stuck.tombstone}",
+            "tombstone_stuck",
+            reason=stuck.reason,
+            object=f"{key[0]}/{key[1]}",
+            tombstone=stuck.tombstone,
+            errno=errno,
+            path=stuck.path,
+        )
+
+    # --- the node's metrics ----------------------------------------------------------------------------
+
+    def strays(self, strays: Iterable[Any], refused: dict[str, int]) -> None:
+        counts: dict[str, int] = dict(refused)
+        for stray in strays:
+            counts[str(stray.reason)] = counts.get(str(stray.reason), 0) + 1
+            self.say_limited(
+                f"stray:{stray.rel}",
+                "invalid_entry",
+                reason=stray.reason,
+                path=stray.path,
+                action="not a sandbox: never followed; remove it by hand if it is not needed",
+            )
+        self.m.invalid_entries.clear()
+        for reason, n in counts.items():
+            self.m.invalid_entries.labels(self.s.node, reason).set(n)
+
+    def node_metrics(self, tombstones: list[Tombstone], reaper: Reaper) -> None:
+        node = self.s.node
+        now = datetime.now(UTC)
+        live = {t.name for t in self.root.tombstones()}
+        reaper.forget(live)
+        remaining = [t for t in tombstones if t.name in live]
+        ages = [t.age(now).total_seconds() for t in remaining if t.age(now) >= self.s.stuck_after]
+        self.m.tombstones.labels(node).set(len(remaining))
+        self.m.tombstones_stuck.labels(node).set(len(ages))
+        self.m.tombstone_stuck_oldest.labels(node).set(max(ages, default=0))
+        phases: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        known = self.sizes()
+        for key, obj in self.state.objects.items():
+            phase = (obj.get("status") or {}).get("phase") or "Unknown"
+            phases[phase] = phases.get(phase, 0) + 1
+            sizes[phase] = sizes.get(phase, 0) + known.get(key, (0, 0))[0]
+        self.m.sandboxes.clear()
+        self.m.retained_bytes.clear()
+        for phase, n in phases.items():
+            self.m.sandboxes.labels(node, phase).set(n)
+            self.m.retained_bytes.labels(node, phase).set(sizes[phase])
+        self.m.in_use_holds.labels(node).set(sum(1 for u in self.state.usage.values() if u.holds))
+        with contextlib.suppress(OSError):
+            vfs = os.statvfs(self.root.path)
+            self.m.root_size.labels(node).set(vfs.f_blocks * vfs.f_frsize)
+            self.m.root_avail.labels(node).set(vfs.f_bavail * vfs.f_frsize)
+
+
+def orphan_report(reaper: Reaper) -> list[Obj]:
+    """Stuck tombstones with no object, for `doctor` (published on the heartbeat Lease)."""
+    now = time.monotonic()
+    out = []
+    for name, info in sorted(reaper.stuck.items()):
+        if info.key is None:
+            failing = int(now - info.first_failed)
+            out.append({"name": name, "errno": errno_name(info.errno), "path": info.path, "failingFor": failing})
+    return out

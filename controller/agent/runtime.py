@@ -1,0 +1,419 @@
+"""The agent's runtime: the watch feeding the cache, the work queue, the passes, the heartbeat.
+
+One asyncio loop, one worker: every object is processed level-triggered (`process(key)` may run any
+number of times and always moves the object one safe step closer to what its state asks, as
+`decide.next_step` says). Blocking work runs in threads: API calls and disk reads in the default
+executor, the deletion pipeline (`controller/reaper.py`) in the agent's own reap threads. A pass:
+leftover tombstones first, then the disk scan, in-use, adoption, every object, metrics, the heartbeat.
+Between passes, queued keys (watch events, size changes, retries with per-key backoff) are processed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from controller import commands, kube, leases, logs, metrics
+from controller import contracts as c
+from controller.agent.adoption import Adopter
+from controller.agent.decide import Key, Step, claim_of, discount_orphans, fate, finalizers, next_step, observe
+from controller.agent.report import After, Reporter, orphan_report
+from controller.agent.settings import (
+    HEARTBEAT_EVERY,
+    PARALLEL,
+    SEAM_KILL_AFTER_RENAME,
+    SEAM_KILL_DURING_DELETE,
+    AgentSettings,
+)
+from controller.agent.sizer import Sizer
+from controller.agent.state import AgentState, slim
+from controller.agent.watch import Watcher
+from controller.contracts import FINALIZER, Phase, Reason
+from controller.inuse import Usage, scan_usage
+from controller.kube import Kube, KubeError, Obj
+from controller.reaper import Hooks, Outcome, Reaper, Target
+from controller.store import Root, Tombstone
+from controller.workqueue import WorkQueue
+
+log = logging.getLogger("sandkeep.agent")
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        client: Kube,
+        root: Root,
+        agent_metrics: metrics.AgentMetrics,
+        *,
+        kill: commands.Kill = os.kill,
+    ) -> None:
+        self.s = settings
+        self.kube = client
+        self.root = root
+        self.m = agent_metrics
+        self.state = AgentState()
+        self.queue: WorkQueue[Key] = WorkQueue()  # a held or failed key comes back with per-key backoff
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.sizer = Sizer(root, self._size_changed)
+        self.report = Reporter(settings, client, root, agent_metrics, self.state, lambda: self.sizer.sizes)
+        self.adopter = Adopter(settings, client, root, self.state, self.report, self._each)
+        self.identity = leases.default_identity()
+        self.ignore = {os.getpid(), *settings.ignore_pids}
+        self.last_orphans_published: str | None = None
+        self.stopping = asyncio.Event()
+        self.started = time.monotonic()
+        self.last_pass: float | None = None
+        self.reaper = Reaper(
+            root,
+            self._in_use_now,
+            stuck_after=settings.stuck_after,
+            orphan_timeout=settings.orphan_timeout,
+            kill=kill,
+            hooks=Hooks(after_rename=self._after_rename, before_delete=self._before_delete),
+        )
+        # The pipeline's own threads: a reap may wait on the loop (before_delete reports Deleting), whose
+        # API calls use the default executor, so the two never wait on each other.
+        self.reap_pool = ThreadPoolExecutor(PARALLEL, "reap")
+
+    def healthy(self) -> bool:
+        """Live while passes keep completing: a wedged loop (or a pass stuck on a hung mount) fails /healthz."""
+        budget = max(3 * self.s.scan_interval.total_seconds(), 300.0)
+        last = self.last_pass if self.last_pass is not None else self.started
+        return time.monotonic() - last < budget
+
+    # --- the watch and the queue -----------------------------------------------------------------------
+
+    def _size_changed(self, key: Key) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.queue.add, key)
+
+    def _deliver(self, kind: str, payload: Any) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._on_event, kind, payload)
+
+    def _on_event(self, kind: str, payload: Any) -> None:
+        if kind == "reset":
+            self.state.objects = {kube.key_of(o): slim(o) for o in payload if self._mine(o)}
+            self.state.synced = True
+            for key in self.state.objects:
+                self.queue.add(key)
+            return
+        obj: Obj = payload
+        if not self._mine(obj):
+            return
+        key = kube.key_of(obj)
+        if kind == "DELETED":
+            self.state.objects.pop(key, None)
+            self.queue.drop(key)
+            return
+        self.state.remember(obj)
+        self.queue.add(key)
+
+    def _mine(self, obj: Obj) -> bool:
+        return (obj.get("spec") or {}).get("nodeName") == self.s.node
+
+    def _later(self, key: Key) -> float:
+        """Process `key` again after its backoff (doubling while it stays held or failing; every pass
+        processes it too); one pending retry per object, however often it is asked for."""
+        return self.queue.add_rate_limited(key)
+
+    # --- run -------------------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.stopping = stop
+        self.sizer.start()
+        watcher = Watcher(self.kube, self.s.node, self._deliver)
+        watcher.start()
+        interval = self.s.scan_interval.total_seconds()
+        beat = asyncio.create_task(self._heartbeat_loop(stop))
+        try:
+            while not self.state.synced and not stop.is_set():
+                await asyncio.sleep(0.05)
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    await self.full_pass()
+                except Exception as err:
+                    logs.say(log, "pass_failed", level=logging.ERROR, reason=Reason.AGENT_ERROR, error=repr(err)[:500])
+                await self._drain(stop, started + interval)
+        finally:
+            watcher.stopping.set()
+            self.sizer.stop()
+            beat.cancel()
+            self.reap_pool.shutdown(wait=False)
+
+    async def _drain(self, stop: asyncio.Event, until: float) -> None:
+        """Process queued objects until the next pass is due."""
+        while not stop.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                key = await asyncio.wait_for(self.queue.get(), timeout=min(left, 0.5))
+            except TimeoutError:
+                continue
+            try:
+                await self._process_logged(key)
+            finally:
+                self.queue.done(key)
+
+    # --- one pass --------------------------------------------------------------------------------------
+
+    async def full_pass(self) -> None:
+        """Leftover tombstones first; then the disk scan, in-use, adoption, every object, metrics, heartbeat."""
+        self.reaper.begin_pass()
+        await self.clear_tombstones()
+        t0 = time.monotonic()
+        scan = await asyncio.to_thread(self.root.scan)
+        self.m.scan_duration.labels(self.s.node).observe(time.monotonic() - t0)
+        keys = {(e.namespace, e.name): e.path for e in scan.sandboxes}
+        self.state.present = set(keys)
+        pods = await asyncio.to_thread(self._pod_paths) or []  # a deletion asks again, and holds without them
+        usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
+        self.state.usage = await asyncio.to_thread(discount_orphans, usage, keys, commands.orphan_pids)
+        refused = await self.adopter.adopt(scan.sandboxes)
+        self.sizer.request(keys)
+        self._prune(set(keys))
+        await self._each(list(self.state.objects), self._process_logged)
+        self.report.strays(scan.strays, refused)
+        self.report.node_metrics(scan.tombstones, self.reaper)
+        await self._heartbeat()
+        self.last_pass = time.monotonic()
+
+    def _prune(self, present: set[Key]) -> None:
+        """Forget what belongs to sandboxes and objects that are gone, so a churning node's agent stays small."""
+        for key in list(self.sizer.sizes):  # list(): one C-level copy, safe beside the sizer thread
+            if key not in present:
+                self.sizer.sizes.pop(key, None)
+        uids = {o["metadata"].get("uid") for o in self.state.objects.values()}
+        for event_key in [k for k in self.state.events if k[0] not in uids]:
+            self.state.events.pop(event_key, None)
+        horizon = time.monotonic() - self.s.relog_every.total_seconds()
+        for subject in [k for k, (t, _) in self.state.said.items() if t < horizon]:
+            self.state.said.pop(subject, None)
+
+    async def _process_logged(self, key: Key) -> None:
+        try:
+            await self.process(key)
+        except Exception as err:  # retried with backoff: a warning per attempt, further apart each time
+            delay = self._later(key)
+            logs.say(
+                log,
+                "process_failed",
+                level=logging.WARNING,
+                reason=Reason.AGENT_ERROR,
+                object="/".join(key),
+                error=repr(err)[:500],
+                retry_in=f"{delay:.1f}s",
+            )
+
+    async def _each(self, keys: list[Key], fn: Callable[[Key], Awaitable[None]], limit: int = PARALLEL) -> None:
+        """Run `fn` for every key, at most `limit` at a time: API latency, not CPU, bounds a pass over
+        thousands of objects. Keys are distinct, so no object is ever worked on twice at once. A stop
+        request ends the pass early: every step is idempotent, so the next agent picks up the rest."""
+        gate = asyncio.Semaphore(limit)
+
+        async def one(key: Key) -> None:
+            async with gate:
+                if not self.stopping.is_set():
+                    await fn(key)
+
+        await asyncio.gather(*(one(k) for k in keys))
+
+    def _pod_paths(self) -> list[tuple[str, Path]] | None:
+        """hostPath volumes of the Pods on this node: a Pod that mounts a sandbox uses it. None: unlisted."""
+        try:
+            pods = self.kube.request("GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={self.s.node}"})
+        except KubeError as err:
+            # Without the Pod list a mount cannot be ruled out: holds come from /proc alone this pass.
+            self.report.say_limited("pods", "pods_unlisted", reason=Reason.IN_USE_UNKNOWN, error=str(err)[:200])
+            return None
+        out = []
+        for pod in pods.get("items", []):
+            meta = pod.get("metadata", {})
+            for vol in (pod.get("spec") or {}).get("volumes") or []:
+                hp = (vol.get("hostPath") or {}).get("path")
+                if hp:
+                    out.append((f"{meta.get('namespace')}/{meta.get('name')}", Path(hp)))
+        return out
+
+    # --- one object ------------------------------------------------------------------------------------
+
+    async def process(self, key: Key) -> None:
+        """Do what `decide.next_step` says this object needs next."""
+        obj = self.state.objects.get(key)
+        uid = obj["metadata"]["uid"] if obj is not None else ""
+        tomb = await asyncio.to_thread(self._tombstone_of, uid) if obj is not None and kube.is_deleting(obj) else None
+        step = next_step(observe(obj, self.s.node, tomb is not None))
+        if obj is None or step is Step.IGNORE:
+            return
+        if step is Step.FINISH and tomb is not None:
+            outcome = await self._pipeline(self.reaper.leftover, tomb, lambda _read: fate(obj))
+            await self._after(obj, key, tomb.name, outcome)
+            return
+        if step is Step.REAP:
+            target = Target(*key, uid, claim_of(obj), Reason.DELETED)
+            await self._after(obj, key, None, await self._pipeline(self.reaper.reap, target))
+            return
+        if step is Step.ADD_FINALIZER:
+            added = await self._add_finalizer(obj)
+            if added is None:
+                return
+            obj = added
+        self.report.check_spec_path(obj)
+        await self.report.apply(obj, self.report.observed_status(obj))
+        self.queue.forget(key)
+
+    async def _add_finalizer(self, obj: Obj) -> Obj | None:
+        meta = obj["metadata"]
+        ops: list[Obj] = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}]
+        if meta.get("finalizers"):
+            ops.append({"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER})
+        else:
+            ops.append({"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]})
+        try:
+            updated: Obj = await asyncio.to_thread(
+                self.kube.request,
+                "PATCH",
+                kube.sandbox_path(meta["namespace"], meta["name"]),
+                body=ops,
+                content_type="application/json-patch+json",
+            )
+        except KubeError as err:
+            if err.status in (404, 409, 422):
+                return None  # changed or gone meanwhile: the watch brings the fresh object
+            raise
+        self.state.remember(updated)
+        return updated
+
+    # --- deletion: the shared pipeline, run in the reap threads ------------------------------------------
+
+    def _tombstone_of(self, uid: str) -> Tombstone | None:
+        return next((t for t in self.root.tombstones() if t.id == uid), None)
+
+    async def _pipeline(self, fn: Callable[..., Outcome], *args: Any) -> Outcome:
+        """Run a pipeline step in the reap threads: the loop keeps serving the watch and the heartbeat."""
+        return await asyncio.get_running_loop().run_in_executor(self.reap_pool, functools.partial(fn, *args))
+
+    async def clear_tombstones(self) -> None:
+        """Every tombstone in the root, before anything else in a pass: finished, put back or cleared as
+        `decide.fate` says (a young one of another live process is left to it)."""
+        by_uid = {o["metadata"]["uid"]: o for o in self.state.objects.values()}
+        for tomb in await asyncio.to_thread(self.root.tombstones):
+            obj = by_uid.get(tomb.id)
+            outcome = await self._pipeline(self.reaper.leftover, tomb, lambda _read, o=obj: fate(o))
+            await self._after(obj, kube.key_of(obj) if obj is not None else None, tomb.name, outcome)
+
+    async def _after(self, obj: Obj | None, key: Key | None, tombstone: str | None, outcome: Outcome) -> None:
+        after = await self.report.outcome(obj, tombstone, outcome)
+        if after is After.FINISH and obj is not None:
+            await self._finish(self.state.newest(obj), tombstone)
+        elif after is After.RETRY and key is not None:
+            self._later(key)
+
+    def _in_use_now(self, path: Path) -> Usage:
+        """The pipeline's in-use check (in a reap thread): /proc and this node's Pods, asked fresh.
+
+        No Pod list, no way to rule out a Pod that mounts it: unknown, which holds.
+        """
+        key = (path.parent.name, path.name)
+        pods = self._pod_paths()
+        usage = scan_usage({key: path}, pods or [], Path("/proc"), self.ignore)[key]
+        if pods is None and not usage.in_use:
+            usage = Usage(None, ("the Pods on this node could not be listed",), Reason.IN_USE_UNKNOWN)
+        self.state.usage[key] = usage
+        return usage
+
+    def _after_rename(self, key: Key, tomb: Tombstone | None) -> None:
+        if os.environ.get(SEAM_KILL_AFTER_RENAME):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _before_delete(self, key: Key, tomb: Tombstone | None) -> None:
+        """Report Deleting (and the tombstone's name) before a delete that may take a while, from the reap
+        thread. A stuck tombstone keeps its Stuck status meanwhile, so the phase does not flap."""
+        seam = os.environ.get(SEAM_KILL_DURING_DELETE)
+        if seam:
+            threading.Timer(float(seam), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        obj = self.state.objects.get(key)
+        if obj is None or tomb is None or self.loop is None or not kube.is_deleting(obj):
+            return
+        status = obj.get("status") or {}
+        if tomb.name in self.reaper.stuck or (
+            status.get("phase") == str(Phase.STUCK) and status.get("tombstone") == tomb.name
+        ):
+            return
+        deleting = self.report.deleting_status(obj, Phase.DELETING, tombstone=tomb.name)
+        done = asyncio.run_coroutine_threadsafe(self.report.apply(obj, deleting, deleting=True), self.loop)
+        try:
+            done.result(timeout=60)
+        except Exception as err:  # a report that failed never stops a deletion
+            self.report.say_limited(f"report:{key}", "status_failed", reason=Reason.AGENT_ERROR, error=repr(err)[:300])
+
+    async def _finish(self, obj: Obj, tombstone: str | None) -> None:
+        """Remove the finalizer, guarded by resourceVersion; on a conflict read fresh and try again."""
+        key = kube.key_of(obj)
+        for _ in range(5):
+            if FINALIZER not in finalizers(obj):
+                return
+            try:
+                await asyncio.to_thread(self.kube.remove_finalizer, obj)
+            except KubeError as err:
+                if err.not_found:
+                    return
+                if not err.conflict:
+                    raise
+                fresh = await asyncio.to_thread(self.kube.get_sandbox, *key)
+                if fresh is None or fresh["metadata"]["uid"] != obj["metadata"]["uid"]:
+                    return
+                obj = fresh
+                continue
+            logs.say(log, "finalizer_removed", reason=Reason.DELETED, object=f"{key[0]}/{key[1]}", tombstone=tombstone)
+            self.queue.forget(key)
+            return
+        self._later(key)
+
+    # --- the heartbeat ---------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        """Renew the heartbeat Lease every HEARTBEAT_EVERY while passes keep completing (`healthy`).
+
+        Apart from the passes, so a long first pass (adopting a full root) does not look like a dead
+        agent; tied to `healthy`, so a wedged agent does stop reporting.
+        """
+        while not stop.is_set():
+            if self.healthy():
+                await self._heartbeat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=HEARTBEAT_EVERY)
+
+    async def _heartbeat(self) -> None:
+        """Renew this node's Lease; publish the stuck tombstones no object owns (for `doctor`) when they change."""
+        try:
+            await asyncio.to_thread(leases.renew_heartbeat, self.kube, self.s.namespace, self.s.node, self.identity)
+            report = json.dumps(orphan_report(self.reaper), sort_keys=True)
+            if report != self.last_orphans_published:
+                patch = {"metadata": {"annotations": {c.ANN_ORPHAN_TOMBSTONES: report}}}
+                await asyncio.to_thread(
+                    self.kube.request,
+                    "PATCH",
+                    leases.lease_path(self.s.namespace, leases.heartbeat_name(self.s.node)),
+                    body=patch,
+                    content_type="application/merge-patch+json",
+                )
+                self.last_orphans_published = report
+            self.m.heartbeat.labels(self.s.node).set(time.time())
+        except KubeError as err:
+            self.report.say_limited("heartbeat", "heartbeat_failed", reason=Reason.AGENT_STALE, error=str(err)[:300])

@@ -1,0 +1,44 @@
+"""What the agent knows between passes: its node's objects (the watch's cache) and what it last saw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from controller import kube
+from controller.inuse import Usage
+from controller.kube import Obj
+
+Key = tuple[str, str]
+
+
+def slim(obj: Obj) -> Obj:
+    """Drop managedFields from a cached object: the agent never reads them, and with two status managers
+    they are most of an object's size (10,000 cached objects is the memory budget's main item)."""
+    obj.get("metadata", {}).pop("managedFields", None)
+    return obj
+
+
+@dataclass
+class AgentState:
+    objects: dict[Key, Obj] = field(default_factory=dict)
+    usage: dict[Key, Usage] = field(default_factory=dict)
+    present: set[Key] = field(default_factory=set)
+    said: dict[str, tuple[float, str]] = field(default_factory=dict)  # rate-limited lines: subject -> (when, what)
+    events: dict[tuple[str, str], str] = field(default_factory=dict)  # (uid, reason) -> message posted
+    synced: bool = False
+
+    def remember(self, obj: Obj) -> None:
+        """Keep the newest version of an object (a watch event can arrive after our own write's answer)."""
+        slim(obj)
+        key = kube.key_of(obj)
+        old = self.objects.get(key)
+        new_rv = int(obj["metadata"].get("resourceVersion") or 0)
+        same_object = old is not None and old["metadata"].get("uid") == obj["metadata"].get("uid")
+        if same_object and old is not None and int(old["metadata"].get("resourceVersion") or 0) > new_rv:
+            return
+        self.objects[key] = obj
+
+    def newest(self, obj: Obj) -> Obj:
+        """The cache's copy when it is the same object (our own status writes land there first)."""
+        cached = self.objects.get(kube.key_of(obj))
+        return cached if cached is not None and cached["metadata"].get("uid") == obj["metadata"]["uid"] else obj
