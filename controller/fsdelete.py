@@ -9,33 +9,45 @@ Public API:
   keeps running (the measured stall is in docs/benchmarks.md).
 - `DeleteResult(ok, reason, errno, path, files)`: on failure `reason` is DELETE_FAILED or CROSS_DEVICE and
   `path`/`errno` name the first entry that would not go; everything else that could go is gone.
-- `disk_usage(parent_fd, name) -> int`: allocated bytes of a tree, walked the same safe way.
+- `tree_size(parent_fd, name) -> TreeSize(bytes, files)`: allocated bytes and non-directory entries of a tree,
+  walked the same safe way; `disk_usage(parent_fd, name)` is its byte count.
+- `mount_id(fd) -> int | None`: the mount a descriptor is on (statx STATX_MNT_ID, else /proc/self/fdinfo).
 
-Every directory is opened with O_DIRECTORY|O_NOFOLLOW relative to its parent's fd and listed with scandir
-(whose d_type spares an lstat per file); links are unlinked like files, never traversed. A directory on another
-device, or a mount point listed in /proc/self/mountinfo (a bind mount keeps the same st_dev), is refused with
-CROSS_DEVICE instead of entered. The walk is iterative and keeps at most `_MAX_OPEN` directory fds open, so a
-tree of any depth is deleted without recursion or fd exhaustion; a parent whose fd was closed is reopened
-through `..` and checked to be the same inode before anything is removed from it.
+Every directory is opened with O_DIRECTORY|O_NOFOLLOW relative to its parent's fd and read with scandir (whose
+d_type spares an lstat per file); links are unlinked like files, never traversed. A directory on another device
+or another mount (its mount id differs from the parent's: a bind mount keeps st_dev but not the mount id) is
+refused with CROSS_DEVICE instead of entered, and so is one whose mount id cannot be read: unknown is a mount.
+
+Memory is a constant per open level, whatever the depth, the width or the names: a level is a small frame
+holding its own name, a link to its parent and a lazy directory iterator (never a listing, never a path; paths
+are built from the links only for a message). The walk never recurses and keeps at most `_MAX_OPEN` levels
+open; a parent whose fd was closed is reopened through `..`, checked to be the same inode, and read again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno as E
 import os
 import stat
+import struct
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from controller.contracts import Reason
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_MAX_OPEN = 48  # directory fds held open at once along the current path; deeper ones reopen via `..`
+_MAX_OPEN = 32  # levels held open at once (two fds each: the dir and its iterator); deeper ones reopen via `..`
 WORKERS = 4  # subtrees deleted at once (measured in docs/benchmarks.md); 1 = one plain walk
 _SPLIT_DEPTH = 3  # how many top levels may be opened to find enough subtrees for the workers
+_SPLIT_MAX = 32  # subtrees handed to the workers at most; the rest is deleted by the plain walk after them
+_MAX_FAILED_DIRS = 1 << 16  # directories that would not go, remembered to skip on a re-read; beyond: stop
 
 
 @dataclass(frozen=True)
@@ -54,35 +66,43 @@ class DeleteResult:
         return f"{self.reason}: {self.path or '?'}: {why}"
 
 
-@dataclass
-class _Frame:
-    fd: int | None
-    name: str  # the name in its parent directory
-    path: str  # the full path, for messages and the mount check
-    ident: tuple[int, int]  # (st_dev, st_ino) to verify a reopen through `..`
-    entries: list[tuple[str, bool]] = field(default_factory=list)  # (name, is_dir), consumed from the end
+class TreeSize(NamedTuple):
+    bytes: int  # allocated (st_blocks * 512), the directories' own blocks included
+    files: int  # non-directory entries
 
 
 class _Stop(Exception):
     """The tree changed under the walk in a way that makes going on unsafe (a parent is not what it was)."""
 
 
-def _mount_points_under(top: str) -> frozenset[str]:
-    """Mount points at or below `top` per /proc/self/mountinfo (a bind mount keeps the same st_dev)."""
-    found: set[str] = set()
-    prefix = top.rstrip("/") + "/"
+# --- which mount a directory is on ------------------------------------------------------------------------
+_AT_EMPTY_PATH = 0x1000
+_AT_SYMLINK_NOFOLLOW = 0x100
+_STATX_MNT_ID = 0x1000
+_STATX_MNT_ID_OFFSET = 144  # struct statx: stx_mnt_id follows stx_dev_minor
+_libc = ctypes.CDLL(None, use_errno=True)
+_statx = getattr(_libc, "statx", None)
+
+
+def mount_id(fd: int) -> int | None:
+    """The id of the mount `fd` is on, or None when it cannot be known (the caller treats that as a mount).
+
+    statx(STATX_MNT_ID) where the kernel has it (5.8+), else the `mnt_id:` line of /proc/self/fdinfo (3.15+).
+    """
+    if _statx is not None:
+        buf = ctypes.create_string_buffer(256)
+        if _statx(fd, b"", _AT_EMPTY_PATH | _AT_SYMLINK_NOFOLLOW, _STATX_MNT_ID, buf) == 0:
+            mask = struct.unpack_from("=I", buf, 0)[0]
+            if mask & _STATX_MNT_ID:
+                return int(struct.unpack_from("=Q", buf, _STATX_MNT_ID_OFFSET)[0])
     try:
-        with Path("/proc/self/mountinfo").open(encoding="utf-8", errors="surrogateescape") as f:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
             for line in f:
-                parts = line.split(" ", 5)
-                if len(parts) < 5:
-                    continue
-                point = unescape_mountinfo(parts[4])
-                if point == top or point.startswith(prefix):
-                    found.add(point)
-    except OSError:
-        pass
-    return frozenset(found)
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def unescape_mountinfo(text: str) -> str:
@@ -100,20 +120,136 @@ def unescape_mountinfo(text: str) -> str:
     return "".join(out)
 
 
-class _Walk:
-    """One deletion: counts what went, remembers the first failure, and keeps going around it."""
+# --- the walk ------------------------------------------------------------------------------------------
+class _Frame:
+    """One open level: its name in its parent, the parent, and a lazy reader of its entries."""
 
-    def __init__(self, parent_fd: int, where: str, dev: int, mounts: frozenset[str]) -> None:
+    __slots__ = ("fd", "ident", "it", "name", "parent", "read")
+
+    def __init__(self, fd: int, name: str, parent: _Frame | None, ident: tuple[int, int]) -> None:
+        self.fd: int | None = fd
+        self.name = name
+        self.parent = parent
+        self.ident = ident  # (st_dev, st_ino) to verify a reopen through `..`
+        self.it: Iterator[os.DirEntry[str]] | None = None
+        self.read = 0  # entries taken from the current reading (the size walk skips them on a re-read)
+
+    def close(self) -> None:
+        if self.it is not None:
+            self.it.close()  # type: ignore[attr-defined]
+            self.it = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _Walker:
+    """What the delete and the size walks share: entering a level safely, reading it lazily, the fd budget.
+
+    `open` holds the deepest levels with open fds, shallowest first; a level pushed out of it is closed and
+    is read again from the start when the walk comes back to it.
+    """
+
+    def __init__(self, parent_fd: int, where: str) -> None:
         self.parent_fd = parent_fd
         self.where = where
-        self.dev = dev
-        self.mounts = mounts
+        st = os.fstat(parent_fd)
+        self.dev = st.st_dev
+        self.mnt = mount_id(parent_fd)
+        self.open: deque[_Frame] = deque()
+
+    def path_of(self, frame: _Frame | None, name: str | None = None) -> str:
+        """The path of `frame` (or of `name` in it), built from the parent links: for messages only."""
+        names = [] if name is None else [name]
+        while frame is not None:
+            names.append(frame.name)
+            frame = frame.parent
+        return "/".join([self.where.rstrip("/"), *reversed(names)])
+
+    def open_dir(self, parent: _Frame | None, name: str) -> tuple[_Frame | None, OSError | None, bool]:
+        """(frame, None, same mount) for a directory; (None, error, _) when it cannot be opened."""
+        dir_fd = self.parent_fd if parent is None else parent.fd
+        assert dir_fd is not None
+        try:
+            fd = os.open(name, _DIR, dir_fd=dir_fd)
+        except OSError as err:
+            return None, err, True
+        try:
+            st = os.fstat(fd)
+        except OSError as err:
+            os.close(fd)
+            return None, err, True
+        same = st.st_dev == self.dev and self.mnt is not None and mount_id(fd) == self.mnt
+        frame = _Frame(fd, name, parent, (st.st_dev, st.st_ino))
+        if not same:
+            frame.close()
+            return frame, None, False
+        self.push(frame)
+        return frame, None, True
+
+    def push(self, frame: _Frame) -> None:
+        self.open.append(frame)
+        if len(self.open) > _MAX_OPEN:
+            self.open.popleft().close()
+
+    def next_entry(self, frame: _Frame) -> os.DirEntry[str] | None:
+        """The next entry of `frame`, reading it again from the start if its reader was closed."""
+        assert frame.fd is not None
+        if frame.it is None:
+            frame.it = os.scandir(frame.fd)
+            frame.read = 0
+        entry = next(frame.it, None)
+        if entry is not None:
+            frame.read += 1
+        return entry
+
+    def back_to_parent(self, frame: _Frame) -> None:
+        """Close `frame`; make sure its parent is open again (through `..`, checked), ready to go on."""
+        parent = frame.parent
+        try:
+            if parent is not None and parent.fd is None:
+                assert frame.fd is not None
+                fd = os.open("..", _DIR, dir_fd=frame.fd)
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) != parent.ident:
+                    os.close(fd)
+                    raise _Stop(E.ESTALE, parent)
+                parent.fd = fd
+                self.open.appendleft(parent)
+        finally:
+            if self.open and self.open[-1] is frame:
+                self.open.pop()
+            frame.close()
+
+    def close_all(self) -> None:
+        while self.open:
+            self.open.pop().close()
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False  # unknown: unlinking it tells (EISDIR for a directory)
+
+
+class _Walk(_Walker):
+    """One deletion: counts what went, remembers the first failure, and keeps going around it."""
+
+    def __init__(self, parent_fd: int, where: str) -> None:
+        super().__init__(parent_fd, where)
         self.files = 0
         self.failure: tuple[Reason, int | None, str] | None = None
+        self.failed_dirs: set[int] = set()  # inodes of directories that stay: skipped when a level is re-read
 
-    def fail(self, reason: Reason, code: int | None, path: str) -> None:
+    def fail(self, reason: Reason, code: int | None, frame: _Frame | None, name: str | None = None) -> None:
         if self.failure is None:
-            self.failure = (reason, code, path)
+            self.failure = (reason, code, self.path_of(frame, name))
+
+    def stays(self, ino: int) -> None:
+        self.failed_dirs.add(ino)
+        if len(self.failed_dirs) > _MAX_FAILED_DIRS:
+            raise _Stop(None, None)
 
     def result(self) -> DeleteResult:
         if self.failure is None:
@@ -123,33 +259,27 @@ class _Walk:
 
     # --- entering a directory ----------------------------------------------------------------------
 
-    def enter(self, parent: _Frame | None, name: str, path: str) -> _Frame | None:
-        """Open and list one directory, or deal with what it turned out to be; None when not to descend."""
+    def enter(self, parent: _Frame | None, name: str, ino: int | None = None) -> _Frame | None:
+        """Open one directory, or deal with what it turned out to be; None when not to descend."""
         dir_fd = self.parent_fd if parent is None else parent.fd
         assert dir_fd is not None
-        try:
-            fd = os.open(name, _DIR, dir_fd=dir_fd)
-        except OSError as err:
+        frame, err, same = self.open_dir(parent, name)
+        if err is not None:
             if err.errno in (E.ELOOP, E.ENOTDIR):  # a link or a file now: unlink it, never follow it
-                self.unlink(dir_fd, name, path)
+                self.unlink(parent, name)
             elif err.errno == E.EACCES and self.make_searchable(dir_fd, name):
-                return self.enter(parent, name, path)
+                return self.enter(parent, name, ino)
             elif err.errno != E.ENOENT:
-                self.fail(Reason.DELETE_FAILED, err.errno, path)
+                self.fail(Reason.DELETE_FAILED, err.errno, parent, name)
+                if ino is not None:
+                    self.stays(ino)
             return None
-        try:
-            st = os.fstat(fd)
-            if st.st_dev != self.dev or (self.mounts and path in self.mounts):
-                self.fail(Reason.CROSS_DEVICE, E.EXDEV, path)
-                os.close(fd)
-                return None
-            with os.scandir(fd) as it:
-                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        except OSError as err:
-            os.close(fd)
-            self.fail(Reason.DELETE_FAILED, err.errno, path)
+        assert frame is not None
+        if not same:
+            self.fail(Reason.CROSS_DEVICE, E.EXDEV, parent, name)
+            self.stays(frame.ident[1] if ino is None else ino)
             return None
-        return _Frame(fd, name, path, (st.st_dev, st.st_ino), entries)
+        return frame
 
     def make_searchable(self, dir_fd: int, name: str) -> bool:
         """A directory this uid owns but cannot read (mode 0, 0300...): give it u+rwx, through an O_PATH fd."""
@@ -170,8 +300,10 @@ class _Walk:
 
     # --- removing ----------------------------------------------------------------------------------
 
-    def unlink(self, dir_fd: int, name: str, path: str, frame: _Frame | None = None) -> bool:
+    def unlink(self, frame: _Frame | None, name: str, retry: bool = True) -> bool:
         """Unlink one non-directory; False when it turned out to be a directory (the caller descends)."""
+        dir_fd = self.parent_fd if frame is None else frame.fd
+        assert dir_fd is not None
         try:
             os.unlink(name, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -179,12 +311,12 @@ class _Walk:
         except IsADirectoryError:
             return False
         except PermissionError as err:
-            if frame is not None and err.errno == E.EACCES and self.make_writable(frame):
-                return self.unlink(dir_fd, name, path)
-            self.fail(Reason.DELETE_FAILED, err.errno, path)
+            if frame is not None and retry and err.errno == E.EACCES and self.make_writable(frame):
+                return self.unlink(frame, name, retry=False)
+            self.fail(Reason.DELETE_FAILED, err.errno, frame, name)
             return True
         except OSError as err:
-            self.fail(Reason.DELETE_FAILED, err.errno, path)
+            self.fail(Reason.DELETE_FAILED, err.errno, frame, name)
             return True
         self.files += 1
         return True
@@ -202,63 +334,53 @@ class _Walk:
             return False
         return True
 
-    def leave(self, stack: list[_Frame], top: _Frame) -> None:
-        """Close a listed-out directory and rmdir it from its parent (reopened through `..` if closed)."""
-        parent = stack[-1] if stack else None
-        parent_fd = self.parent_fd if parent is None else parent.fd
+    def leave(self, frame: _Frame) -> None:
+        """Close a read-out directory and rmdir it from its parent (reopened through `..` if closed)."""
+        parent = frame.parent
         try:
-            if parent is not None and parent_fd is None:
-                assert top.fd is not None
-                parent_fd = os.open("..", _DIR, dir_fd=top.fd)
-                st = os.fstat(parent_fd)
-                if (st.st_dev, st.st_ino) != parent.ident:
-                    os.close(parent_fd)
-                    self.fail(Reason.DELETE_FAILED, E.ESTALE, parent.path)
-                    raise _Stop
-                parent.fd = parent_fd
-        finally:
-            if top.fd is not None:
-                os.close(top.fd)
-                top.fd = None
-        _rmdir(self, parent, top)
+            self.back_to_parent(frame)
+        except _Stop:
+            self.fail(Reason.DELETE_FAILED, E.ESTALE, parent)
+            raise
+        _rmdir(self, frame)
 
     # --- the walk ----------------------------------------------------------------------------------
 
     def run(self, name: str) -> None:
-        top = self.enter(None, name, f"{self.where.rstrip('/')}/{name}")
-        if top is None:
-            return
-        stack = [top]
+        top = self.enter(None, name)
+        if top is not None:
+            self.drain(top)
+
+    def drain(self, top: _Frame) -> None:
+        """Delete everything below `top`, then `top` itself: depth-first, one entry in hand at a time."""
+        frame = top
         try:
-            while stack:
-                frame = stack[-1]
-                if not frame.entries:
-                    stack.pop()
-                    self.leave(stack, frame)
+            while True:
+                try:
+                    entry = self.next_entry(frame)
+                except OSError as err:
+                    self.fail(Reason.DELETE_FAILED, err.errno, frame)
+                    entry = None
+                if entry is None:
+                    parent = frame.parent
+                    self.leave(frame)
+                    if frame is top or parent is None:
+                        return
+                    frame = parent
                     continue
-                entry, is_dir = frame.entries.pop()
-                path = f"{frame.path}/{entry}"
-                assert frame.fd is not None
-                if not is_dir and self.unlink(frame.fd, entry, path, frame):
+                name, is_dir, ino = entry.name, _is_dir(entry), entry.inode()
+                del entry
+                if not is_dir and self.unlink(frame, name):
                     continue
-                child = self.enter(frame, entry, path)
+                if ino in self.failed_dirs:
+                    continue
+                child = self.enter(frame, name, ino)
                 if child is not None:
-                    stack.append(child)
-                    self.trim(stack)
+                    frame = child
         except _Stop:
             pass
         finally:
-            for frame in stack:
-                if frame.fd is not None:
-                    os.close(frame.fd)
-
-    @staticmethod
-    def trim(stack: list[_Frame]) -> None:
-        """Close the fd of the frame `_MAX_OPEN` levels up: deep trees never run out of descriptors."""
-        i = len(stack) - _MAX_OPEN - 1
-        if i >= 0 and stack[i].fd is not None:
-            os.close(stack[i].fd)  # type: ignore[arg-type]
-            stack[i].fd = None
+            self.close_all()
 
 
 def delete_tree_at(parent_fd: int, name: str, where: str | None = None, *, workers: int = WORKERS) -> DeleteResult:
@@ -267,85 +389,94 @@ def delete_tree_at(parent_fd: int, name: str, where: str | None = None, *, worke
         raise ValueError(f"delete_tree: {name!r} is not a single entry name")
     if where is None:
         where = str(Path(f"/proc/self/fd/{parent_fd}").readlink())
-    path = f"{where.rstrip('/')}/{name}"
     try:
         st = os.lstat(name, dir_fd=parent_fd)
     except FileNotFoundError:
         return DeleteResult(True, Reason.DELETED)
     except OSError as err:
-        return DeleteResult(False, Reason.DELETE_FAILED, err.errno, path)
-    walk = _Walk(parent_fd, where, os.fstat(parent_fd).st_dev, _mount_points_under(path))
+        return DeleteResult(False, Reason.DELETE_FAILED, err.errno, f"{where.rstrip('/')}/{name}")
+    walk = _Walk(parent_fd, where)
     if not stat.S_ISDIR(st.st_mode):
-        walk.unlink(parent_fd, name, path)
+        walk.unlink(None, name)
         return walk.result()
     if workers <= 1:
         walk.run(name)
         return walk.result()
-    return _parallel(walk, name, path, workers)
+    return _parallel(walk, name, workers)
 
 
-def _parallel(walk: _Walk, name: str, path: str, workers: int) -> DeleteResult:
+def _parallel(walk: _Walk, name: str, workers: int) -> DeleteResult:
     """Split the top levels into subtrees and delete those in `workers` threads, then the top levels.
 
     A synced tree deletes at the speed of the disk's metadata I/O, not of Python: several walks in
     different directories keep several of those I/Os in flight (unlink releases the GIL). Each subtree walk
-    is the same safe walk, from an fd of its parent held open here until every worker is done.
+    is the same safe walk, from an fd of its parent held open here until every worker is done. At most
+    `_SPLIT_MAX` subtrees are handed out; whatever else the top levels hold is deleted after them, by the
+    plain walk, so a wide directory costs no more memory here than in one walk.
     """
-    top = walk.enter(None, name, path)
+    top = walk.enter(None, name)
     if top is None:
         return walk.result()
-    uppers: list[tuple[_Frame | None, _Frame]] = [(None, top)]
-    walk.make_writable(top)
-    pending = _unlink_files(walk, top)
-    for _ in range(_SPLIT_DEPTH):
-        if len(pending) >= 4 * workers or not pending:
-            break
-        expanded: list[tuple[_Frame, str]] = []
-        for parent, entry in pending:
-            frame = walk.enter(parent, entry, f"{parent.path}/{entry}")
-            if frame is not None:
-                uppers.append((parent, frame))
-                walk.make_writable(frame)  # the workers rmdir in it and cannot chmod a frame they do not own
-                expanded.extend(_unlink_files(walk, frame))
-        pending = expanded
+    walk.open.clear()  # the top levels stay open until the end: the workers delete below their fds
+    uppers = [top]
+    pending: list[tuple[_Frame, str]] = []
     try:
+        walk.make_writable(top)
+        pending = _split(walk, top, _SPLIT_MAX)
+        for _ in range(_SPLIT_DEPTH):
+            if len(pending) >= 4 * workers or not pending:
+                break
+            expanded: list[tuple[_Frame, str]] = []
+            for parent, entry in pending:
+                frame = walk.enter(parent, entry)
+                walk.open.clear()
+                if frame is not None:
+                    uppers.append(frame)
+                    walk.make_writable(frame)  # the workers rmdir in it and cannot chmod a frame they do not own
+                    expanded.extend(_split(walk, frame, _SPLIT_MAX - len(expanded)))
+            pending = expanded
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fsdelete") as pool:
             for sub in pool.map(lambda item: _subtree(walk, *item), pending):
                 walk.files += sub.files
+                walk.failed_dirs |= sub.failed_dirs
                 if sub.failure is not None and walk.failure is None:
                     walk.failure = sub.failure
-        for above, frame in reversed(uppers):
-            assert frame.fd is not None
-            os.close(frame.fd)
-            frame.fd = None
-            _rmdir(walk, above, frame)
-    finally:
-        for _, frame in uppers:
+        for frame in reversed(uppers):  # deepest first: each drains what was not handed out, then goes
             if frame.fd is not None:
-                os.close(frame.fd)
+                walk.drain(frame)
+    except _Stop:
+        pass
+    finally:
+        for frame in uppers:
+            frame.close()
     return walk.result()
 
 
-def _unlink_files(walk: _Walk, frame: _Frame) -> list[tuple[_Frame, str]]:
-    """Unlink a listed directory's non-directories; return its subdirectories for the split."""
-    assert frame.fd is not None
-    dirs = []
-    for entry, is_dir in frame.entries:
-        if is_dir or not walk.unlink(frame.fd, entry, f"{frame.path}/{entry}", frame):
-            dirs.append((frame, entry))
-    frame.entries = []
+def _split(walk: _Walk, frame: _Frame, limit: int) -> list[tuple[_Frame, str]]:
+    """Unlink a level's non-directories and take up to `limit` of its subdirectories for the workers."""
+    dirs: list[tuple[_Frame, str]] = []
+    while len(dirs) < limit:
+        entry = walk.next_entry(frame)
+        if entry is None:
+            break
+        if _is_dir(entry) or not walk.unlink(frame, entry.name):
+            dirs.append((frame, entry.name))
+    if frame.it is not None:  # read again from the start when drained: what the workers took is gone by then
+        frame.it.close()  # type: ignore[attr-defined]
+        frame.it = None
     return dirs
 
 
 def _subtree(parent_walk: _Walk, parent: _Frame, name: str) -> _Walk:
     assert parent.fd is not None
-    walk = _Walk(parent.fd, parent.path, parent_walk.dev, parent_walk.mounts)
+    walk = _Walk(parent.fd, parent_walk.path_of(parent))
     walk.run(name)
     return walk
 
 
-def _rmdir(walk: _Walk, parent: _Frame | None, frame: _Frame) -> None:
-    """rmdir a listed-out `frame` from its parent; a parent without write permission (ours) is made writable once."""
+def _rmdir(walk: _Walk, frame: _Frame) -> None:
+    """rmdir a read-out `frame` from its parent; a parent without write permission (ours) is made writable once."""
+    parent = frame.parent
     parent_fd = walk.parent_fd if parent is None else parent.fd
     assert parent_fd is not None
     try:
@@ -358,7 +489,8 @@ def _rmdir(walk: _Walk, parent: _Frame | None, frame: _Frame) -> None:
                 os.rmdir(frame.name, dir_fd=parent_fd)
                 return
         if walk.failure is None or err.errno != E.ENOTEMPTY:
-            walk.fail(Reason.DELETE_FAILED, err.errno, frame.path)
+            walk.fail(Reason.DELETE_FAILED, err.errno, frame)
+        walk.stays(frame.ident[1])
 
 
 def delete_tree(parent: Path | str, name: str, *, workers: int = WORKERS) -> DeleteResult:
@@ -379,48 +511,64 @@ async def delete_tree_async(parent: Path | str, name: str, *, workers: int = WOR
     return await asyncio.to_thread(delete_tree, parent, name, workers=workers)
 
 
-def disk_usage(parent_fd: int, name: str) -> int:
-    """Allocated bytes of `<parent>/<name>` and everything below it, without following links or crossing devices."""
+def tree_size(parent_fd: int, name: str) -> TreeSize:
+    """Allocated bytes and files of `<parent>/<name>`, never following a link or entering another mount.
+
+    The same walk as a delete, reading only: memory is a constant per open level, whatever the tree. A level
+    whose reader was closed (deeper than `_MAX_OPEN` below it) is read again and its first entries, already
+    counted, are skipped; a tree that changes meanwhile is counted approximately, never crashes the walk.
+    """
     try:
         st = os.lstat(name, dir_fd=parent_fd)
     except OSError:
-        return 0
+        return TreeSize(0, 0)
     if not stat.S_ISDIR(st.st_mode):
-        return int(st.st_blocks) * 512
-    total = [int(st.st_blocks) * 512]
-
-    def listing(fd: int) -> list[str]:
-        subs: list[str] = []
-        with os.scandir(fd) as it:
-            for e in it:
-                with contextlib.suppress(OSError):
-                    est = e.stat(follow_symlinks=False)
-                    total[0] += est.st_blocks * 512
-                    if stat.S_ISDIR(est.st_mode) and est.st_dev == st.st_dev:
-                        subs.append(e.name)
-        return subs
-
-    stack: list[tuple[int, list[str]]] = []
+        return TreeSize(int(st.st_blocks) * 512, 1)
+    walker = _Walker(parent_fd, "")
+    total, files = int(st.st_blocks) * 512, 0
+    frame, _, same = walker.open_dir(None, name)
+    if frame is None or not same:
+        return TreeSize(total, 0)
+    top = frame
+    skip = 0  # entries of `frame` counted before its reader was closed
     try:
-        top = os.open(name, _DIR, dir_fd=parent_fd)
-        stack.append((top, listing(top)))
-        while stack:
-            fd, subs = stack[-1]
-            if not subs:
-                os.close(fd)
-                stack.pop()
+        while True:
+            try:
+                if frame.it is None:
+                    skip, entry = frame.read, walker.next_entry(frame)
+                    while entry is not None and skip > 0:
+                        skip, entry = skip - 1, walker.next_entry(frame)
+                else:
+                    entry = walker.next_entry(frame)
+            except OSError:
+                entry = None
+            if entry is None:
+                if frame is top:
+                    break
+                parent = frame.parent
+                assert parent is not None
+                walker.back_to_parent(frame)
+                frame = parent
                 continue
             try:
-                child = os.open(subs.pop(), _DIR, dir_fd=fd)
+                est = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            try:
-                stack.append((child, listing(child)))
-            except OSError:
-                os.close(child)
-    except OSError:
+            total += est.st_blocks * 512
+            if not stat.S_ISDIR(est.st_mode):
+                files += 1
+                continue
+            child, _, same = walker.open_dir(frame, entry.name)
+            if child is not None and same:
+                frame = child
+    except (_Stop, OSError):
         pass
     finally:
-        for fd, _ in stack:
-            os.close(fd)
-    return total[0]
+        walker.close_all()
+        top.close()
+    return TreeSize(total, files)
+
+
+def disk_usage(parent_fd: int, name: str) -> int:
+    """Allocated bytes of `<parent>/<name>` and everything below it (`tree_size(...).bytes`)."""
+    return tree_size(parent_fd, name).bytes

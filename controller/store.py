@@ -22,7 +22,8 @@ Public API (names are stable; the node agent builds on them):
   now) -> Tombstone`, `.read_tombstone(t) -> Read`, `.restore(t, ns, name) -> bool`, `.tombstones()`,
   `.delete_tombstone(t) -> fsdelete.DeleteResult` (sync; the agent awaits
   `fsdelete.delete_tree_async(root.path, t.name)` instead), `.remove_stray(stray) -> bool`,
-  `.remove_empty_namespace(ns) -> bool`, `.size(ns, name) -> int` (allocated bytes).
+  `.remove_empty_namespace(ns) -> bool`, `.size(ns, name) -> int` (allocated bytes), `.usage(ns, name) ->
+  fsdelete.TreeSize(bytes, files)` (what the agent's size thread reports; bounded memory on any tree).
   Store failures raise `StoreError` (e.g. RENAME_FAILED with `.errno`); bad names raise ValueError.
 - Reads: `Present(manifest, text)`, `Absent(reason)`, `Unparsed(text)`, `Unreadable(errno)`,
   `Transient(errno)`, `Mismatch(manifest, text)`; each has `.reason`. `same_read(a, b)` is the
@@ -900,12 +901,16 @@ class Root:
 
     def size(self, namespace: str, name: str) -> int:
         """Bytes on disk under a sandbox (allocated blocks), walked fd-relative without following links."""
+        return self.usage(namespace, name).bytes
+
+    def usage(self, namespace: str, name: str) -> fsdelete.TreeSize:
+        """(allocated bytes, files) under a sandbox: `fsdelete.tree_size`, bounded memory on any tree."""
         _check_names(namespace, name)
         try:
             with _fd(self._open()) as root_fd, _fd(_open_dir(namespace, root_fd)) as ns_fd:
-                return fsdelete.disk_usage(ns_fd, name)
+                return fsdelete.tree_size(ns_fd, name)
         except OSError:
-            return 0
+            return fsdelete.TreeSize(0, 0)
 
 
 def _instant_ms(when: datetime) -> str:

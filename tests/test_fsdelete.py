@@ -218,3 +218,116 @@ def test_disk_usage_counts_blocks_without_following_links(tmp_path: Path) -> Non
     finally:
         os.close(fd)
     assert 100_000 <= size < 1_000_000
+
+
+# --- issue 12, items 1 and 6: bounded memory, sizes of any tree, mounts by mount id ---------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_a_tree_is_deleted_even_when_it_is_read_again_after_a_deep_descent(tmp_path: Path, workers: int) -> None:
+    # A level pushed out of the fd budget is read again on the way back: files beside a deep chain at every
+    # level, and a wide level above it, all go, each counted once.
+    _deep(tmp_path / "t", 300)
+    for i in range(500):
+        (tmp_path / "t" / f"wide{i}").write_text("x")
+    result = fsdelete.delete_tree(tmp_path, "t", workers=workers)
+    assert result.ok and result.files == 800 and listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_a_directory_that_stays_is_not_entered_again_when_its_parent_is_read_again(
+    tmp_path: Path, immutable: list[Path], workers: int
+) -> None:
+    # An undeletable file deep down keeps every directory above it: each is failed once, never looped on.
+    _deep(tmp_path / "t", 120)
+    stuck = tmp_path / "t" / "/".join(["d"] * 100) / "f99"
+    make_immutable(immutable, stuck)
+    for i in range(50):
+        (tmp_path / "t" / f"side{i}").mkdir()
+        (tmp_path / "t" / f"side{i}" / "x").write_text("x")
+    result = fsdelete.delete_tree(tmp_path, "t", workers=workers)
+    assert not result.ok and result.errno == errno.EPERM and result.path == str(stuck)
+    assert result.files == 120 - 1 + 50 and listing(tmp_path / "t") == ["d"]
+    subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert fsdelete.delete_tree(tmp_path, "t", workers=workers).ok
+
+
+def test_tree_size_counts_blocks_and_files_of_a_chain_deeper_than_recursion_allows(tmp_path: Path) -> None:
+    _deep(tmp_path / "t", 2500)  # os.fwalk (the agent's measure) died with RecursionError at ~1,500 levels
+    (tmp_path / "t" / "link").symlink_to("/usr")
+    before = len(os.listdir("/proc/self/fd"))
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        size = fsdelete.tree_size(fd, "t")
+    finally:
+        os.close(fd)
+        fsdelete.delete_tree(tmp_path, "t")  # pytest's tmp_path cleanup (shutil.rmtree) recurses and dies on it
+    assert size.files == 2501  # 2,500 files and the link, counted once each, never followed
+    assert size.bytes >= 2500 * 4096
+    assert len(os.listdir("/proc/self/fd")) == before  # every descriptor it opened is closed
+
+
+@pytest.mark.root
+def test_tree_size_does_not_enter_a_mount(tmp_path: Path, mounts: list[Path]) -> None:
+    require_root()
+    _, bait_dir = outside_bait(tmp_path)
+    for i in range(20):
+        (bait_dir / f"big{i}").write_bytes(b"x" * 100_000)
+    top = tmp_path / "t"
+    (top / "mnt").mkdir(parents=True)
+    (top / "own").write_bytes(b"x" * 10)
+    subprocess.run(["mount", "--bind", str(bait_dir), str(top / "mnt")], check=True)
+    mounts.append(top / "mnt")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        size = fsdelete.tree_size(fd, "t")
+    finally:
+        os.close(fd)
+    assert size.files == 1 and size.bytes < 100_000
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("source", ["statx", "fdinfo"])
+def test_a_bind_mount_is_found_by_its_mount_id_without_reading_mountinfo(
+    tmp_path: Path, mounts: list[Path], source: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # mountinfo is never read (a snapshot that was stale for a mount made after it, and empty on EMFILE):
+    # the mount id of each directory opened is compared with its parent's, from statx or /proc/self/fdinfo.
+    require_root()
+    if source == "fdinfo":
+        monkeypatch.setattr(fsdelete, "_statx", None)
+    monkeypatch.setattr(fsdelete, "_mount_points_under", lambda *_: frozenset(), raising=False)
+    _, bait_dir = outside_bait(tmp_path)
+    top = tmp_path / "t"
+    tree(top)
+    point = top / "d4" / "inner" / "mnt"
+    point.mkdir()
+    subprocess.run(["mount", "--bind", str(bait_dir), str(point)], check=True)
+    mounts.append(point)
+    result = fsdelete.delete_tree(tmp_path, "t", workers=1)
+    assert not result.ok and result.reason is Reason.CROSS_DEVICE and result.path == str(point)
+    assert listing(bait_dir) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_a_directory_whose_mount_cannot_be_known_is_treated_as_a_mount(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    # issue 12, item 6: EMFILE while reading mountinfo turned "in use (mount)" into "not in use". Unknown is a mount.
+    tree(tmp_path / "t")
+    monkeypatch.setattr(fsdelete, "mount_id", lambda fd: None)
+    result = fsdelete.delete_tree(tmp_path, "t", workers=workers)
+    assert not result.ok and result.reason is Reason.CROSS_DEVICE and result.path == str(tmp_path / "t")
+    assert listing(tmp_path / "t") == sorted(["top.txt", *(f"d{d}" for d in range(6))])
+    assert all(len(listing(tmp_path / "t" / f"d{d}" / "inner")) == 20 for d in range(6))
+
+
+def test_mount_id_reads_the_same_from_statx_and_fdinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        from_statx = fsdelete.mount_id(fd)
+        monkeypatch.setattr(fsdelete, "_statx", None)
+        assert from_statx is not None and fsdelete.mount_id(fd) == from_statx
+        assert fsdelete.mount_id(99999) is None  # not an open descriptor: unknown, never a guess
+    finally:
+        os.close(fd)

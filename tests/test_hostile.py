@@ -7,8 +7,13 @@ process where it is memory that is at stake), and the component answered instead
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import string
+import subprocess
+import sys
+import tempfile
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,7 @@ from hypothesis import strategies as st
 from localcluster import LocalCluster
 
 from controller import contracts as c
+from controller import fsdelete
 from controller.durations import format_instant
 from controller.kube import Kube
 from controller.leases import agent_heartbeats, heartbeat_name, read_lease, renew_heartbeat
@@ -217,3 +223,144 @@ def test_a_root_holds_the_longest_names(tmp_path: Path) -> None:
     t = root.tombstone(ns, name, id="u1", now=NOW)
     assert root.delete_tombstone(t).ok
     assert bait_file.read_text() == "must survive too\n" and (bait_dir / "keep.txt").exists()
+
+
+# --- item 1: the delete and size walks hold bounded memory on any tree ----------------------------------------
+
+_CHILD = r"""
+import json, os, resource, sys
+from controller import fsdelete
+parent, name, what = sys.argv[1], sys.argv[2], sys.argv[3]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if what == "size":
+    result = list(fsdelete.tree_size(os.open(parent, os.O_RDONLY | os.O_DIRECTORY), name))
+else:
+    r = fsdelete.delete_tree(parent, name, workers=int(what))
+    result = [r.ok, r.files]
+print(json.dumps([before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, result]))
+"""
+
+
+def _walk_in_child(parent: Path, name: str, what: str) -> tuple[int, list[Any]]:
+    """Run one walk in a fresh interpreter: (peak RSS growth over the interpreter's own, in KiB; its result)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(parent), name, what], capture_output=True, text=True, check=True
+    )
+    before, after, result = json.loads(out.stdout)
+    return after - before, result
+
+
+def _chain(parent: Path, depth: int, length: int) -> None:
+    """`depth` levels of `length`-byte names, built fd-relative (far deeper than PATH_MAX allows by path)."""
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(depth):
+            level = str(i % 10).ljust(length, "d")
+            os.mkdir(level, dir_fd=fd)
+            child = os.open(level, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("what", ["size", "1", "4"])
+def test_a_2000_level_chain_of_255_byte_names_is_walked_in_bounded_memory(tmp_path: Path, what: str) -> None:
+    # issue 12, item 1: the delete kept each level's full path (512 MB RSS against the agent's 256Mi limit)
+    # and the size walk died with RecursionError at ~1,500 levels. Measured in a child: its peak RSS growth.
+    (tmp_path / "t").mkdir()
+    _chain(tmp_path / "t", 2000, 255)
+    bait_file, bait_dir = outside_bait(tmp_path)
+    try:
+        grown_kib, result = _walk_in_child(tmp_path, "t", what)
+    finally:  # pytest's own tmp_path cleanup (shutil.rmtree) dies with RecursionError on this chain
+        fsdelete.delete_tree(tmp_path, "t")
+    assert grown_kib < 16 * 1024, f"peak RSS grew {grown_kib} KiB"
+    if what == "size":
+        assert result[1] == 1 and result[0] >= 2000 * 4096
+    else:
+        assert result == [True, 1] and listing(tmp_path) == sorted(["outside", "outside-file.txt"])
+    assert bait_file.read_text() == "must survive too\n" and listing(bait_dir) == ["keep.txt"]
+
+
+def test_a_wide_directory_of_long_names_is_deleted_in_bounded_memory(tmp_path: Path) -> None:
+    top = tmp_path / "t"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(30_000):
+            os.close(os.open(f"{i:08d}".ljust(240, "w"), os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+    grown_kib, result = _walk_in_child(tmp_path, "t", "4")
+    assert result == [True, 30_000] and grown_kib < 8 * 1024, f"peak RSS grew {grown_kib} KiB"
+
+
+_KINDS = ("file", "dir", "link-out-file", "link-out-dir", "link-dangling", "fifo", "hardlink-out")
+
+
+@st.composite
+def hostile_trees(draw: st.DrawFn) -> list[tuple[int, str, str]]:
+    """Up to 40 entries, each (index of the directory it goes in, kind, name), names up to 255 bytes."""
+    names = st.text(alphabet=string.ascii_letters + string.digits + "-_. \n\\", min_size=1, max_size=255).filter(
+        lambda n: n not in (".", "..")
+    )
+    return draw(st.lists(st.tuples(st.integers(0, 40), st.sampled_from(_KINDS), names), max_size=40))
+
+
+def _build(top: Path, plan: list[tuple[int, str, str]], bait_file: Path, bait_dir: Path) -> tuple[int, int]:
+    """Build `plan` under `top`; return (files, dirs) made (links, fifos and hard links count as files)."""
+    dirs, files = [top], 0
+    for where, kind, name in plan:
+        parent = dirs[where % len(dirs)]
+        path = parent / name
+        if path.exists() or path.is_symlink():
+            continue
+        if kind == "dir":
+            path.mkdir()
+            dirs.append(path)
+            continue
+        if kind == "file":
+            path.write_bytes(b"x" * len(name))
+        elif kind == "link-out-file":
+            path.symlink_to(bait_file)
+        elif kind == "link-out-dir":
+            path.symlink_to(bait_dir)
+        elif kind == "link-dangling":
+            path.symlink_to("/nonexistent/" + name.replace("/", "_"))
+        elif kind == "fifo":
+            os.mkfifo(path)
+        else:
+            os.link(bait_file, path)
+        files += 1
+    return files, len(dirs) - 1
+
+
+def _snapshot(path: Path) -> list[tuple[str, int, int, bytes]]:
+    out = []
+    for p in sorted(path.rglob("*")):
+        st_ = p.lstat()
+        out.append((str(p), st_.st_mode, st_.st_mtime_ns, p.read_bytes() if p.is_file() else b""))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(hostile_trees(), st.sampled_from([1, 4]))
+def test_any_tree_is_sized_then_deleted_and_nothing_outside_changes(plan: list[Any], workers: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        bait_file, bait_dir = outside_bait(base)
+        root = base / "root"
+        root.mkdir()
+        (root / "t").mkdir()
+        files, _dirs = _build(root / "t", plan, bait_file, bait_dir)
+        outside = [*_snapshot(bait_dir), bait_file.read_bytes()]
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert fsdelete.tree_size(fd, "t").files == files
+        finally:
+            os.close(fd)
+        result = fsdelete.delete_tree(root, "t", workers=workers)
+        assert result.ok and result.files == files and listing(root) == []
+        assert [*_snapshot(bait_dir), bait_file.read_bytes()] == outside

@@ -477,3 +477,14 @@ def test_read_many_answers_what_read_answers_for_each(tmp_path: Path) -> None:
     many = root.read_many(scan.sandboxes)
     assert many == {(e.namespace, e.name): root.read(e.namespace, e.name) for e in scan.sandboxes}
     assert [type(many[k]).__name__ for k in sorted(many)] == ["Unparsed", "Absent", "Present", "Mismatch", "Absent"]
+
+
+def test_usage_counts_a_sandboxs_bytes_and_files_without_following_links(tmp_path: Path) -> None:
+    root = Root(tmp_path / "root")
+    path = retain(root, tmp_path, "ns", "sized", age=H)
+    (path / "workspace" / "big").write_bytes(b"x" * 200_000)
+    (path / "workspace" / "out").symlink_to("/usr")
+    usage = root.usage("ns", "sized")
+    assert usage.files == 7 + 1 + 1 + 1  # the job's 7 files, big, the link, the manifest
+    assert 200_000 <= usage.bytes < 2_000_000 and root.size("ns", "sized") == usage.bytes
+    assert root.usage("ns", "absent") == (0, 0)
