@@ -418,7 +418,7 @@ class Recorder:
         self.proc = proc
         self.members: dict[int, Mark] = {}
         self.name = _record_name(leader)
-        self.written = False
+        self.dirty = True  # the record on disk lags what is known: written on the next walk (a failed write too)
         self.lock_fd = os.open(
             _lock_name(self.name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=cfd
         )
@@ -432,7 +432,6 @@ class Recorder:
         live = self.live()
         if not live:
             return False
-        grew = not self.written
         stack = [m.pid for m in live] + [os.getpid()]  # adopted orphans are our children (subreaper)
         seen: set[int] = set()
         while stack:
@@ -447,11 +446,11 @@ class Recorder:
                 known = self.members.get(child)
                 if known is None or known.start != s.start:
                     self.members[child] = Mark(child, s.start)
-                    grew = True
+                    self.dirty = True
                 stack.append(child)
-        if grew:
+        if self.dirty:
             _write_record(self.cfd, self.name, _body(self.boot, self.leader, list(self.members.values())))
-            self.written = True
+            self.dirty = False
         return True
 
     def finish(self) -> None:
@@ -624,12 +623,18 @@ def _forward(child: subprocess.Popen[bytes]) -> Callable[[int, Any], None]:
 
 
 def _wait_recording(child: subprocess.Popen[bytes], recorder: Recorder | None) -> int:
+    """Walk the command's processes every WALK_EVERY until it exits. A record that cannot be written is
+    said once (until a write works again) and written again on the next walk, as the reference does."""
+    failing = False
     while True:
         if recorder is not None:
             try:
                 recorder.walk()
+                failing = False
             except OSError as err:
-                logs.say(log, "record_failed", level=logging.WARNING, reason=Reason.IN_USE_UNKNOWN, error=err)
+                if not failing:
+                    logs.say(log, "record_failed", level=logging.WARNING, reason=Reason.IN_USE_UNKNOWN, error=err)
+                failing = True
         _reap_adopted(child.pid)
         try:
             return child.wait(timeout=WALK_EVERY)
