@@ -12,6 +12,10 @@ Public API:
 - `tree_size(parent_fd, name) -> TreeSize(bytes, files)`: allocated bytes and non-directory entries of a tree,
   walked the same safe way; `disk_usage(parent_fd, name)` is its byte count.
 - `mount_id(fd) -> int | None`: the mount a descriptor is on (statx STATX_MNT_ID, else /proc/self/fdinfo).
+- `walk_entries(top_fd, max_depth) -> Iterator[Found]`: every entry below an open directory, depth-first, for a
+  caller that may remove what it is handed before asking for the next (the store's exclude globs).
+- `open_no_symlinks(path) -> int`: a directory fd for an absolute path with no link in ANY
+  component (openat2 RESOLVE_NO_SYMLINKS|RESOLVE_BENEATH from `/`, else one O_NOFOLLOW open per component).
 
 Every directory is opened with O_DIRECTORY|O_NOFOLLOW relative to its parent's fd and read with scandir (whose
 d_type spares an lstat per file); links are unlinked like files, never traversed. A directory on another device
@@ -572,3 +576,123 @@ def tree_size(parent_fd: int, name: str) -> TreeSize:
 def disk_usage(parent_fd: int, name: str) -> int:
     """Allocated bytes of `<parent>/<name>` and everything below it (`tree_size(...).bytes`)."""
     return tree_size(parent_fd, name).bytes
+
+
+# --- walking for a caller that acts on each entry ----------------------------------------------------------
+class TooDeep(Exception):
+    """`walk_entries` met a tree deeper than it keeps open: the caller refuses rather than walk it partly."""
+
+
+class Found:
+    """One entry handed out by `walk_entries`: remove it (or not) through `dir_fd` before taking the next."""
+
+    __slots__ = ("dir_fd", "frame", "is_dir", "name")
+
+    def __init__(self, dir_fd: int, name: str, is_dir: bool, frame: _Frame) -> None:
+        self.dir_fd, self.name, self.is_dir, self.frame = dir_fd, name, is_dir, frame
+
+    def rel(self) -> str:
+        """The entry's path relative to the walk's top (built from the parent links: only when asked)."""
+        names, frame = [self.name], self.frame
+        while frame.parent is not None:
+            names.append(frame.name)
+            frame = frame.parent
+        return "/".join(reversed(names))
+
+
+def walk_entries(top_fd: int, max_depth: int = 256) -> Iterator[Found]:
+    """Every entry below the open directory `top_fd`, depth-first, never following a link or entering a mount.
+
+    Each level keeps its reader open (nothing is read twice, so nothing is handed out twice or missed), which
+    bounds the depth: deeper than `max_depth` raises TooDeep. A directory the caller removed is not entered.
+    Memory is a constant per level, as in the delete walk.
+    """
+    walker = _Walker(top_fd, "")
+    top = _Frame(os.dup(top_fd), "", None, (walker.dev, os.fstat(top_fd).st_ino))
+    depth, frame = 0, top
+    try:
+        while True:
+            entry = walker.next_entry(frame)
+            if entry is None:
+                if frame is top:
+                    return
+                parent = frame.parent
+                assert parent is not None
+                frame.close()
+                frame, depth = parent, depth - 1
+                continue
+            assert frame.fd is not None
+            found = Found(frame.fd, entry.name, _is_dir(entry), frame)
+            del entry
+            yield found
+            if not found.is_dir:
+                continue
+            try:
+                fd = os.open(found.name, _DIR, dir_fd=frame.fd)
+            except OSError:
+                continue  # removed by the caller, or not a directory any more: nothing to walk
+            st = os.fstat(fd)
+            if st.st_dev != walker.dev or walker.mnt is None or mount_id(fd) != walker.mnt:
+                os.close(fd)
+                continue
+            if depth + 1 > max_depth:
+                os.close(fd)
+                raise TooDeep(f"deeper than {max_depth} levels at {found.rel()}")
+            frame, depth = _Frame(fd, found.name, frame, (st.st_dev, st.st_ino)), depth + 1
+    finally:
+        while frame is not top:
+            parent = frame.parent
+            frame.close()
+            assert parent is not None
+            frame = parent
+        top.close()
+
+
+_SYS_OPENAT2 = 437  # the same number on every architecture (the unified syscall table)
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x02, 0x04, 0x08
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def open_no_symlinks(path: str | Path) -> int:
+    """A directory fd for the absolute `path`, refusing (ELOOP) if ANY component is a symlink.
+
+    `lstat` or `O_NOFOLLOW` by path only checks the last component: whoever owns a directory on the way can
+    swap a child for a link and aim the caller elsewhere. openat2(RESOLVE_NO_SYMLINKS|RESOLVE_BENEATH) from
+    `/` where the kernel has it (5.6+), else an O_NOFOLLOW open of one component at a time.
+    """
+    text = os.fspath(path)
+    if not text.startswith("/"):
+        raise ValueError(f"open_no_symlinks: {text!r} is not an absolute path")
+    parts = [p for p in text.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ValueError(f"open_no_symlinks: {text!r} has a '..' component")
+    root = os.open("/", _DIR)
+    try:
+        if not parts:
+            return os.dup(root)
+        how = _OpenHow(_DIR, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS | _RESOLVE_BENEATH)
+        fd = _libc.syscall(
+            ctypes.c_long(_SYS_OPENAT2),
+            ctypes.c_long(root),
+            ctypes.c_char_p(os.fsencode("/".join(parts))),
+            ctypes.byref(how),
+            ctypes.c_size_t(ctypes.sizeof(how)),
+        )  # every argument as wide as syscall(2) reads it
+        if fd >= 0:
+            return int(fd)
+        code = ctypes.get_errno()
+        if code not in (E.ENOSYS, E.EINVAL, E.E2BIG, E.EPERM):
+            raise OSError(code, os.strerror(code), text)
+        fd = os.dup(root)
+        for part in parts:
+            try:
+                child = os.open(part, _DIR, dir_fd=fd)
+            finally:
+                os.close(fd)
+            fd = child
+        return fd
+    finally:
+        os.close(root)

@@ -403,6 +403,20 @@ def _relpath_matches(rel: str, base: str, patterns: Sequence[str]) -> bool:
 # --- the root ------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Source:
+    """A retain's source, held open: its parent (no link on the way), its name there, itself, and its inode."""
+
+    path: Path  # for messages only: everything is done through the fds
+    parent_fd: int
+    name: str
+    fd: int
+    ident: tuple[int, int]
+
+
+_EXCLUDE_MAX_DEPTH = 256  # levels --exclude walks (one open directory each); deeper sources are refused whole
+
+
 class Root:
     """One root of retained sandboxes. Every method is safe to call from a process that does not hold the lock
     (the sweep's re-reads and tombstone read-backs are what make a concurrent pin or retain safe), but only one
@@ -763,10 +777,24 @@ class Root:
                 f"{MIN_INSTANT.year} to {MAX_INSTANT.year} (give the job's real start time)"
             )
         now = now or datetime.now(UTC)
-        src = Path(os.path.abspath(source))  # noqa: PTH100 (lexical: the last component is not resolved)
-        self._check_source(src)
-        if exclude:
-            _remove_excluded(src, exclude)
+        src = Path(os.path.abspath(source))  # noqa: PTH100 (lexical; then opened with no link in any component)
+        with self._open_source(src) as held:
+            if exclude:
+                _remove_excluded(held, exclude)
+            return self._retain_held(held, namespace, name, job_id, created_at, retention, node, now)
+
+    def _retain_held(
+        self,
+        held: _Source,
+        namespace: str,
+        name: str,
+        job_id: str,
+        created_at: datetime,
+        retention: timedelta | None,
+        node: str | None,
+        now: datetime,
+    ) -> Manifest:
+        src = held.path
         manifest = Manifest.model_validate(
             {
                 "namespace": namespace,
@@ -784,10 +812,10 @@ class Root:
             stage = tombstone_name(f"{standalone_id()}-{_STAGE_SUFFIX}"[:64], now)
             os.mkdir(stage, 0o700, dir_fd=root_fd)
             try:
-                self._fill_stage(root_fd, stage, src, manifest)
+                self._fill_stage(root_fd, stage, held, manifest)
                 self._place(root_fd, stage, namespace, name, now)
             except BaseException as err:
-                self._undo_stage(root_fd, stage, src)
+                self._undo_stage(root_fd, stage, held)
                 if isinstance(err, OSError):
                     raise StoreError(
                         Reason.RENAME_FAILED,
@@ -799,24 +827,66 @@ class Root:
                 raise
         return manifest
 
-    def _check_source(self, src: Path) -> None:
+    @contextlib.contextmanager
+    def _open_source(self, src: Path) -> Iterator[_Source]:
+        """Hold the source: its parent opened with no link in ANY component, itself opened O_NOFOLLOW from it.
+
+        Everything after (exclude globs, the rename into the root, the undo) goes through these fds, so a
+        user who owns a directory on the way and swaps a component for a link cannot aim root's retain at
+        another directory: a link anywhere is refused, and the rename is checked to have moved this inode.
+        """
         try:
-            st = os.lstat(src)
+            parent_fd = fsdelete.open_no_symlinks(src.parent)
         except OSError as err:
+            code = _errno_of(err)
+            link = _symlink_on(src.parent) if code in (E.ELOOP, E.ENOTDIR) else None
+            symlink = link is not None
+            why = f"{link} on its path is a symlink, and sandkeep never follows one; pass the real path"
             raise StoreError(
-                Reason.MANIFEST_ABSENT,
-                f"source {src}: cannot retain it ({os.strerror(_errno_of(err))}); pass the finished job's directory",
-                errno=_errno_of(err),
+                Reason.SYMLINK if symlink else Reason.MANIFEST_ABSENT,
+                f"source {src}: cannot retain it ({why if symlink else os.strerror(code)}); "
+                + ("nothing was retained" if symlink else "pass the finished job's directory"),
+                errno=code,
                 path=src,
             ) from err
-        if not stat.S_ISDIR(st.st_mode):
-            reason = Reason.SYMLINK if stat.S_ISLNK(st.st_mode) else Reason.NOT_A_DIRECTORY
+        try:
+            try:
+                st = os.stat(src.name, dir_fd=parent_fd, follow_symlinks=False)
+                fd = _open_dir(src.name, parent_fd) if stat.S_ISDIR(st.st_mode) else -1
+            except OSError as err:
+                raise StoreError(
+                    Reason.SYMLINK if err.errno == E.ELOOP else Reason.MANIFEST_ABSENT,
+                    f"source {src}: cannot retain it ({os.strerror(_errno_of(err))}); pass the finished job's "
+                    "directory",
+                    errno=_errno_of(err),
+                    path=src,
+                ) from err
+            if fd < 0:
+                reason = Reason.SYMLINK if stat.S_ISLNK(st.st_mode) else Reason.NOT_A_DIRECTORY
+                raise StoreError(
+                    reason,
+                    f"source {src}: refused, it is {'a symlink' if reason is Reason.SYMLINK else 'not a directory'}; "
+                    "pass the job's directory itself",
+                    path=src,
+                )
+            with _fd(fd):
+                held = _Source(src, parent_fd, src.name, fd, (st.st_dev, st.st_ino))
+                self._check_source(held)
+                yield held
+        finally:
+            os.close(parent_fd)
+
+    def _check_source(self, held: _Source) -> None:
+        src = held.path
+        st = os.fstat(held.fd)
+        root = self.path.stat()
+        if (st.st_dev, st.st_ino) != held.ident:
             raise StoreError(
-                reason,
-                f"source {src}: refused, it is {'a symlink' if reason is Reason.SYMLINK else 'not a directory'}; "
-                "pass the job's directory itself",
+                Reason.RENAME_FAILED,
+                f"source {src}: it was replaced while being opened; nothing was retained, retain it again",
                 path=src,
             )
+        # The path has no link in it (open_no_symlinks), so the lexical comparison is the real one.
         if src == self.path or self.path in src.parents or src in self.path.parents:
             raise StoreError(
                 Reason.PATH_OUTSIDE_ROOT,
@@ -824,7 +894,7 @@ class Root:
                 "pass a finished job's directory outside the root",
                 path=src,
             )
-        if st.st_dev != self.path.stat().st_dev:
+        if st.st_dev != root.st_dev:
             raise StoreError(
                 Reason.CROSS_DEVICE,
                 f"source {src}: refused, it is on another filesystem than the root {self.path}, and sandkeep "
@@ -833,10 +903,11 @@ class Root:
                 path=src,
             )
 
-    def _fill_stage(self, root_fd: int, stage: str, src: Path, manifest: Manifest) -> None:
+    def _fill_stage(self, root_fd: int, stage: str, held: _Source, manifest: Manifest) -> None:
+        src = held.path
         with _fd(_open_dir(stage, root_fd)) as stage_fd:
             try:
-                os.rename(src, WORKSPACE_DIR, dst_dir_fd=stage_fd)
+                _rename_noreplace(held.parent_fd, held.name, stage_fd, WORKSPACE_DIR)
             except OSError as err:
                 code = _errno_of(err)
                 raise StoreError(
@@ -850,6 +921,13 @@ class Root:
                     errno=code,
                     path=src,
                 ) from err
+            moved = os.stat(WORKSPACE_DIR, dir_fd=stage_fd, follow_symlinks=False)
+            if (moved.st_dev, moved.st_ino) != held.ident:
+                raise StoreError(  # swapped between the open and the rename: _undo_stage puts it back
+                    Reason.RENAME_FAILED,
+                    f"source {src}: it was replaced while being retained; nothing was retained, retain it again",
+                    path=src,
+                )
             os.mkdir(COMMANDS_DIR, 0o700, dir_fd=stage_fd)
             _write_atomic(stage_fd, MANIFEST_NAME, manifest.to_json().encode(), mode=0o600)
 
@@ -891,10 +969,10 @@ class Root:
             # The previous attempt is out of the way (the name is free); its tombstone is the sweep's to retry.
             return
 
-    def _undo_stage(self, root_fd: int, stage: str, src: Path) -> None:
-        """Put the source back where it was and remove the staging directory: no debris in the root."""
+    def _undo_stage(self, root_fd: int, stage: str, held: _Source) -> None:
+        """Put the source back where it was (renameat between held fds, never onto anything) and remove the stage."""
         with contextlib.suppress(OSError), _fd(_open_dir(stage, root_fd)) as stage_fd:
-            os.rename(WORKSPACE_DIR, src, src_dir_fd=stage_fd)
+            _rename_noreplace(stage_fd, WORKSPACE_DIR, held.parent_fd, held.name)
         fsdelete.delete_tree(self.path, stage)
 
     # --- size --------------------------------------------------------------------------------------
@@ -918,40 +996,48 @@ def _instant_ms(when: datetime) -> str:
     return when.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _remove_excluded(src: Path, patterns: Sequence[str]) -> None:
-    """Delete what the exclude globs match under `src` (e.g. transcripts) before anything is retained.
+def _symlink_on(path: Path) -> Path | None:
+    """The first component of `path` that is a symlink (lstat of each prefix): for a refusal's message only."""
+    for prefix in (*reversed(path.parents), path):
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.lstat(prefix).st_mode):
+                return prefix
+    return None
 
-    Walks fd-relative without following links; a matched directory is deleted whole with the safe delete.
+
+def _remove_excluded(held: _Source, patterns: Sequence[str]) -> None:
+    """Delete what the exclude globs match under the held source (e.g. transcripts) before anything is retained.
+
+    Walks from the source's fd (fsdelete.walk_entries: never a link, never a mount, memory a constant per
+    level); a matched directory is deleted whole with the safe delete. A tree deeper than the walk keeps
+    open is refused whole rather than retained with an exclusion missed.
     """
-    stack: list[tuple[int, str]] = [(_open_dir(src), "")]
+    by_path = any("/" in p for p in patterns)
     try:
-        while stack:
-            fd, rel = stack.pop()
-            with _fd(fd):
-                with os.scandir(fd) as it:
-                    entries = list(it)
-                for entry in entries:
-                    path = f"{rel}{entry.name}"
-                    is_dir = entry.is_dir(follow_symlinks=False)
-                    if _relpath_matches(path, entry.name, patterns):
-                        if is_dir:
-                            result = fsdelete.delete_tree_at(fd, entry.name)
-                            if not result.ok:
-                                raise StoreError(
-                                    Reason.DELETE_FAILED,
-                                    f"source {src}: could not remove excluded {path} ({result.describe()}); "
-                                    "nothing was retained",
-                                    errno=result.errno,
-                                    path=src / path,
-                                )
-                        else:
-                            os.unlink(entry.name, dir_fd=fd)
-                    elif is_dir:
-                        stack.append((_open_dir(entry.name, fd), path + "/"))
-    finally:
-        for fd, _ in stack:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for found in fsdelete.walk_entries(held.fd, _EXCLUDE_MAX_DEPTH):
+            rel = found.rel() if by_path else found.name
+            if not _relpath_matches(rel, found.name, patterns):
+                continue
+            rel = found.rel()
+            if found.is_dir:
+                result = fsdelete.delete_tree_at(found.dir_fd, found.name, f"{held.path}/{rel.rpartition('/')[0]}")
+                if not result.ok:
+                    raise StoreError(
+                        Reason.DELETE_FAILED,
+                        f"source {held.path}: could not remove excluded {rel} ({result.describe()}); "
+                        "nothing was retained",
+                        errno=result.errno,
+                        path=held.path / rel,
+                    )
+            else:
+                os.unlink(found.name, dir_fd=found.dir_fd)
+    except fsdelete.TooDeep as err:
+        raise StoreError(
+            Reason.DELETE_FAILED,
+            f"source {held.path}: refused, it is {err} below it, too deep to apply --exclude to it all; "
+            "nothing was retained. Retain it without --exclude, or remove the excluded files first",
+            path=held.path,
+        ) from err
 
 
 def _stray_reason(entry: os.DirEntry[str], good_name: bool) -> Reason | None:

@@ -7,6 +7,8 @@ process where it is memory that is at stake), and the component answered instead
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -39,7 +41,7 @@ from controller.models import (
     is_object_name,
     label_value,
 )
-from controller.store import Root, parse_tombstone
+from controller.store import Root, StoreError, parse_tombstone
 
 pytest_plugins = ["diskkit"]
 H = timedelta(hours=1)
@@ -364,3 +366,120 @@ def test_any_tree_is_sized_then_deleted_and_nothing_outside_changes(plan: list[A
         result = fsdelete.delete_tree(root, "t", workers=workers)
         assert result.ok and result.files == files and listing(root) == []
         assert [*_snapshot(bait_dir), bait_file.read_bytes()] == outside
+
+
+# --- item 2: retain resolves its source with no link in any component ------------------------------------------
+
+
+def _victim(tmp_path: Path) -> Path:
+    """A directory only root should reach, holding `data/` with a config the attacker wants moved."""
+    victim = tmp_path / "victim"
+    (victim / "data").mkdir(parents=True)
+    (victim / "data" / "secret.conf").write_text("root's\n")
+    (victim / "data" / "keep").write_text("root's too\n")
+    return victim
+
+
+def _victim_intact(victim: Path) -> bool:
+    return listing(victim / "data") == ["keep", "secret.conf"] and (victim / "data" / "secret.conf").read_text() == (
+        "root's\n"
+    )
+
+
+def test_retain_refuses_a_source_with_a_symlink_in_an_intermediate_component(tmp_path: Path) -> None:
+    # issue 12, item 2: the user who owns home/ makes home/job a link to a root-only directory; root's
+    # `retain home/job/data --exclude '*.conf'` moved the victim's data into the root and deleted inside it.
+    victim = _victim(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "job").symlink_to(victim)
+    root = Root(tmp_path / "root")
+    with pytest.raises(StoreError) as caught:
+        root.retain(tmp_path / "home" / "job" / "data", "ns", "run", job_id="j", created_at=NOW, retention=None,
+                    exclude=["*.conf"], now=NOW)  # fmt: skip
+    assert caught.value.reason is c.Reason.SYMLINK and "symlink" in str(caught.value)
+    assert _victim_intact(victim) and listing(root.path) == []
+
+
+@pytest.mark.parametrize("kernel", ["openat2", "per-component"])
+def test_open_no_symlinks_refuses_a_link_anywhere_with_or_without_openat2(
+    tmp_path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kernel == "per-component":
+        monkeypatch.setattr(fsdelete, "_SYS_OPENAT2", 9999)  # ENOSYS: the O_NOFOLLOW walk
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    fd = fsdelete.open_no_symlinks(tmp_path / "a" / "b")
+    try:
+        assert os.path.samestat(os.fstat(fd), os.stat(tmp_path / "a" / "b"))
+    finally:
+        os.close(fd)
+    for bad in (tmp_path / "link" / "b", tmp_path / "link"):
+        with pytest.raises(OSError) as caught:
+            fsdelete.open_no_symlinks(bad)
+        assert caught.value.errno in (errno.ELOOP, errno.ENOTDIR)
+
+
+RENAME_EXCHANGE = 2
+
+
+def test_retain_racing_a_user_who_swaps_the_source_for_a_link_never_touches_the_victim(tmp_path: Path) -> None:
+    # The attacker flips home/job between their own directory and a link to the victim (RENAME_EXCHANGE, so
+    # the name always exists) while root retains home/job/data again and again. Whatever wins each race,
+    # the victim's files are never moved and never excluded away; the store keeps answering.
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    victim = _victim(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "swap").symlink_to(victim)
+    root = Root(tmp_path / "root")
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            libc.renameat2(-100, str(home / "job").encode(), -100, str(home / "swap").encode(), RENAME_EXCHANGE)
+
+    outcomes: dict[str, int] = {}
+    flipper = threading.Thread(target=flip)
+    (home / "job").mkdir()
+    own = os.open(home / "job", os.O_RDONLY | os.O_DIRECTORY)  # the attacker's own directory, whatever its name
+    try:
+        for i in range(150):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir("data", dir_fd=own)
+            data = os.open("data", os.O_RDONLY | os.O_DIRECTORY, dir_fd=own)
+            for leaf in ("mine.conf", "mine"):
+                os.close(os.open(leaf, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=data))
+            os.close(data)
+            if i == 0:
+                flipper.start()
+            try:
+                root.retain(home / "job" / "data", "ns", f"r{i}", job_id="j", created_at=NOW, retention=None,
+                            exclude=["*.conf"], now=NOW)  # fmt: skip
+                outcomes["retained"] = outcomes.get("retained", 0) + 1
+                assert listing(root.path / "ns" / f"r{i}" / "workspace") == ["mine"]
+            except StoreError as err:
+                outcomes[str(err.reason)] = outcomes.get(str(err.reason), 0) + 1
+            except FileNotFoundError:
+                outcomes["vanished"] = outcomes.get("vanished", 0) + 1
+            assert _victim_intact(victim)
+    finally:
+        stop.set()
+        if flipper.is_alive():
+            flipper.join()
+        os.close(own)
+    assert _victim_intact(victim)
+    assert sum(outcomes.values()) == 150 and outcomes.get(str(c.Reason.SYMLINK), 0) > 0, outcomes
+
+
+def test_exclusions_are_not_applied_inside_a_tree_deeper_than_the_walk_keeps_open(tmp_path: Path) -> None:
+    root = Root(tmp_path / "root")
+    job = make_job(tmp_path)
+    _chain(job, 300, 8)
+    with pytest.raises(StoreError) as caught:
+        root.retain(job, "ns", "deep", job_id="j", created_at=NOW, retention=None, exclude=["*.log"], now=NOW)
+    assert "too deep" in str(caught.value) and "nothing was retained" in str(caught.value)
+    assert listing(root.path) == [] and (job / "README").exists()
+    fsdelete.delete_tree(tmp_path, "job")
