@@ -483,3 +483,36 @@ def test_exclusions_are_not_applied_inside_a_tree_deeper_than_the_walk_keeps_ope
     assert "too deep" in str(caught.value) and "nothing was retained" in str(caught.value)
     assert listing(root.path) == [] and (job / "README").exists()
     fsdelete.delete_tree(tmp_path, "job")
+
+
+# --- item 4 on the real API server: the controller answers an out-of-range pin and keeps running -------------
+
+
+def test_an_out_of_range_pin_is_reported_and_the_expired_sandbox_still_deleted(
+    kube: Kube, cluster: LocalCluster, namespace: str, tmp_path: Path
+) -> None:
+    # issue 12, item 4: decide() raised OverflowError on this pin on every reconcile, so the sandbox was kept
+    # forever (defeating maxPin). Now the pin is invalid, said so, and the controller goes on deciding.
+    ctl = Controller(cluster, namespace, tmp_path / "controller.log", "--retention=1h")
+    try:
+        ctl.wait_leader()
+        for name, pin in (("year-one", "0001-01-01T00:00:00+01:00"), ("fullwidth", "２０２６-01-01T00:00:00Z")):
+            body = {
+                "metadata": {"name": name, "annotations": {c.ANN_PIN_UNTIL: pin}},
+                "spec": {"nodeName": "node-a", "createdAt": format_instant(datetime.now(UTC) - 2 * H)},
+            }
+            kube.create_sandbox(namespace, body)
+        kube.create_sandbox(namespace, {"metadata": {"name": "kept"}, "spec": {"nodeName": "node-a",
+                            "createdAt": format_instant(datetime.now(UTC))}})  # fmt: skip
+        cluster.kubectl("annotate", c.SANDBOX_SHORT, "kept", "-n", namespace, f"{c.ANN_PIN_FOR}=３h")
+        for name in ("year-one", "fullwidth"):
+            wait_for(f"{name} deleted", lambda n=name: kube.get_sandbox(namespace, n) is None, timeout=30)
+            wait_for(
+                "a DeleteRequested event", lambda n=name: c.Reason.DELETE_REQUESTED in reasons_for(kube, namespace, n)
+            )
+        cond = wait_for("PinValid=False", lambda: condition(kube.get_sandbox(namespace, "kept"), "PinValid"))
+        assert cond["reason"] == c.Reason.INVALID_PIN and "not a duration" in cond["message"]
+        wait_for("an InvalidPin event", lambda: c.Reason.INVALID_PIN in reasons_for(kube, namespace, "kept"))
+        assert ctl.proc.poll() is None and "OverflowError" not in ctl.log() and "Traceback" not in ctl.log()
+    finally:
+        ctl.stop()
