@@ -8,11 +8,19 @@ not override `SANDKEEP_DRY_RUN=true`. Names that are not settings fields (`--onc
 from __future__ import annotations
 
 import argparse
-from typing import TypeVar
+from datetime import timedelta
+from typing import Annotated, TypeVar
 
+from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings
 
+from controller.models import _duration
+
 S = TypeVar("S", bound=BaseSettings)
+
+# A duration setting written the human way (`72h`, `30d`, `1h30m`), from the env or a flag: one annotated
+# type instead of a validator per settings class. A bad value stops the process at start, naming it.
+HumanDuration = Annotated[timedelta, BeforeValidator(_duration), Field(json_schema_extra={"format": "duration"})]
 
 
 def settings_from(cls: type[S], args: argparse.Namespace) -> S:

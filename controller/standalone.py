@@ -32,15 +32,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from pydantic import field_validator
-
 from controller import logs
 from controller.commands import Kill
 from controller.contracts import Reason
 from controller.durations import Invalid, format_duration, format_instant, parse_duration, parse_instant
-from controller.flags import settings_from
+from controller.flags import HumanDuration, settings_from
 from controller.inuse import Usage, pid_alive, scan_usage
-from controller.models import Duration, Settings, _duration, is_namespace_name, is_object_name
+from controller.models import Settings, is_namespace_name, is_object_name
 from controller.policy import Policy, Verdict, deadline
 from controller.reaper import (
     Claim,
@@ -500,14 +498,9 @@ def run(command: str, args: argparse.Namespace) -> int:
 class SweepSettings(Settings):
     """The standalone commands' settings: `SANDKEEP_*` env vars, overridden by flags (`flags.settings_from`)."""
 
-    stuck_after: Duration = STUCK_AFTER
-    relog_every: Duration = RELOG_EVERY
-    orphan_timeout: Duration = ORPHAN_TIMEOUT
-
-    @field_validator("stuck_after", "relog_every", "orphan_timeout", mode="before")
-    @classmethod
-    def _sweep_durations(cls, v: Any) -> timedelta:
-        return _duration(v)
+    stuck_after: HumanDuration = STUCK_AFTER
+    relog_every: HumanDuration = RELOG_EVERY
+    orphan_timeout: HumanDuration = ORPHAN_TIMEOUT
 
 
 def _settings(args: argparse.Namespace) -> SweepSettings:
@@ -661,8 +654,15 @@ def _sweep(args: argparse.Namespace) -> int:
             try:
                 report = sweeper.run_pass()
             except OSError as err:  # the root itself could not be listed: say so, try again next interval
-                logs.say(log, "sweep_failed", level=logging.ERROR, reason=Reason.DELETE_FAILED, root=root.path,
-                         errno=os.strerror(err.errno or 0), error=str(err))  # fmt: skip
+                logs.say(
+                    log,
+                    "sweep_failed",
+                    level=logging.ERROR,
+                    reason=Reason.DELETE_FAILED,
+                    root=root.path,
+                    errno=os.strerror(err.errno or 0),
+                    error=str(err),
+                )
                 if args.interval is None:
                     return EXIT_FAILED
                 if stop.wait(args.interval.total_seconds()):

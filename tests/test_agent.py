@@ -98,11 +98,18 @@ class AgentProcess:
         kubeconfig: Path | None = None,
         extra: list[str] | None = None,
     ):
-        args = [
-            sys.executable, "-m", "controller.cli", "agent", "--node", node.name, "--root", str(node.root.path),
-            "--kubeconfig", str(kubeconfig or cluster.kubeconfig), "--namespace", namespace, "--metrics-port", "0",
-            "--scan-interval", "1s", "--stuck-after", "2s", "--orphan-timeout", "2s", "--lock-wait", "0",
-        ]  # fmt: skip
+        flags = {
+            "--node": node.name,
+            "--root": str(node.root.path),
+            "--kubeconfig": str(kubeconfig or cluster.kubeconfig),
+            "--namespace": namespace,
+            "--metrics-port": "0",
+            "--scan-interval": "1s",
+            "--stuck-after": "2s",
+            "--orphan-timeout": "2s",
+            "--lock-wait": "0",
+        }
+        args = [sys.executable, "-m", "controller.cli", "agent", *(part for kv in flags.items() for part in kv)]
         for pid in IGNORE:
             args += ["--ignore-pid", str(pid)]
         args += extra or []  # a flag given again wins (argparse keeps the last)
@@ -227,8 +234,14 @@ def test_a_retained_directory_is_adopted_and_the_agent_sees_only_its_node(cluste
     assert o["status"]["inUse"] is False
     assert (cond(o, "InUse") or {}).get("status") == "False"
 
-    lease = wait_for(lambda: cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace,
-                                             "-o", "json", check=False).stdout, what="heartbeat Lease")  # fmt: skip
+    lease = wait_for(
+        lambda: (
+            cluster.kubectl(
+                "get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace, "-o", "json", check=False
+            ).stdout
+        ),
+        what="heartbeat Lease",
+    )
     assert json.loads(lease)["spec"]["renewTime"]
     time.sleep(2.5)  # two more passes: n2's directory and object stay untouched by n1's agent
     assert get(cluster, namespace, "run-2") is None
@@ -383,11 +396,9 @@ def test_an_open_file_descriptor_holds_deletion(cluster, namespace, nodes, agent
 def orphans_of_a_killed_exec(node: Node, namespace: str, name: str, script: str) -> list[int]:
     """Run `script` (which prints "ready" and leaves two children) with `sandkeep exec` in the sandbox,
     wait until its leader and both children are recorded, SIGKILL the recorder; the recorded pids."""
-    recorder = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "exec", f"{namespace}/{name}", "--root", str(node.root.path), "--",
-         "sh", "-c", script],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    argv = ["exec", f"{namespace}/{name}", "--root", str(node.root.path), "--", "sh", "-c", script]
+    cli = [sys.executable, "-m", "controller.cli"]
+    recorder = subprocess.Popen([*cli, *argv], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert recorder.stdout is not None and recorder.stdout.readline().strip() == "ready"
     records = node.root.path / namespace / name / c.COMMANDS_DIR
     wait_for(lambda: any(len(json.loads(f.read_text())["members"]) >= 2 for f in records.glob("*.json")))
@@ -421,8 +432,9 @@ def test_orphans_alone_do_not_hold_an_expired_sandbox_they_are_reaped_and_it_is_
     n1, _ = nodes
     src = tmp_path / "job-leftover"
     src.mkdir()
-    n1.root.retain(src, namespace, "leftover", job_id="job-leftover", created_at=datetime.now(UTC),
-                   retention=timedelta(seconds=20))  # fmt: skip
+    n1.root.retain(
+        src, namespace, "leftover", job_id="job-leftover", created_at=datetime.now(UTC), retention=timedelta(seconds=20)
+    )
     path = n1.root.path / namespace / "leftover"
     pids = orphans_of_a_killed_exec(n1, namespace, "leftover", "sleep 204 & sleep 205 & echo ready; exec sleep 206")
     try:
@@ -471,9 +483,14 @@ class InProcessAgent:
 
     def __init__(self, cluster: Any, node: Node, namespace: str, kill: Callable[[int, int], None]) -> None:
         settings = agent_mod.AgentSettings(
-            node=node.name, root=node.root.path, namespace=namespace, scan_interval="1s", stuck_after="2s",
-            orphan_timeout="1s", ignore_pids=IGNORE,
-        )  # fmt: skip
+            node=node.name,
+            root=node.root.path,
+            namespace=namespace,
+            scan_interval="1s",
+            stuck_after="2s",
+            orphan_timeout="1s",
+            ignore_pids=IGNORE,
+        )
         client = kube.Kube(kube.load_config(cluster.kubeconfig), component="sandkeep-agent")
         self.agent = agent_mod.Agent(settings, client, node.root, metrics.AgentMetrics(node.name), kill=kill)
         self.loop = asyncio.new_event_loop()
@@ -502,13 +519,16 @@ def test_a_pod_on_the_node_with_a_hostpath_inside_holds_deletion(cluster, namesp
 
     def pod(name: str, node: Node, host_path: Path) -> dict[str, Any]:
         return {
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace},
             "spec": {
-                "nodeName": node.name, "automountServiceAccountToken": False,
+                "nodeName": node.name,
+                "automountServiceAccountToken": False,
                 "containers": [{"name": "c", "image": "busybox", "volumeMounts": [{"name": "w", "mountPath": "/w"}]}],
                 "volumes": [{"name": "w", "hostPath": {"path": str(host_path)}}],
             },
-        }  # fmt: skip
+        }
 
     cluster.apply(pod("runner", n1, path / "workspace"))
     cluster.apply(pod("not-here", n2, path))  # another node's Pod: the same path there is another disk
@@ -536,13 +556,19 @@ def test_an_agent_that_cannot_list_pods_holds_deletion_as_unknown(cluster, names
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update", "patch"]},
     ]
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "agent", "namespace": namespace}}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": namespace},
-            "rules": rules}  # fmt: skip
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": namespace},
+        "rules": rules,
+    }
     binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": namespace},
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": namespace},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": namespace},
         "subjects": [{"kind": "ServiceAccount", "name": "agent", "namespace": namespace}],
-    }  # fmt: skip
+    }
     cluster.apply([sa, role, binding])
     try:
         kubeconfig = cluster.kubeconfig_for_token(cluster.token_for(namespace, "agent"), tmp_path / "agent.kubeconfig")
@@ -698,8 +724,11 @@ def test_a_tombstone_of_a_live_object_is_put_back_never_deleted(cluster, namespa
 def test_the_benchmark_runs_small():
     out = subprocess.run(
         [sys.executable, str(REPO / "hack" / "bench" / "agent_scan.py"), "--sandboxes", "30", "--no-cluster", "--json"],
-        capture_output=True, text=True, check=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     result = json.loads(out.stdout)
     assert result["entries"] == 30
     assert result["listing"] > 0 and result["in_use"] > 0

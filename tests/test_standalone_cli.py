@@ -22,16 +22,22 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "SANDKEEP_LOG_LEVEL": "INFO"}
 
 
 def sandkeep(*args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True,
-                         env=ENV, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True, env=ENV, timeout=60
+    )
     if check:
         assert out.returncode == 0, out.stdout + out.stderr
     return out
 
 
 def start(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "controller.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "controller.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
 
 
 def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float = 30) -> str:

@@ -313,8 +313,13 @@ def test_a_crash_between_rename_and_delete_leaves_a_tombstone_the_next_pass_clea
         Sweeper(root, Policy(timedelta(hours=72), timedelta(days=30)), in_use=lambda p: Usage(False),
                 after_rename=crash).run_pass()
     """)
-    proc = subprocess.run([sys.executable, "-c", code, str(root.path)], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(root.path)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     (tname,) = [n for n in os.listdir(root.path) if n.startswith(".reap-")]
     assert not (root.path / "ns" / "run").exists()

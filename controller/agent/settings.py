@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from controller.models import Settings, _duration
+from controller.flags import HumanDuration
+from controller.models import Settings
 
 HEARTBEAT_EVERY = 15.0  # seconds between heartbeat renewals (the Lease says 60 s)
 PARALLEL = 8  # API requests (and reaps) in flight at once during a pass
@@ -27,16 +27,11 @@ class AgentSettings(Settings):
     namespace: str = "sandkeep-system"  # where the heartbeat Lease lives
     metrics_port: int = 9102
     metrics_host: str = "127.0.0.1"
-    scan_interval: timedelta = timedelta(seconds=30)
-    stuck_after: timedelta = timedelta(minutes=10)
-    relog_every: timedelta = timedelta(hours=24)
-    orphan_timeout: timedelta = timedelta(seconds=10)
-    lock_wait: timedelta = timedelta(0)  # 0: wait for the root lock forever
+    scan_interval: HumanDuration = timedelta(seconds=30)
+    stuck_after: HumanDuration = timedelta(minutes=10)
+    relog_every: HumanDuration = timedelta(hours=24)
+    orphan_timeout: HumanDuration = timedelta(seconds=10)
+    lock_wait: HumanDuration = timedelta(0)  # 0: wait for the root lock forever
     ignore_pids: list[int] = Field(
         default_factory=list
     )  # processes vouched for that the agent cannot inspect (e.g. a runtime's init)
-
-    @field_validator("scan_interval", "stuck_after", "relog_every", "orphan_timeout", "lock_wait", mode="before")
-    @classmethod
-    def _agent_durations(cls, v: Any) -> timedelta:
-        return _duration(v)
