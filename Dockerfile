@@ -22,6 +22,11 @@ FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="sandkeep" \
       org.opencontainers.image.description="Keep finished jobs' workspaces on each node's disk for a retention window" \
       org.opencontainers.image.licenses="Apache-2.0"
+# The uid the pods run the controller as needs a name: kopf names its identity after getpass.getuser(),
+# which raises KeyError for a uid /etc/passwd does not know, and the controller stopped as it started.
+# (--no-log-init: no sparse lastlog/faillog entry at offset 65532 blown up in the layer.)
+RUN groupadd --system --gid 65532 nonroot \
+ && useradd --system --no-log-init --uid 65532 --gid 65532 --home-dir /nonexistent --shell /usr/sbin/nologin nonroot
 COPY --from=build /opt/sandkeep /opt/sandkeep
 ENV PATH=/opt/sandkeep/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 # 65532: the conventional "nonroot" uid; the pods also set it and forbid root (runAsNonRoot).

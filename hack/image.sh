@@ -7,8 +7,8 @@
 # How, since there is no registry to pull the Dockerfile's python:3.11-slim-bookworm from:
 #   1. mmdebstrap a Debian bookworm rootfs with Python 3.11 (Debian's python3 is 3.11, as in the slim
 #      image) and import it into buildah's storage as localhost/sandkeep-python:<hash> (cached);
-#   2. `buildah bud --build-arg PYTHON_IMAGE=<that image>` of the unchanged Dockerfile. The host's CA
-#      bundle and a pip.conf naming it are bind-mounted read-only into the build's RUN steps only (a
+#   2. `buildah bud --build-arg PYTHON_IMAGE=<that image>` of the Dockerfile. The host's CA bundle and a
+#      pip.conf naming it are bind-mounted read-only into the build's RUN steps only, as root's home (a
 #      TLS-intercepting proxy in front of PyPI is then trusted; nothing of them lands in the image);
 #   3. check the image as the chart runs it: read-only root, the controller as uid 65532, the agent as root;
 #   4. `buildah push` it to a docker archive.
@@ -65,7 +65,7 @@ need_tools() {
 }
 
 # buildah on the private storage under the cache; overlay where the kernel allows it, else vfs.
-driver='' runroot='' pipconf=''
+driver='' runroot='' home=''
 bh() { buildah --root "$cache/storage-$driver" --runroot "$runroot-$driver" --storage-driver "$driver" "$@"; }
 
 pick_driver() {
@@ -119,6 +119,9 @@ check() {
 		run 65532:65532 sandkeep --version
 		run 65532:65532 sandkeep --log-level=INFO controller --help
 		run 0:0 sandkeep --log-level=INFO agent --help
+		# kopf names its identity after the user: a uid /etc/passwd does not know stops the controller.
+		run 65532:65532 python -c "import getpass; getpass.getuser()"
+		run 0:0 python -c "import getpass; getpass.getuser()"
 		touch "$mnt/probe" 2>/dev/null && { echo "root is not read-only" >&2; exit 1; }
 		exit 0
 	' check "$mnt" "${env[@]}" || {
@@ -156,19 +159,23 @@ main() {
 	local base_ref=localhost/sandkeep-python:$base_key
 	bh inspect --type image "$base_ref" >/dev/null 2>&1 || import_base "$base_ref"
 
-	pipconf=$(mktemp)
-	trap 'rm -f "$pipconf"' EXIT
-	# pip inside the build uses the host's CA bundle and, if the host sets one, its package index (a mirror).
-	local mounts=(-v "$pipconf:/etc/pip.conf:ro")
-	printf '[global]\n' >"$pipconf"
+	# pip inside the build uses the host's CA bundle and, if the host sets one, its package index (a
+	# mirror): a pip.conf and the bundle in a directory mounted as root's home of the RUN steps. /root
+	# exists in the base, so no mount point is left in the image (a mount at /etc/pip.conf leaves an
+	# empty file in the layer of every RUN step).
+	home=$(mktemp -d)
+	trap 'rm -rf "$home"' EXIT
+	mkdir -p "$home/.config/pip"
+	printf '[global]\n' >"$home/.config/pip/pip.conf"
 	if [[ -s $ca_bundle ]]; then
-		printf 'cert = /etc/ssl/host-ca.crt\n' >>"$pipconf"
-		mounts+=(-v "$ca_bundle:/etc/ssl/host-ca.crt:ro")
+		cp "$ca_bundle" "$home/.config/pip/host-ca.crt"
+		printf 'cert = /root/.config/pip/host-ca.crt\n' >>"$home/.config/pip/pip.conf"
 	fi
-	[[ -z ${PIP_INDEX_URL:-} ]] || printf 'index-url = %s\n' "$PIP_INDEX_URL" >>"$pipconf"
+	[[ -z ${PIP_INDEX_URL:-} ]] || printf 'index-url = %s\n' "$PIP_INDEX_URL" >>"$home/.config/pip/pip.conf"
+	chmod -R go+rX "$home"
 	log "buildah bud $ref (from $base_ref)"
 	local start=$SECONDS
-	if ! bh bud --isolation chroot --pull-never --build-arg "PYTHON_IMAGE=$base_ref" "${mounts[@]}" \
+	if ! bh bud --isolation chroot --pull-never --build-arg "PYTHON_IMAGE=$base_ref" -v "$home:/root:ro" \
 		--tag "$ref" --file "$repo/Dockerfile" "$repo" >"$cache/build.log" 2>&1; then
 		tail -n 40 "$cache/build.log" >&2
 		die "buildah bud failed; the whole output is in $cache/build.log"
