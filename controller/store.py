@@ -16,7 +16,7 @@ Public API (names are stable; the node agent builds on them):
   the path, what was refused, why and what to do next. `StoreError` is the base of every store failure.
 - `Root(path, *, create=True)`: `.path`, `.lock(wait=None)` (context manager; `wait` seconds, None =
   forever, 0 = once), `.sandbox_path(ns, name)`, `.retain(source, ns, name, *, job_id, created_at,
-  retention, node=None, exclude=(), now=None) -> Manifest`, `.read(ns, name) -> Read`,
+  retention, node=None, exclude=(), now=None, replace=None) -> Manifest`, `.read(ns, name) -> Read`,
   `.read_many(entries) -> {(ns, name): Read}`, `.scan() -> Scan`,
   `.pin(ns, name, until, *, now) -> Manifest` (`until=None` removes the pin), `.tombstone(ns, name, *, id,
   now) -> Tombstone`, `.read_tombstone(t) -> Read`, `.restore(t, ns, name) -> bool`, `.tombstones()`,
@@ -52,7 +52,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -68,7 +68,7 @@ from controller.contracts import (
     WORKSPACE_DIR,
     Reason,
 )
-from controller.durations import MAX_INSTANT, MIN_INSTANT, format_instant, shift
+from controller.durations import MAX_INSTANT, MIN_INSTANT, format_instant, parse_instant, shift
 from controller.models import Manifest, is_namespace_name, is_object_name
 
 # A read that failed for a moment: held this pass and read again next pass, never acted on.
@@ -414,6 +414,9 @@ class _Source:
     ident: tuple[int, int]
 
 
+# Frees `<ns>/<name>` for a replacing retain the way a deletion would (the caller's pipeline: root lock,
+# orphans reaped, in-use check); returns None once the name is free, else why it was not freed.
+Replace = Callable[[str, str], str | None]
 _EXCLUDE_MAX_DEPTH = 256  # levels --exclude walks (one open directory each); deeper sources are refused whole
 
 
@@ -761,14 +764,18 @@ class Root:
         node: str | None = None,
         exclude: Sequence[str] = (),
         now: datetime | None = None,
+        replace: Replace | None = None,
     ) -> Manifest:
         """Move a finished job directory into `<root>/<ns>/<name>/workspace` by rename and write its manifest.
 
         The sandbox is built complete (workspace + manifest) in a tombstone-named staging directory of the root
         and then renamed into place, so no reader ever sees a sandbox without its manifest, and a crash leaves
         a plain leftover tombstone the next sweep clears. A previous attempt at the same name is replaced (last
-        attempt wins) through a tombstone and a safe delete. Exclude globs are removed from `source` first.
-        On any failure nothing is left in the root and the source is where it was (minus excluded files).
+        attempt wins) through a tombstone and a safe delete, but never a pinned one (StoreError PINNED), and
+        through `replace(ns, name)` when given: the caller's deletion pipeline (root lock, recorded orphans
+        reaped, in-use check), which frees the name or says why not (StoreError IN_USE). Exclude globs are
+        removed first. On any failure nothing is left in the root and the source is where it was (minus
+        excluded files).
         """
         _check_names(namespace, name)
         if not MIN_INSTANT <= created_at <= MAX_INSTANT:
@@ -781,7 +788,7 @@ class Root:
         with self._open_source(src) as held:
             if exclude:
                 _remove_excluded(held, exclude)
-            return self._retain_held(held, namespace, name, job_id, created_at, retention, node, now)
+            return self._retain_held(held, namespace, name, job_id, created_at, retention, node, now, replace)
 
     def _retain_held(
         self,
@@ -793,6 +800,7 @@ class Root:
         retention: timedelta | None,
         node: str | None,
         now: datetime,
+        replace: Replace | None,
     ) -> Manifest:
         src = held.path
         manifest = Manifest.model_validate(
@@ -813,7 +821,7 @@ class Root:
             os.mkdir(stage, 0o700, dir_fd=root_fd)
             try:
                 self._fill_stage(root_fd, stage, held, manifest)
-                self._place(root_fd, stage, namespace, name, now)
+                self._place(root_fd, stage, namespace, name, now, replace)
             except BaseException as err:
                 self._undo_stage(root_fd, stage, held)
                 if isinstance(err, OSError):
@@ -931,7 +939,9 @@ class Root:
             os.mkdir(COMMANDS_DIR, 0o700, dir_fd=stage_fd)
             _write_atomic(stage_fd, MANIFEST_NAME, manifest.to_json().encode(), mode=0o600)
 
-    def _place(self, root_fd: int, stage: str, namespace: str, name: str, now: datetime) -> None:
+    def _place(
+        self, root_fd: int, stage: str, namespace: str, name: str, now: datetime, replace: Replace | None
+    ) -> None:
         """Rename the staged sandbox to `<ns>/<name>`, tombstoning (and deleting) a previous attempt first."""
         for _ in range(8):
             with contextlib.suppress(FileExistsError):
@@ -946,15 +956,39 @@ class Root:
             except OSError as err:
                 if err.errno not in (E.ENOTEMPTY, E.EEXIST, E.ENOTDIR, E.EISDIR):
                     raise
-            self._replace_previous(namespace, name, now)
+            self._replace_previous(namespace, name, now, replace)
         raise StoreError(
             Reason.RENAME_FAILED,
             f"sandbox {namespace}/{name}: the name kept being taken while retaining; nothing was retained",
             path=self.path / namespace / name,
         )
 
-    def _replace_previous(self, namespace: str, name: str, now: datetime) -> None:
-        """Last attempt wins: the previous one goes through a tombstone and the safe delete, never rm -rf."""
+    def _replace_previous(self, namespace: str, name: str, now: datetime, replace: Replace | None) -> None:
+        """Last attempt wins: the previous one goes through a tombstone and the safe delete, never rm -rf.
+
+        A replacement is a deletion, so it keeps a deletion's rules: a live pin is never replaced, and with
+        `replace` the caller's pipeline (lock, orphans, in-use) decides and does it.
+        """
+        read = self.read(namespace, name)
+        pinned = _live_pin(read.manifest, now) if isinstance(read, Present) else None
+        if pinned is not None:
+            raise StoreError(
+                Reason.PINNED,
+                f"sandbox {namespace}/{name}: refused to replace it, it is pinned until {format_instant(pinned)} "
+                "and a pinned sandbox is never deleted; nothing was retained and the source is where it was. "
+                "Unpin it (`sandkeep pin --clear`) or retain under another name",
+                path=self.path / namespace / name,
+            )
+        if replace is not None:
+            why = replace(namespace, name)
+            if why is not None:
+                raise StoreError(
+                    Reason.IN_USE,
+                    f"sandbox {namespace}/{name}: refused to replace it ({why}); nothing was retained and the "
+                    "source is where it was. Retry once it is released, or retain under another name",
+                    path=self.path / namespace / name,
+                )
+            return
         with _fd(self._open()) as root_fd, _fd(_open_dir(namespace, root_fd)) as ns_fd:
             try:
                 st = os.lstat(name, dir_fd=ns_fd)
@@ -994,6 +1028,12 @@ class Root:
 def _instant_ms(when: datetime) -> str:
     """RFC 3339 UTC with milliseconds: two retentions of one job a moment apart never write the same bytes."""
     return when.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _live_pin(manifest: Manifest, now: datetime) -> datetime | None:
+    """The manifest's standalone pin when it is valid and not yet lapsed."""
+    until = parse_instant(manifest.keep_until) if manifest.keep_until is not None else None
+    return until if isinstance(until, datetime) and until > now else None
 
 
 def _symlink_on(path: Path) -> Path | None:

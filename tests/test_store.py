@@ -488,3 +488,47 @@ def test_usage_counts_a_sandboxs_bytes_and_files_without_following_links(tmp_pat
     assert usage.files == 7 + 1 + 1 + 1  # the job's 7 files, big, the link, the manifest
     assert 200_000 <= usage.bytes < 2_000_000 and root.size("ns", "sized") == usage.bytes
     assert root.usage("ns", "absent") == (0, 0)
+
+
+# --- a replacing retain keeps a deletion's rules (issue 12, item 5) ------------------------------------------
+
+
+def test_a_retain_never_replaces_a_pinned_sandbox(tmp_path: Path) -> None:
+    root = Root(tmp_path / "root")
+    retain(root, tmp_path, "ns", "run", age=H)
+    root.pin("ns", "run", NOW + 24 * H, now=NOW)
+    second = make_job(tmp_path / "retry")
+    (second / "marker").write_text("second\n")
+    with pytest.raises(StoreError) as caught:
+        root.retain(second, "ns", "run", job_id="j", created_at=NOW, retention=None, now=NOW)
+    assert caught.value.reason is Reason.PINNED and "pinned until" in str(caught.value)
+    assert "source is where it was" in str(caught.value) and (second / "marker").exists()
+    assert listing(root.path) == ["ns"] and (root.path / "ns" / "run" / "workspace" / "README").exists()
+    root.pin("ns", "run", None, now=NOW)  # unpinned: the last attempt wins again
+    root.retain(second, "ns", "run", job_id="j", created_at=NOW, retention=None, now=NOW)
+    assert (root.path / "ns" / "run" / "workspace" / "marker").exists()
+
+
+def test_a_replacing_retain_goes_through_the_callers_pipeline_which_may_refuse(tmp_path: Path) -> None:
+    root = Root(tmp_path / "root")
+    retain(root, tmp_path, "ns", "run", age=H)
+    asked: list[tuple[str, str]] = []
+
+    def held(ns: str, name: str) -> str | None:
+        asked.append((ns, name))
+        return "in use: pid 4242 has its cwd inside it"
+
+    second = make_job(tmp_path / "retry")
+    with pytest.raises(StoreError) as caught:
+        root.retain(second, "ns", "run", job_id="j", created_at=NOW, retention=None, now=NOW, replace=held)
+    assert caught.value.reason is Reason.IN_USE and "pid 4242" in str(caught.value)
+    assert asked == [("ns", "run")] and (second / "README").exists() and listing(root.path) == ["ns"]
+
+    def pipeline(ns: str, name: str) -> str | None:
+        t = root.tombstone(ns, name, id="replaced", now=NOW)
+        assert root.delete_tombstone(t).ok
+        return None
+
+    root.retain(second, "ns", "run", job_id="j2", created_at=NOW, retention=None, now=NOW, replace=pipeline)
+    read = root.read("ns", "run")
+    assert isinstance(read, Present) and read.manifest.job_id == "j2" and listing(root.path) == ["ns"]
