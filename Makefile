@@ -1,6 +1,7 @@
 # sandkeep — two commands do all the set-up on a fresh machine:
 #   make demo   the main job: the local demo
-#   make test   lint, types and every test (unit, property, real filesystem, real processes, real API server)
+#   make test   lint, types and every test (unit, property, real filesystem, real processes, real API server),
+#               then the end-to-end suite on a real node (kubelet + containerd, the image, the chart, Prometheus)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -11,7 +12,9 @@ TOOLS_BIN := $(SANDKEEP_TOOLS_DIR)/bin
 export PATH := $(CURDIR)/$(VENV)/bin:$(TOOLS_BIN):$(PATH)
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv tools lint types test test-fast demo cluster bench clean image
+.PHONY: all venv deps demo-deps tools demo-tools lint types test test-fast e2e demo demo-node node cluster bench clean image
+# What the demo runs; `make tools` adds kubelet, kube-scheduler, helm, promtool and prometheus for the tests.
+DEMO_TOOLS := kube-apiserver kube-controller-manager kubectl etcd
 
 all: test
 
@@ -23,9 +26,21 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-## Build kube-apiserver, kube-controller-manager, kubectl, etcd, helm and promtool from pinned Go modules (cached; instant when built).
+## The Debian packages the tests (and the real node, and the image build) need; installed when missing (as root).
+deps:
+	bash hack/deps.sh test
+
+demo-deps:
+	bash hack/deps.sh demo
+
+## Build every Go tool from pinned modules: the control plane's, the real node's (kubelet, kube-scheduler), helm,
+## promtool and prometheus (cached; instant when built).
 tools:
 	bash hack/tools/build.sh >/dev/null
+
+## Only what `make demo` runs: kube-apiserver, kube-controller-manager, kubectl and etcd.
+demo-tools:
+	bash hack/tools/build.sh $(DEMO_TOOLS) >/dev/null
 
 ## Build the sandkeep image from the Dockerfile with buildah (no Docker, no registry; cached by a hash of its inputs)
 ## into a docker archive for `ctr -n k8s.io images import`; prints the archive's path and the image reference.
@@ -39,16 +54,27 @@ lint: venv
 types: venv
 	$(VENV)/bin/mypy
 
-## Everything: lint, types, then the whole suite against real directories, processes and a real API server.
-test: venv tools lint types
-	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+## Everything: lint, types, the whole suite against real directories, processes and a real API server, then the
+## end-to-end suite on a real node.
+test: deps venv tools lint types
+	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m 'not e2e' $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory e2e
+
+## The end-to-end suite alone: a real node (kubelet, containerd, kube-scheduler) joins the local control plane,
+## the image built from the Dockerfile runs the chart's Pods, a real Prometheus scrapes them and pages.
+e2e: deps venv tools
+	$(VENV)/bin/pytest -m e2e $(E2E_ARGS)
+
+## A local control plane with one real, Ready node until Ctrl-C (`export KUBECONFIG=...` is printed).
+node: deps venv tools
+	$(PY) hack/localnode.py
 
 ## The suite without the Go tools' build step (they must already be built).
 test-fast: venv
 	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 ## The main job: the whole story on a local control plane, with the controller and two node agents (~2 min).
-demo: venv tools
+demo: demo-deps venv demo-tools
 	$(PY) hack/demo.py $(DEMO_ARGS)
 
 ## The single-host mode alone (no cluster, no Go tools): retain, pin, ls, sweep on a temporary root.

@@ -64,7 +64,7 @@ CONTROLLERS = (
 )
 # With a real node, the node lifecycle controller lifts the kubelet's registration taint once the Node
 # is Ready (and would mark a silent kubelet's Node unreachable, which is why it is off without one).
-NODE_CONTROLLERS = ("node-lifecycle-controller",)
+NODE_CONTROLLERS = ("node-lifecycle-controller", "job-controller", "endpoints-controller")
 KEEP_DIR_ENV = "SANDKEEP_KEEP_CLUSTER_DIR"
 # TEST-NET-3 (RFC 5737). No kube-proxy runs: the only Service IP anything reaches is the `kubernetes`
 # Service's first address, which a real node (hack/localnode.py) forwards to the API server.

@@ -180,6 +180,7 @@ class LocalNode:
         self.name = name
         self._tools = tools
         self.dir: Path | None = None
+        self.sockets: Path | None = None
         self.components: list[Component] = []
         self.init: subprocess.Popen[bytes] | None = None
         self.init_pid: int | None = None
@@ -195,7 +196,11 @@ class LocalNode:
 
     @property
     def containerd_socket(self) -> Path:
-        return self._dir("containerd.sock")
+        # A unix socket's path is limited to about 100 bytes, which a pytest temp dir can exceed: the
+        # socket lives in a short directory of its own (on the host's /tmp, which the node shares).
+        if self.sockets is None:
+            raise ClusterError("the node is not started")
+        return self.sockets / "containerd.sock"
 
     def _dir(self, name: str) -> Path:
         if self.dir is None:
@@ -229,6 +234,7 @@ class LocalNode:
         try:
             self.dir = Path(tempfile.mkdtemp(prefix="sandkeep-node-", dir=self.cluster.dir))
             self.cgroup_root = f"/{self.dir.name}"  # unique: named like the node's temp dir
+            self.sockets = Path(tempfile.mkdtemp(prefix="skn-", dir="/tmp"))
             for sub in ("var-lib", "var-log", "cni", "sandkeep"):
                 self._dir(sub).mkdir()
             archive, pause_ref = pause_image(tools_dir().parent / "node")
@@ -274,7 +280,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs",
   "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
 [grpc]
-  address = "{d("containerd.sock")}"
+  address = "{self.containerd_socket}"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "{pause_ref}"
   # Without CAP_SYS_RESOURCE (these machines' VMs) a container may not lower its oom_score_adj below
@@ -307,7 +313,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             "address": NODE_IP,
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
-            "containerRuntimeEndpoint": f"unix://{d('containerd.sock')}",
+            "containerRuntimeEndpoint": f"unix://{self.containerd_socket}",
             "authentication": {
                 "anonymous": {"enabled": False},
                 "webhook": {"enabled": True},
@@ -346,7 +352,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         self.init = subprocess.Popen(
             [
                 "unshare", "--pid", "--mount", "--net", "--fork", "--mount-proc", "--propagation=private",
-                "--kill-child=SIGTERM", "--", "bash", str(HERE / "init.sh"), str(self.dir), NODE_IP, HOST_IP,
+                "--kill-child=SIGTERM", "--", "bash", str(HERE / "init.sh"), str(self.dir), str(self.sockets), NODE_IP,
+                HOST_IP,
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -475,6 +482,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                     print(f"localnode: kept {self.dir}", file=sys.stderr)
                 else:
                     shutil.rmtree(self.dir, ignore_errors=True)
+            if self.sockets is not None:
+                shutil.rmtree(self.sockets, ignore_errors=True)
+                self.sockets = None
             if self._lock_file is not None:
                 self._lock_file.close()
                 self._lock_file = None

@@ -53,6 +53,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     # with the failure, carried back from xdist workers), and the cluster dir is kept at the end of the
     # session when SANDKEEP_KEEP_CLUSTER_DIR is set.
     report: pytest.TestReport = yield
+    bed = getattr(item, "funcargs", {}).get("bed")
+    if report.failed and bed is not None:  # the end-to-end bed (tests/e2e_bed.py): every component's logs
+        bed.cluster.failed = True
+        report.sections.append(("end-to-end bed logs", bed.logs()))
     cluster = item.session.stash.get(_CLUSTER_KEY, None)
     if report.failed and cluster is not None and "cluster" in getattr(item, "fixturenames", ()):
         cluster.failed = True

@@ -7,10 +7,10 @@
 # and the kubelet until SIGTERM. When this process exits the kernel kills everything left in the PID
 # namespace, and the mounts and network go with their namespaces: nothing outlives the node.
 #
-#   init.sh NODE_DIR NODE_IP GATEWAY
+#   init.sh NODE_DIR SOCKET_DIR NODE_IP GATEWAY
 set -euo pipefail
 
-dir=$1 node_ip=$2 gateway=$3
+dir=$1 sockets=$2 node_ip=$3 gateway=$4
 
 log() { printf '[node-init %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -54,10 +54,10 @@ log "starting containerd"
 containerd --config "$dir/containerd.toml" >"$dir/containerd.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 300); do
-	[[ -S $dir/containerd.sock ]] && break
+	[[ -S $sockets/containerd.sock ]] && break
 	sleep 0.1
 done
-[[ -S $dir/containerd.sock ]] || {
+[[ -S $sockets/containerd.sock ]] || {
 	log "containerd did not open its socket"
 	exit 1
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build the local control plane's tools (kube-apiserver, kube-controller-manager, kubectl, etcd, helm,
-# promtool) from the pinned wrapper modules beside this script, into a versioned cache.
+# Build the local control plane's tools (kube-apiserver, kube-controller-manager, kubectl, etcd), the real
+# node's (kubelet, kube-scheduler), helm, promtool and the Prometheus server from the pinned wrapper modules
+# beside this script, into a versioned cache. Names given as arguments build only those.
 #
 # Idempotent: each tool lands in $SANDKEEP_TOOLS_DIR/<name>-<key>/, where <key> hashes its
 # wrapper's go.mod and go.sum, its package and its link flags, and is skipped when already built. A second run
@@ -57,7 +58,7 @@ for p in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
 	helm_stamp+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
 done
 
-want=${*:-kube-apiserver kube-controller-manager kubectl etcd helm promtool}
+want=${*:-kube-apiserver kube-controller-manager kubectl etcd kubelet kube-scheduler helm promtool prometheus}
 for tool in $want; do
 	case $tool in
 	kube-apiserver) build kube kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "$stamp" ;;

@@ -1,0 +1,217 @@
+"""End to end on a real node: the chart's Pods, run by a real kubelet and containerd from the image the
+Dockerfile builds, keep, pin, hold and delete real workspaces, and a real Prometheus pages on a stuck
+tombstone. The bed (tests/e2e_bed.py) is started once for this module; the tests run in file order and
+each one's story stands on its own sandboxes.
+
+A Job retains its workspace the way the README tells users to (`sandkeep retain` on the node, from the
+image's console script); everything after that happens through the API and the chart's own Pods.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_bed import SYSTEM_NS, Bed, eventually
+
+from controller import contracts as c
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("e2e")]
+NS = "e2e"
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    bed = Bed(tmp_path_factory.mktemp("e2e"))
+    bed.start()
+    try:
+        bed.kubectl("create", "namespace", NS)
+        # Jobs and holders here mount the node's disk: this namespace allows hostPath, as a platform
+        # team's job namespace would.
+        bed.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=privileged")
+        yield bed
+    except BaseException:
+        bed.cluster.failed = True
+        raise
+    finally:
+        bed.stop()
+
+
+def pod_spec(bed: Bed, script: str, *, working_dir: str | None = None) -> dict[str, Any]:
+    """A root container of the sandkeep image running `script`, with the node's disk at the same path."""
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": bed.image_ref,
+        "command": ["sh", "-c", script],
+        "securityContext": {"runAsUser": 0},
+        "volumeMounts": [{"name": "disk", "mountPath": str(bed.disk)}],
+    }
+    if working_dir:
+        container["workingDir"] = working_dir
+    return {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 1,
+        "containers": [container],
+        "volumes": [{"name": "disk", "hostPath": {"path": str(bed.disk), "type": "Directory"}}],
+    }
+
+
+def run_job(bed: Bed, name: str, script: str) -> None:
+    """A Job on the node; waits for it to succeed."""
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"backoffLimit": 0, "template": {"spec": pod_spec(bed, script)}},
+    }
+    bed.kubectl("apply", "-f", "-", input=json.dumps(job))
+    bed.kubectl("wait", "-n", NS, f"job/{name}", "--for=condition=Complete", "--timeout=120s", timeout=130)
+
+
+def retain_job(bed: Bed, name: str, retention: str, files: int = 3) -> Path:
+    """A Job that writes a workspace on the node and retains it; returns the sandbox's directory."""
+    work = bed.disk / "jobs" / name
+    script = (
+        f"set -e; mkdir -p {work}/logs; echo 'build ok' > {work}/logs/result.txt; "
+        f'python -c \'import sys; [open(f"{work}/f%d" % i, "w").close() for i in range({files})]\'; '
+        f"sandkeep retain --root {bed.root} --namespace {NS} --name {name} --retention {retention} {work}"
+    )
+    run_job(bed, f"job-{name}", script)
+    return bed.root / NS / name
+
+
+def rsb(bed: Bed, name: str) -> dict[str, Any] | None:
+    out = bed.kubectl("get", "rsb", name, "-n", NS, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def phase(bed: Bed, name: str) -> str | None:
+    obj = rsb(bed, name)
+    return None if obj is None else (obj.get("status") or {}).get("phase")
+
+
+def gone(bed: Bed, name: str, path: Path) -> bool:
+    return rsb(bed, name) is None and not path.exists() and not list(bed.root.glob(".reap-*"))
+
+
+def test_the_charts_pods_run_ready_from_the_built_image(bed: Bed) -> None:
+    def ready() -> bool:
+        deploy = bed.get("deployment", "-n", SYSTEM_NS, "sandkeep-controller")
+        ds = bed.get("daemonset", "-n", SYSTEM_NS, "sandkeep-agent")
+        return deploy["status"].get("readyReplicas") == 2 and ds["status"].get("numberReady") == 1
+
+    eventually(ready, "2 controller replicas and 1 agent Ready", timeout=180)
+    pods = bed.get("pods", "-n", SYSTEM_NS)["items"]
+    images = {ct["image"] for p in pods for ct in p["spec"]["containers"]}
+    assert images == {bed.image_ref}
+    # Each component reached the API server with its own mounted ServiceAccount token: the agent's
+    # heartbeat Lease and the controller's leader Lease are held by these Pods.
+    names = {p["metadata"]["name"] for p in pods}
+    leader = eventually(
+        lambda: bed.get("lease", "-n", SYSTEM_NS, "sandkeep-controller")["spec"].get("holderIdentity"),
+        "a controller leader",
+    )
+    assert leader.split("_")[0] in names
+    leases = bed.get("leases", "-n", SYSTEM_NS)["items"]
+    assert any(lease["metadata"]["name"] != "sandkeep-controller" for lease in leases), "no agent heartbeat Lease"
+    # Prometheus scrapes both through the chart's own monitors.
+    eventually(
+        lambda: bed.targets_up() == {"sandkeep-controller": 2, "sandkeep-agent": 1},
+        "Prometheus scraping 2 controllers and 1 agent",
+        timeout=60,
+    )
+
+
+def test_a_jobs_workspace_is_retained_on_the_node_and_adopted(bed: Bed) -> None:
+    path = retain_job(bed, "run-1", "1h")
+    obj = eventually(lambda: (o := rsb(bed, "run-1")) and o.get("status", {}).get("sizeBytes") and o, "adoption")
+    assert bed.node is not None and obj["spec"]["nodeName"] == bed.node.name
+    assert (path / "workspace" / "logs" / "result.txt").read_text() == "build ok\n"
+    assert obj["status"]["phase"] == "Retained"
+
+
+def test_a_pin_keeps_a_sandbox_past_its_deadline_and_unpinning_releases_it(bed: Bed) -> None:
+    path = retain_job(bed, "run-2", "20s")
+    eventually(lambda: rsb(bed, "run-2"), "adoption")
+    bed.kubectl("annotate", "rsb/run-2", "-n", NS, f"{c.ANN_PIN_FOR}=1h")
+    eventually(lambda: phase(bed, "run-2") == "Pinned", "the pin")
+    subprocess.run(["sleep", "25"], check=True)  # past the 20 s it was retained for
+    assert phase(bed, "run-2") == "Pinned" and path.exists()
+    bed.kubectl("annotate", "rsb/run-2", "-n", NS, f"{c.ANN_PIN_UNTIL}-")
+    eventually(lambda: gone(bed, "run-2", path), "the unpinned, expired sandbox deleted from the node", timeout=60)
+
+
+def test_a_pods_hostpath_and_a_containers_cwd_each_hold_a_sandbox(bed: Bed) -> None:
+    path = retain_job(bed, "run-3", "20s")
+    eventually(lambda: rsb(bed, "run-3"), "adoption")
+    workspace = path / "workspace"
+    mount_holder = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "holder-mount", "namespace": NS},
+        "spec": {
+            **pod_spec(bed, "sleep 3600"),
+            "volumes": [{"name": "disk", "hostPath": {"path": str(workspace), "type": "Directory"}}],
+        },
+    }
+    # This one mounts the whole disk (not the sandbox), so only its process's cwd, seen by the agent
+    # through the host PID namespace, ties it to the sandbox.
+    cwd_holder = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "holder-cwd", "namespace": NS},
+        "spec": pod_spec(bed, "sleep 3600", working_dir=str(workspace / "logs")),
+    }
+    for pod in (mount_holder, cwd_holder):
+        bed.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    bed.kubectl("wait", "-n", NS, "pod/holder-mount", "pod/holder-cwd", "--for=condition=Ready", "--timeout=90s")
+    eventually(lambda: phase(bed, "run-3") == "Held", "the expired sandbox held by both", timeout=60)
+    bed.kubectl("delete", "pod", "holder-mount", "-n", NS, "--wait=true")
+    subprocess.run(["sleep", "8"], check=True)  # several agent passes
+    obj = rsb(bed, "run-3")
+    assert obj is not None and obj["status"]["phase"] == "Held" and path.exists(), "the cwd alone must hold it"
+    in_use = next(x for x in obj["status"]["conditions"] if x["type"] == "InUse")
+    assert in_use["status"] == "True"
+    bed.kubectl("delete", "pod", "holder-cwd", "-n", NS, "--wait=true")
+    eventually(lambda: gone(bed, "run-3", path), "the released sandbox deleted", timeout=60)
+
+
+def test_a_stuck_tombstone_pages_through_prometheus_until_it_is_fixed(bed: Bed) -> None:
+    path = retain_job(bed, "run-4", "10s")
+    eventually(lambda: rsb(bed, "run-4"), "adoption")
+    subprocess.run(["chattr", "+i", str(path / "workspace" / "f0")], check=True)
+    try:
+        eventually(lambda: phase(bed, "run-4") == "Stuck", "the tombstone reported stuck", timeout=90)
+        alert = eventually(
+            lambda: [a for a in bed.alerts("SandkeepTombstoneStuck") if a["state"] == "firing"],
+            "SandkeepTombstoneStuck firing in Prometheus",
+            timeout=150,
+            every=5,
+        )
+        assert bed.node is not None and alert[0]["labels"]["node"] == bed.node.name
+    finally:
+        for f in bed.root.glob(".reap-*/**/f0"):
+            subprocess.run(["chattr", "-i", str(f)], check=True)
+        subprocess.run(["chattr", "-R", "-i", str(bed.root)], capture_output=True)
+    eventually(lambda: gone(bed, "run-4", path), "the fixed tombstone deleted", timeout=60)
+    eventually(lambda: not bed.alerts("SandkeepTombstoneStuck"), "the alert resolved", timeout=90, every=5)
+
+
+def test_killing_the_agent_mid_delete_and_the_leader_loses_nothing(bed: Bed) -> None:
+    path = retain_job(bed, "run-5", "15s", files=40000)
+    eventually(lambda: rsb(bed, "run-5"), "adoption", timeout=120)
+    agent = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"][0]
+    eventually(lambda: list(bed.root.glob(".reap-*")), "the delete under way (a tombstone)", timeout=60, every=0.2)
+    bed.kubectl("delete", "pod", agent["metadata"]["name"], "-n", SYSTEM_NS, "--wait=false")
+    eventually(lambda: gone(bed, "run-5", path), "the delete finished by the next agent", timeout=180)
+
+    leader = bed.get("lease", "-n", SYSTEM_NS, "sandkeep-controller")["spec"]["holderIdentity"].split("_")[0]
+    path6 = retain_job(bed, "run-6", "20s")
+    bed.kubectl("delete", "pod", leader, "-n", SYSTEM_NS, "--wait=false")
+    eventually(lambda: gone(bed, "run-6", path6), "the expiry acted on by the other replica", timeout=120)
+    holder = bed.get("lease", "-n", SYSTEM_NS, "sandkeep-controller")["spec"]["holderIdentity"]
+    assert holder.split("_")[0] != leader
