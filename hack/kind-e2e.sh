@@ -1,27 +1,23 @@
 #!/usr/bin/env bash
-# End-to-end check of sandkeep on a real cluster (kind), for a machine WITH Docker, kind, kubectl and helm.
+# The end-to-end suite (tests/test_e2e.py) on kind, for a machine WITH Docker and kind.
 #
-#   hack/kind-e2e.sh                 # create the cluster, test, delete the cluster
+#   hack/kind-e2e.sh                 # create the cluster, run the suite, delete the cluster
 #   KEEP_CLUSTER=1 hack/kind-e2e.sh  # leave the cluster up afterwards (kubectl --context kind-sandkeep-e2e)
 #   KIND_NODE_IMAGE=kindest/node:v1.32.0 hack/kind-e2e.sh   # the chart needs Kubernetes >= 1.31
 #
-# What it proves, on real kubelets and a real node disk: the image builds and both components start; the
-# agent adopts a sandbox retained on a node's disk (written there with `docker exec` into the kind node);
-# `kubectl annotate ... pin-for` pins one; shortening the window with a SandboxPolicy expires the other,
-# which the controller deletes and the agent removes from the node's disk (no tombstone left behind),
-# while the pinned one stays. It cannot run where there is no Docker engine (the unit tests only check
-# it with shellcheck and bash -n there).
+# The same test code as this repository's CI, which runs it on a local real node instead (make e2e;
+# tests/e2e_bed.py's LocalBed). Here the bed is KindBed: a one-node kind cluster, the image built by
+# `docker build` from the Dockerfile and loaded with `kind load`, node-side steps (a job's directory,
+# chattr) through `docker exec` on the node container, and Prometheus on this machine scraping the Pods
+# (a route to the node's Pod range is added, so this needs root). The suite installs the chart itself.
+# Never run on this repository's machines (no Docker engine there); tests only shellcheck it.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cluster=${CLUSTER_NAME:-sandkeep-e2e}
-image=${IMAGE:-sandkeep:e2e}
-release=sandkeep
-system_ns=sandkeep-system
-ns=e2e
-root=/var/lib/sandkeep
-timeout_s=${TIMEOUT_SECONDS:-180}
+image=${IMAGE:-localhost/sandkeep:e2e}
 ctx=kind-$cluster
+routes=()
 
 log() { printf '[kind-e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() {
@@ -30,35 +26,21 @@ die() {
 }
 k() { kubectl --context "$ctx" "$@"; }
 
-# wait_for DESCRIPTION COMMAND...: run COMMAND every 2 s until it succeeds or timeout_s passes.
-wait_for() {
-	local what=$1 deadline=$((SECONDS + timeout_s))
-	shift
-	until "$@" >/dev/null 2>&1; do
-		((SECONDS < deadline)) || die "timed out after ${timeout_s}s waiting for: $what"
-		sleep 2
-	done
-	log "ok: $what"
-}
-
 require_tools() {
 	local tool missing=()
-	for tool in docker kind kubectl helm; do
+	for tool in docker kind kubectl make go ip; do
 		command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 	done
-	((${#missing[@]} == 0)) || die "missing tools: ${missing[*]} (this script needs Docker, kind, kubectl and helm)"
+	((${#missing[@]} == 0)) || die "missing tools: ${missing[*]} (this script needs Docker, kind, kubectl, make and Go)"
 	docker info >/dev/null 2>&1 || die "no Docker engine answers (docker info failed)"
+	((EUID == 0)) || die "run as root: Prometheus reaches the Pods through a route this script adds"
 }
 
 cleanup() {
-	local code=$?
-	if ((code != 0)); then
-		log "dumping state for the failure"
-		k get rsb -A -o wide || true
-		k -n "$system_ns" get pods -o wide || true
-		k -n "$system_ns" logs -l app.kubernetes.io/component=controller --tail=50 || true
-		k -n "$system_ns" logs -l app.kubernetes.io/component=agent --tail=50 || true
-	fi
+	local code=$? cidr
+	for cidr in ${routes[@]+"${routes[@]}"}; do
+		ip route del "$cidr" 2>/dev/null || true
+	done
 	if [[ ${KEEP_CLUSTER:-0} == 1 ]]; then
 		log "cluster kept: kubectl --context $ctx ..."
 	else
@@ -68,93 +50,41 @@ cleanup() {
 }
 
 create_cluster() {
-	log "creating kind cluster $cluster (one control plane, one worker)"
+	# One node, as in the local bed: kind's only node is schedulable and runs every Pod of the suite.
+	log "creating kind cluster $cluster (one node)"
 	local image_args=()
 	[[ -z ${KIND_NODE_IMAGE:-} ]] || image_args=(--image "$KIND_NODE_IMAGE")
-	kind create cluster --name "$cluster" ${image_args[@]+"${image_args[@]}"} --wait 120s --config - <<-EOF
-		kind: Cluster
-		apiVersion: kind.x-k8s.io/v1alpha4
-		nodes:
-		  - role: control-plane
-		  - role: worker
-	EOF
+	kind create cluster --name "$cluster" ${image_args[@]+"${image_args[@]}"} --wait 120s
 }
 
 build_and_load() {
-	log "building $image"
+	log "building $image from the Dockerfile"
 	docker build -t "$image" "$repo"
 	kind load docker-image "$image" --name "$cluster"
 }
 
-install_chart() {
-	log "installing the chart"
-	helm --kube-context "$ctx" install "$release" "$repo/charts/sandkeep" \
-		--namespace "$system_ns" --create-namespace \
-		--set image.repository="${image%:*}" --set image.tag="${image##*:}" --set image.pullPolicy=Never \
-		--set agent.scanInterval=5s --set agent.root="$root" \
-		--wait --timeout 180s
-	k -n "$system_ns" rollout status deploy/"$release"-controller --timeout=120s
-	k -n "$system_ns" rollout status ds/"$release"-agent --timeout=120s
+# Prometheus runs on this machine and scrapes the Pods at their IPs: route each node's Pod range to it.
+route_pods() {
+	local node cidr ip
+	for node in $(k get nodes -o jsonpath='{.items[*].metadata.name}'); do
+		cidr=$(k get node "$node" -o jsonpath='{.spec.podCIDR}')
+		ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$node")
+		ip route replace "$cidr" via "$ip"
+		routes+=("$cidr")
+	done
 }
-
-# retain_on_node NODE NAME: write a finished job's workspace and its manifest into the node's root, as a
-# retaining job would (created now, kept for the default window).
-retain_on_node() {
-	local node=$1 name=$2 now until
-	now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-	until=$(date -u -d '+72 hours' +%Y-%m-%dT%H:%M:%SZ)
-	docker exec -i "$node" sh -eu -c '
-		root=$1 ns=$2 name=$3
-		install -d -m 0700 "$root"
-		install -d -m 0755 "$root/$ns" "$root/$ns/$name" "$root/$ns/$name/workspace"
-		echo "results of $name" >"$root/$ns/$name/workspace/out.txt"
-		cat >"$root/$ns/$name/manifest.json"
-		chmod 0600 "$root/$ns/$name/manifest.json"
-	' sh "$root" "$ns" "$name" <<-EOF
-		{"schemaVersion": 1, "namespace": "$ns", "name": "$name", "jobId": "job-$name",
-		 "createdAt": "$now", "retainUntil": "$until", "node": "$node", "workspace": "workspace"}
-	EOF
-	log "retained $ns/$name on $node"
-}
-
-on_disk() { docker exec "$1" test -e "$root/$ns/$2"; }
-gone_from_disk() { ! on_disk "$@"; }
-no_tombstones() { [[ -z $(docker exec "$1" find "$root" -maxdepth 1 -name '.reap-*' -print) ]]; }
-rsb_exists() { k -n "$ns" get rsb "$1"; }
-rsb_gone() { ! rsb_exists "$1"; }
-rsb_phase_is() { [[ $(k -n "$ns" get rsb "$1" -o jsonpath='{.status.phase}') == "$2" ]]; }
 
 main() {
 	require_tools
 	trap cleanup EXIT
 	create_cluster
 	build_and_load
-	install_chart
-
-	local node=$cluster-worker
-	k create namespace "$ns"
-	retain_on_node "$node" keep-me
-	retain_on_node "$node" let-go
-	wait_for "the agent adopts $ns/keep-me" rsb_exists keep-me
-	wait_for "the agent adopts $ns/let-go" rsb_exists let-go
-	wait_for "$ns/keep-me is Retained" rsb_phase_is keep-me Retained
-
-	log "pinning $ns/keep-me for 2h with kubectl annotate"
-	k -n "$ns" annotate rsb keep-me sandkeep.io/pin-for=2h
-	wait_for "$ns/keep-me is Pinned" rsb_phase_is keep-me Pinned
-
-	log "shortening the window of namespace $ns to 1s: let-go expires, keep-me is pinned"
-	k apply -f - <<-EOF
-		apiVersion: sandkeep.io/v1alpha1
-		kind: SandboxPolicy
-		metadata: {name: short, namespace: $ns}
-		spec: {retention: 1s}
-	EOF
-	wait_for "$ns/let-go is deleted" rsb_gone let-go
-	wait_for "$ns/let-go is gone from $node's disk" gone_from_disk "$node" let-go
-	wait_for "no tombstone is left on $node" no_tombstones "$node"
-	on_disk "$node" keep-me || die "$ns/keep-me was deleted from $node's disk although it is pinned"
-	rsb_phase_is keep-me Pinned || die "$ns/keep-me is no longer Pinned"
+	route_pods
+	log "building the suite's virtualenv and tools (kubectl, helm, prometheus)"
+	make -C "$repo" -s venv >/dev/null
+	bash "$repo/hack/tools/build.sh" kubectl helm prometheus >/dev/null
+	log "running the end-to-end suite (tests/test_e2e.py) on kind-$cluster"
+	SANDKEEP_E2E_KIND=$cluster SANDKEEP_E2E_IMAGE=$image "$repo/.venv/bin/pytest" -m e2e "$repo/tests/test_e2e.py"
 	log "PASSED"
 }
 

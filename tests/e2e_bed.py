@@ -1,15 +1,20 @@
 """The end-to-end test bed: the chart installed with Helm on a real node, scraped by a real Prometheus.
 
-`Bed` starts a control plane in node mode and one real node (hack/localnode.py), builds the image from
-the Dockerfile (`hack/image.sh`) and imports it into the node's containerd, installs
-`charts/sandkeep` with only values changed (image, root, intervals, monitoring on), and runs the
-Prometheus server built from the same pinned module as promtool. Prometheus is configured the way
+Two beds run the same suite (tests/test_e2e.py):
+- `LocalBed`, what this repository's CI runs: a control plane in node mode and one real node
+  (hack/localnode.py); the image is built from the Dockerfile (`hack/image.sh`) and imported into the
+  node's containerd.
+- `KindBed`, for machines with Docker (`hack/kind-e2e.sh`): a kind cluster the script made, its image
+  built with `docker build` and loaded; node-side steps run with `docker exec` on the worker.
+Both install `charts/sandkeep` with only values changed (image, root, intervals, monitoring on) and run
+the Prometheus server built from the same pinned module as promtool, configured the way
 prometheus-operator would configure it from the chart's own ServiceMonitor, PodMonitor and
 PrometheusRule (`operator_config`), read back from the API server after the install.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -115,62 +120,62 @@ def operator_config(
 
 
 class Bed:
-    """The whole test bed; `start()` once, `stop()` always (every process by pid, every mount with the node)."""
+    """What the suite needs of a cluster whose one node runs the chart; `start()` once, `stop()` always."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.cluster = LocalCluster(workdir, node_mode=True)
-        self.node: LocalNode | None = None
-        self.prometheus: Component | None = None
-        self.prometheus_url = ""
+        self.bin = tools_bin(PROMETHEUS_TOOLS)
+        self.kubeconfig = Path()
+        self.node_name = ""
         self.image_ref = ""
+        # Jobs' directories and the sandbox root, on one filesystem and under one mount of the node, as
+        # `sandkeep retain` needs (it moves by rename).
         self.disk = Path()
         self.root = Path()
+        self.prometheus: Component | None = None
+        self.prometheus_url = ""
 
-    # --- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
-        tools_bin(PROMETHEUS_TOOLS)
-        archive, self.image_ref = build_image()
-        self.cluster.start()
-        try:
-            self.node = LocalNode(self.cluster)
-            self.node.start()
-            self.node.import_image(archive)
-            # Jobs' directories and the sandbox root on one filesystem and under one mount, as
-            # `sandkeep retain` needs (it moves by rename).
-            self.disk = self.node.dir / "disk" if self.node.dir else Path()
-            self.root = self.disk / "sandkeep"
-            (self.disk / "jobs").mkdir(parents=True)
-            self.kubectl(
-                "apply", "--server-side", "-f", str(REPO / "tests" / "fixtures" / "prometheus-operator-crds.yaml")
-            )
-            self.install_chart()
-            self.start_prometheus()
-        except BaseException:
-            self.cluster.failed = True
-            self.stop()
-            raise
+        raise NotImplementedError
+
+    def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`sh -c script` as root on the node, outside any container."""
+        raise NotImplementedError
+
+    def _install(self) -> None:
+        """Everything once the cluster and its node are up: the disk, the chart, Prometheus."""
+        self.on_node(f"mkdir -p '{self.disk}/jobs'")
+        self.kubectl("apply", "--server-side", "-f", str(REPO / "tests" / "fixtures" / "prometheus-operator-crds.yaml"))
+        self.install_chart()
+        self.start_prometheus()
 
     def stop(self) -> None:
         if self.prometheus is not None:
             self.prometheus.stop()
             self.prometheus = None
-        if self.node is not None:
-            if self.root.exists():  # an immutable file left by a failed test would keep the tree
-                subprocess.run(["chattr", "-R", "-i", str(self.root)], capture_output=True)
-            self.node.stop()
-            self.node = None
-        self.cluster.stop()
 
-    # --- helpers --------------------------------------------------------------------------------------
-    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        return self.cluster.kubectl(*args, **kwargs)
+    # --- the node's disk ------------------------------------------------------------------------------
+    def exists(self, path: Path) -> bool:
+        return self.on_node(f"test -e '{path}'", check=False).returncode == 0
+
+    def tombstones(self) -> list[str]:
+        return self.on_node(f"find '{self.root}' -maxdepth 1 -name '.reap-*'", check=False).stdout.split()
+
+    # --- the API --------------------------------------------------------------------------------------
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bin / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
+        result = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise subprocess.CalledProcessError(result.returncode, cmd, result.stdout, result.stderr)
+        return result
 
     def get(self, *args: str) -> Any:
-        return self.cluster.kubectl_json("get", *args)
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
     def helm(self, *args: str) -> str:
-        cmd = [str(self.cluster.bin / "helm"), f"--kubeconfig={self.cluster.kubeconfig}", *args]
+        cmd = [str(self.bin / "helm"), f"--kubeconfig={self.kubeconfig}", *args]
         return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 
     def install_chart(self) -> None:
@@ -187,16 +192,23 @@ class Bed:
         values_file.write_text(yaml.safe_dump(values))
         self.helm("install", RELEASE, str(REPO / "charts" / "sandkeep"), "-n", SYSTEM_NS, "-f", str(values_file))
 
+    # --- Prometheus -----------------------------------------------------------------------------------
+    def _api_access(self) -> dict[str, Any]:
+        """Prometheus' kubernetes_sd settings: the API server and the kubeconfig's credentials, as files."""
+        config = yaml.safe_load(self.kubeconfig.read_text())
+        cluster, user = config["clusters"][0]["cluster"], config["users"][0]["user"]
+        tls = {}
+        for key, source, field in (
+            ("ca_file", cluster, "certificate-authority-data"),
+            ("cert_file", user, "client-certificate-data"),
+            ("key_file", user, "client-key-data"),
+        ):
+            path = self.workdir / f"prometheus-{key}"
+            path.write_bytes(base64.b64decode(source[field]))
+            tls[key] = str(path)
+        return {"api_server": cluster["server"], "tls_config": tls}
+
     def start_prometheus(self) -> None:
-        pki = self.cluster.ca_file.parent
-        sd = {
-            "api_server": self.cluster.server,
-            "tls_config": {
-                "ca_file": str(pki / "ca.crt"),
-                "cert_file": str(pki / "admin.crt"),
-                "key_file": str(pki / "admin.key"),
-            },
-        }
         pod_monitors = self.get("podmonitors", "-n", SYSTEM_NS)["items"]
         service_monitors = self.get("servicemonitors", "-n", SYSTEM_NS)["items"]
         rules = self.get("prometheusrules", "-n", SYSTEM_NS)["items"]
@@ -206,7 +218,7 @@ class Bed:
         config = {
             "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
             "rule_files": [str(rules_file)],
-            "scrape_configs": operator_config(pod_monitors, service_monitors, sd),
+            "scrape_configs": operator_config(pod_monitors, service_monitors, self._api_access()),
         }
         config_file = self.workdir / "prometheus.yaml"
         config_file.write_text(yaml.safe_dump(config))
@@ -216,7 +228,7 @@ class Bed:
         log_file = log.open("ab")
         proc = subprocess.Popen(
             [
-                str(self.cluster.bin / "prometheus"),
+                str(self.bin / "prometheus"),
                 f"--config.file={config_file}",
                 f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
                 f"--web.listen-address=127.0.0.1:{port}",
@@ -249,9 +261,7 @@ class Bed:
         return up
 
     def logs(self) -> str:
-        parts = [self.cluster.logs()]
-        if self.node is not None:
-            parts.append(self.node.logs())
+        parts = []
         for name in ("controller", "agent"):
             with contextlib.suppress(subprocess.CalledProcessError):
                 out = self.kubectl(
@@ -262,5 +272,81 @@ class Bed:
             parts.append(f"----- prometheus -----\n{self.prometheus.log.read_text()[-3000:]}")
         return "\n".join(parts)
 
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
+
+class LocalBed(Bed):
+    """A local control plane and one real node (hack/localnode.py); what this repository's CI runs."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.cluster = LocalCluster(workdir, node_mode=True)
+        self.node: LocalNode | None = None
+
+    def start(self) -> None:
+        archive, self.image_ref = build_image()
+        try:
+            self.cluster.start()
+            self.kubeconfig = self.cluster.kubeconfig
+            self.node = LocalNode(self.cluster)
+            self.node.start()
+            self.node_name = self.node.name
+            self.node.import_image(archive)
+            assert self.node.dir is not None
+            self.disk = self.node.dir / "disk"
+            self.root = self.disk / "sandkeep"
+            self._install()
+        except BaseException:
+            self.cluster.failed = True
+            self.stop()
+            raise
+
+    def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        # The node shares the host's filesystem, so its disk is at the same path here.
+        return subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=check, timeout=120)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.node is not None:
+            if self.root.exists():  # an immutable file left by a failed test would keep the tree
+                subprocess.run(["chattr", "-R", "-i", str(self.root)], capture_output=True)
+            self.node.stop()
+            self.node = None
+        self.cluster.stop()
+
+    def logs(self) -> str:
+        node = self.node.logs() if self.node is not None else ""
+        return "\n".join((self.cluster.logs(), node, super().logs()))
+
+
+class KindBed(Bed):
+    """A kind cluster that hack/kind-e2e.sh made (`SANDKEEP_E2E_KIND` names it, `SANDKEEP_E2E_IMAGE` is the image
+    it loaded); the node is its worker container. Never run on this repository's machines: no Docker."""
+
+    def __init__(self, workdir: Path, cluster: str, image: str) -> None:
+        super().__init__(workdir)
+        self.cluster_name = cluster
+        self.image_ref = image
+        self.node_name = f"{cluster}-control-plane"  # kind's one node
+        self.disk = Path("/var/lib/sandkeep-e2e")
+        self.root = self.disk / "sandkeep"
+
+    def start(self) -> None:
+        self.kubeconfig = self.workdir / "kubeconfig"
+        cmd = ["kind", "get", "kubeconfig", "--name", self.cluster_name]
+        self.kubeconfig.write_text(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        self._install()
+
+    def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = ["docker", "exec", self.node_name, "sh", "-c", script]
+        return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=120)
+
+    def stop(self) -> None:
+        super().stop()
+        self.on_node(f"chattr -R -i '{self.root}' 2>/dev/null; true", check=False)
+
+
+def make_bed(workdir: Path) -> Bed:
+    """The kind bed when hack/kind-e2e.sh runs the suite, the local node otherwise."""
+    kind = os.environ.get("SANDKEEP_E2E_KIND")
+    if kind:
+        return KindBed(workdir, kind, os.environ["SANDKEEP_E2E_IMAGE"])
+    return LocalBed(workdir)

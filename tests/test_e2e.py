@@ -10,13 +10,13 @@ image's console script); everything after that happens through the API and the c
 from __future__ import annotations
 
 import json
-import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_bed import SYSTEM_NS, Bed, eventually
+from e2e_bed import SYSTEM_NS, Bed, eventually, make_bed
 
 from controller import contracts as c
 
@@ -26,7 +26,7 @@ NS = "e2e"
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    bed = Bed(tmp_path_factory.mktemp("e2e"))
+    bed = make_bed(tmp_path_factory.mktemp("e2e"))
     bed.start()
     try:
         bed.kubectl("create", "namespace", NS)
@@ -34,9 +34,6 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         # team's job namespace would.
         bed.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=privileged")
         yield bed
-    except BaseException:
-        bed.cluster.failed = True
-        raise
     finally:
         bed.stop()
 
@@ -95,7 +92,7 @@ def phase(bed: Bed, name: str) -> str | None:
 
 
 def gone(bed: Bed, name: str, path: Path) -> bool:
-    return rsb(bed, name) is None and not path.exists() and not list(bed.root.glob(".reap-*"))
+    return rsb(bed, name) is None and not bed.exists(path) and not bed.tombstones()
 
 
 def test_the_charts_pods_run_ready_from_the_built_image(bed: Bed) -> None:
@@ -129,8 +126,8 @@ def test_the_charts_pods_run_ready_from_the_built_image(bed: Bed) -> None:
 def test_a_jobs_workspace_is_retained_on_the_node_and_adopted(bed: Bed) -> None:
     path = retain_job(bed, "run-1", "1h")
     obj = eventually(lambda: (o := rsb(bed, "run-1")) and o.get("status", {}).get("sizeBytes") and o, "adoption")
-    assert bed.node is not None and obj["spec"]["nodeName"] == bed.node.name
-    assert (path / "workspace" / "logs" / "result.txt").read_text() == "build ok\n"
+    assert obj["spec"]["nodeName"] == bed.node_name
+    assert bed.on_node(f"cat '{path}/workspace/logs/result.txt'").stdout == "build ok\n"
     assert obj["status"]["phase"] == "Retained"
 
 
@@ -139,8 +136,8 @@ def test_a_pin_keeps_a_sandbox_past_its_deadline_and_unpinning_releases_it(bed: 
     eventually(lambda: rsb(bed, "run-2"), "adoption")
     bed.kubectl("annotate", "rsb/run-2", "-n", NS, f"{c.ANN_PIN_FOR}=1h")
     eventually(lambda: phase(bed, "run-2") == "Pinned", "the pin")
-    subprocess.run(["sleep", "25"], check=True)  # past the 20 s it was retained for
-    assert phase(bed, "run-2") == "Pinned" and path.exists()
+    time.sleep(25)  # past the 20 s it was retained for
+    assert phase(bed, "run-2") == "Pinned" and bed.exists(path)
     bed.kubectl("annotate", "rsb/run-2", "-n", NS, f"{c.ANN_PIN_UNTIL}-")
     eventually(lambda: gone(bed, "run-2", path), "the unpinned, expired sandbox deleted from the node", timeout=60)
 
@@ -171,9 +168,9 @@ def test_a_pods_hostpath_and_a_containers_cwd_each_hold_a_sandbox(bed: Bed) -> N
     bed.kubectl("wait", "-n", NS, "pod/holder-mount", "pod/holder-cwd", "--for=condition=Ready", "--timeout=90s")
     eventually(lambda: phase(bed, "run-3") == "Held", "the expired sandbox held by both", timeout=60)
     bed.kubectl("delete", "pod", "holder-mount", "-n", NS, "--wait=true")
-    subprocess.run(["sleep", "8"], check=True)  # several agent passes
+    time.sleep(8)  # several agent passes
     obj = rsb(bed, "run-3")
-    assert obj is not None and obj["status"]["phase"] == "Held" and path.exists(), "the cwd alone must hold it"
+    assert obj is not None and obj["status"]["phase"] == "Held" and bed.exists(path), "the cwd alone must hold it"
     in_use = next(x for x in obj["status"]["conditions"] if x["type"] == "InUse")
     assert in_use["status"] == "True"
     bed.kubectl("delete", "pod", "holder-cwd", "-n", NS, "--wait=true")
@@ -183,7 +180,7 @@ def test_a_pods_hostpath_and_a_containers_cwd_each_hold_a_sandbox(bed: Bed) -> N
 def test_a_stuck_tombstone_pages_through_prometheus_until_it_is_fixed(bed: Bed) -> None:
     path = retain_job(bed, "run-4", "10s")
     eventually(lambda: rsb(bed, "run-4"), "adoption")
-    subprocess.run(["chattr", "+i", str(path / "workspace" / "f0")], check=True)
+    bed.on_node(f"chattr +i '{path}/workspace/f0'")
     try:
         eventually(lambda: phase(bed, "run-4") == "Stuck", "the tombstone reported stuck", timeout=90)
         alert = eventually(
@@ -192,11 +189,9 @@ def test_a_stuck_tombstone_pages_through_prometheus_until_it_is_fixed(bed: Bed) 
             timeout=150,
             every=5,
         )
-        assert bed.node is not None and alert[0]["labels"]["node"] == bed.node.name
+        assert alert[0]["labels"]["node"] == bed.node_name
     finally:
-        for f in bed.root.glob(".reap-*/**/f0"):
-            subprocess.run(["chattr", "-i", str(f)], check=True)
-        subprocess.run(["chattr", "-R", "-i", str(bed.root)], capture_output=True)
+        bed.on_node(f"chattr -R -i '{bed.root}'", check=False)
     eventually(lambda: gone(bed, "run-4", path), "the fixed tombstone deleted", timeout=60)
     eventually(lambda: not bed.alerts("SandkeepTombstoneStuck"), "the alert resolved", timeout=90, every=5)
 
@@ -205,7 +200,7 @@ def test_killing_the_agent_mid_delete_and_the_leader_loses_nothing(bed: Bed) -> 
     path = retain_job(bed, "run-5", "15s", files=40000)
     eventually(lambda: rsb(bed, "run-5"), "adoption", timeout=120)
     agent = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"][0]
-    eventually(lambda: list(bed.root.glob(".reap-*")), "the delete under way (a tombstone)", timeout=60, every=0.2)
+    eventually(bed.tombstones, "the delete under way (a tombstone)", timeout=60, every=0.2)
     bed.kubectl("delete", "pod", agent["metadata"]["name"], "-n", SYSTEM_NS, "--wait=false")
     eventually(lambda: gone(bed, "run-5", path), "the delete finished by the next agent", timeout=180)
 
