@@ -65,6 +65,10 @@ test: deps venv tools lint types
 e2e: deps venv tools
 	$(VENV)/bin/pytest -m e2e $(E2E_ARGS)
 
+## The same story as Pods on a real node, narrated: the end-to-end suite with its steps shown live (~5 min).
+demo-node: deps venv tools
+	$(VENV)/bin/pytest -m e2e -s -q -p no:cacheprovider $(E2E_ARGS)
+
 ## A local control plane with one real, Ready node until Ctrl-C (`export KUBECONFIG=...` is printed).
 node: deps venv tools
 	$(PY) hack/localnode.py

@@ -37,14 +37,21 @@ SYSTEM_NS = "sandkeep"
 PROMETHEUS_TOOLS = ("prometheus", "helm", "kubectl")
 
 
+def say(message: str) -> None:
+    """One narrated step (shown live by `make demo-node`, which runs the suite with -s; kept with a failure)."""
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 def eventually(check: Callable[[], T | None], what: str, timeout: float = 90.0, every: float = 1.0) -> T:
     """Call `check` until it returns something truthy; fail naming `what` and the last error otherwise."""
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
     last: object = None
     while True:
         try:
             result = check()
             if result:
+                say(f"ok after {time.monotonic() - began:.0f}s: {what}")
                 return result
             last = result
         except (subprocess.CalledProcessError, OSError, KeyError, ValueError) as e:
@@ -144,6 +151,7 @@ class Bed:
 
     def _install(self) -> None:
         """Everything once the cluster and its node are up: the disk, the chart, Prometheus."""
+        say(f"helm install {RELEASE} charts/sandkeep -n {SYSTEM_NS} (image {self.image_ref}, root {self.root})")
         self.on_node(f"mkdir -p '{self.disk}/jobs'")
         self.kubectl("apply", "--server-side", "-f", str(REPO / "tests" / "fixtures" / "prometheus-operator-crds.yaml"))
         self.install_chart()
@@ -239,6 +247,7 @@ class Bed:
             start_new_session=True,
         )
         self.prometheus = Component("prometheus", proc, log, log_file)
+        say(f"Prometheus at {self.prometheus_url}, configured from the chart's PodMonitor, ServiceMonitor and rules")
         eventually(lambda: self.prom("/-/ready", raw=True), "Prometheus to be ready", timeout=60)
 
     def prom(self, path: str, raw: bool = False, **params: str) -> Any:
@@ -282,11 +291,13 @@ class LocalBed(Bed):
         self.node: LocalNode | None = None
 
     def start(self) -> None:
+        say("building the image from the Dockerfile (make image; cached when the tree is unchanged)")
         archive, self.image_ref = build_image()
         try:
             self.cluster.start()
             self.kubeconfig = self.cluster.kubeconfig
             self.node = LocalNode(self.cluster)
+            say("starting a real node: containerd, runc, the kubelet and kube-scheduler")
             self.node.start()
             self.node_name = self.node.name
             self.node.import_image(archive)

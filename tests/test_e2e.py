@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_bed import SYSTEM_NS, Bed, eventually, make_bed
+from e2e_bed import SYSTEM_NS, Bed, eventually, make_bed, say
 
 from controller import contracts as c
 
@@ -77,6 +77,7 @@ def retain_job(bed: Bed, name: str, retention: str, files: int = 3) -> Path:
         f'python -c \'import sys; [open(f"{work}/f%d" % i, "w").close() for i in range({files})]\'; '
         f"sandkeep retain --root {bed.root} --namespace {NS} --name {name} --retention {retention} {work}"
     )
+    say(f"Job job-{name} writes a workspace on {bed.node_name} and runs: sandkeep retain ... --retention {retention}")
     run_job(bed, f"job-{name}", script)
     return bed.root / NS / name
 
@@ -134,10 +135,12 @@ def test_a_jobs_workspace_is_retained_on_the_node_and_adopted(bed: Bed) -> None:
 def test_a_pin_keeps_a_sandbox_past_its_deadline_and_unpinning_releases_it(bed: Bed) -> None:
     path = retain_job(bed, "run-2", "20s")
     eventually(lambda: rsb(bed, "run-2"), "adoption")
+    say("kubectl annotate rsb/run-2 sandkeep.io/pin-for=1h, then wait past its 20 s")
     bed.kubectl("annotate", "rsb/run-2", "-n", NS, f"{c.ANN_PIN_FOR}=1h")
     eventually(lambda: phase(bed, "run-2") == "Pinned", "the pin")
     time.sleep(25)  # past the 20 s it was retained for
     assert phase(bed, "run-2") == "Pinned" and bed.exists(path)
+    say("unpin: kubectl annotate rsb/run-2 sandkeep.io/pin-until-")
     bed.kubectl("annotate", "rsb/run-2", "-n", NS, f"{c.ANN_PIN_UNTIL}-")
     eventually(lambda: gone(bed, "run-2", path), "the unpinned, expired sandbox deleted from the node", timeout=60)
 
@@ -163,16 +166,19 @@ def test_a_pods_hostpath_and_a_containers_cwd_each_hold_a_sandbox(bed: Bed) -> N
         "metadata": {"name": "holder-cwd", "namespace": NS},
         "spec": pod_spec(bed, "sleep 3600", working_dir=str(workspace / "logs")),
     }
+    say("Pod holder-mount mounts run-3's workspace; Pod holder-cwd only has its working directory in it")
     for pod in (mount_holder, cwd_holder):
         bed.kubectl("apply", "-f", "-", input=json.dumps(pod))
     bed.kubectl("wait", "-n", NS, "pod/holder-mount", "pod/holder-cwd", "--for=condition=Ready", "--timeout=90s")
     eventually(lambda: phase(bed, "run-3") == "Held", "the expired sandbox held by both", timeout=60)
+    say("delete holder-mount: the cwd alone must still hold run-3")
     bed.kubectl("delete", "pod", "holder-mount", "-n", NS, "--wait=true")
     time.sleep(8)  # several agent passes
     obj = rsb(bed, "run-3")
     assert obj is not None and obj["status"]["phase"] == "Held" and bed.exists(path), "the cwd alone must hold it"
     in_use = next(x for x in obj["status"]["conditions"] if x["type"] == "InUse")
     assert in_use["status"] == "True"
+    say("delete holder-cwd: nothing holds run-3 any more")
     bed.kubectl("delete", "pod", "holder-cwd", "-n", NS, "--wait=true")
     eventually(lambda: gone(bed, "run-3", path), "the released sandbox deleted", timeout=60)
 
@@ -180,6 +186,7 @@ def test_a_pods_hostpath_and_a_containers_cwd_each_hold_a_sandbox(bed: Bed) -> N
 def test_a_stuck_tombstone_pages_through_prometheus_until_it_is_fixed(bed: Bed) -> None:
     path = retain_job(bed, "run-4", "10s")
     eventually(lambda: rsb(bed, "run-4"), "adoption")
+    say("chattr +i one file of run-4: its tombstone cannot be deleted")
     bed.on_node(f"chattr +i '{path}/workspace/f0'")
     try:
         eventually(lambda: phase(bed, "run-4") == "Stuck", "the tombstone reported stuck", timeout=90)
@@ -191,6 +198,7 @@ def test_a_stuck_tombstone_pages_through_prometheus_until_it_is_fixed(bed: Bed) 
         )
         assert alert[0]["labels"]["node"] == bed.node_name
     finally:
+        say("chattr -i: the tombstone can go")
         bed.on_node(f"chattr -R -i '{bed.root}'", check=False)
     eventually(lambda: gone(bed, "run-4", path), "the fixed tombstone deleted", timeout=60)
     eventually(lambda: not bed.alerts("SandkeepTombstoneStuck"), "the alert resolved", timeout=90, every=5)
@@ -201,11 +209,13 @@ def test_killing_the_agent_mid_delete_and_the_leader_loses_nothing(bed: Bed) -> 
     eventually(lambda: rsb(bed, "run-5"), "adoption", timeout=120)
     agent = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"][0]
     eventually(bed.tombstones, "the delete under way (a tombstone)", timeout=60, every=0.2)
+    say(f"kubectl delete pod {agent['metadata']['name']} while it deletes run-5's 40,000 files")
     bed.kubectl("delete", "pod", agent["metadata"]["name"], "-n", SYSTEM_NS, "--wait=false")
     eventually(lambda: gone(bed, "run-5", path), "the delete finished by the next agent", timeout=180)
 
     leader = bed.get("lease", "-n", SYSTEM_NS, "sandkeep-controller")["spec"]["holderIdentity"].split("_")[0]
     path6 = retain_job(bed, "run-6", "20s")
+    say(f"kubectl delete pod {leader} (the leader controller) before run-6 expires")
     bed.kubectl("delete", "pod", leader, "-n", SYSTEM_NS, "--wait=false")
     eventually(lambda: gone(bed, "run-6", path6), "the expiry acted on by the other replica", timeout=120)
     holder = bed.get("lease", "-n", SYSTEM_NS, "sandkeep-controller")["spec"]["holderIdentity"]
