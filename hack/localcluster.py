@@ -192,6 +192,23 @@ def _tail(path: Path, lines: int) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
+def spawn(name: str, command: list[str], log: Path, cwd: Path | None = None) -> Component:
+    """Start `command` as the leader of its own process group (so it is stopped by pid, with everything it
+    forks), output appended to `log`, killed with its launcher when that is the main thread."""
+    log_file = log.open("ab")
+    preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=preexec,
+        cwd=cwd,
+    )
+    return Component(name, proc, log, log_file)
+
+
 @dataclass
 class Component:
     """One process the cluster started: its name, Popen handle and log file."""
@@ -418,19 +435,7 @@ class LocalCluster:
         self.components.clear()
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        log = self._path(f"{name}.log")
-        log_file = log.open("ab")
-        preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
-        proc = subprocess.Popen(
-            [str(self.bin / name), *args],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=preexec,
-            cwd=self.dir,
-        )
-        self.components.append(Component(name, proc, log, log_file))
+        self.components.append(spawn(name, [str(self.bin / name), *args], self._path(f"{name}.log"), cwd=self.dir))
 
     def _await(self, name: str, url: str, deadline: float, *, tls: bool) -> None:
         """Poll a health URL until it answers 200; fail fast with the logs if the component exits."""

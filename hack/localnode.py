@@ -48,9 +48,9 @@ from localcluster import (
     Component,
     LocalCluster,
     ToolsMissingError,
-    _die_with_parent,
     _tail,
     signals_raise,
+    spawn,
     tools_bin,
     tools_dir,
 )
@@ -182,7 +182,7 @@ class LocalNode:
         self.dir: Path | None = None
         self.sockets: Path | None = None
         self.components: list[Component] = []
-        self.init: subprocess.Popen[bytes] | None = None
+        self.init: Component | None = None
         self.init_pid: int | None = None
         self.cgroup_root = ""
         self.failed = False
@@ -347,22 +347,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         d("kubelet.cmd").write_text("\n".join(command) + "\n")
 
     def _start_namespaces(self) -> None:
-        log = self._dir("init.log").open("ab")
-        preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
-        self.init = subprocess.Popen(
-            [
-                "unshare", "--pid", "--mount", "--net", "--fork", "--mount-proc", "--propagation=private",
-                "--kill-child=SIGTERM", "--", "bash", str(HERE / "init.sh"), str(self.dir), str(self.sockets), NODE_IP,
-                HOST_IP,
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=preexec,
-        )  # fmt: skip
-        log.close()
-        children = Path(f"/proc/{self.init.pid}/task/{self.init.pid}/children")
+        namespaces = ["--pid", "--mount", "--net", "--fork", "--mount-proc", "--propagation=private"]
+        init = ["bash", str(HERE / "init.sh"), str(self.dir), str(self.sockets), NODE_IP, HOST_IP]
+        component = spawn("init", ["unshare", *namespaces, "--kill-child=SIGTERM", "--", *init], self._dir("init.log"))
+        self.init = component
+        children = Path(f"/proc/{self.init.proc.pid}/task/{self.init.proc.pid}/children")
         self._wait(lambda: bool(children.read_text().split()), "the node's init process", time.monotonic() + 10)
         self.init_pid = int(children.read_text().split()[0])
 
@@ -386,23 +375,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         ip("route", "add", POD_CIDR, "via", NODE_IP, "dev", link)
 
     def _spawn_host(self, name: str, command: list[str]) -> None:
-        log = self._dir(f"{name}.log")
-        log_file = log.open("ab")
-        preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=preexec,
-        )
-        self.components.append(Component(name, proc, log, log_file))
+        self.components.append(spawn(name, command, self._dir(f"{name}.log")))
 
     def _wait(self, ready: Callable[[], bool], what: str, deadline: float) -> None:
         while True:
-            if self.init is not None and self.init.poll() is not None:
-                raise ClusterError(f"the node exited ({self.init.returncode}) while waiting for {what}\n{self.logs()}")
+            if self.init is not None and (code := self.init.proc.poll()) is not None:
+                raise ClusterError(f"the node exited ({code}) while waiting for {what}\n{self.logs()}")
             with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
                 if ready():
                     return
@@ -462,18 +440,16 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             if self.init is not None:
                 # unshare ignores SIGTERM while it waits: signal the node's init, by its host pid, which
                 # is still its child until unshare has been reaped (so the pid cannot have been reused).
-                if self.init.poll() is None and self.init_pid is not None:
+                if self.init.proc.poll() is None and self.init_pid is not None:
                     for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL of init ends the PID namespace
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(self.init_pid, sig)
                         try:
-                            self.init.wait(timeout)
+                            self.init.proc.wait(timeout)
                             break
                         except subprocess.TimeoutExpired:
                             continue
-                if self.init.poll() is None:
-                    os.killpg(self.init.pid, signal.SIGKILL)
-                    self.init.wait(timeout)
+                self.init.stop(timeout)  # what is left of unshare, by its process group; closes the log
                 self.init = None
             if self.cgroup_root:
                 self._remove_cgroups()
@@ -546,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"export KUBECONFIG={cluster.kubeconfig}")
                 print(f'export PATH="{cluster.bin}:$PATH"')
                 print("# Ctrl-C stops the node and the control plane and removes everything.", flush=True)
-                while node.init is not None and node.init.poll() is None:
+                while node.init is not None and node.init.proc.poll() is None:
                     time.sleep(0.5)
                 node.failed = True
                 print(f"localnode: the node exited\n{node.logs()}", file=sys.stderr)

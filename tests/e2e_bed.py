@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from localcluster import REPO, Component, LocalCluster, free_port, tools_bin
+from localcluster import REPO, Component, LocalCluster, free_port, spawn, tools_bin
 from localnode import LocalNode
 
 T = TypeVar("T")
@@ -232,21 +232,13 @@ class Bed:
         config_file.write_text(yaml.safe_dump(config))
         port = free_port()
         self.prometheus_url = f"http://127.0.0.1:{port}"
-        log = self.workdir / "prometheus.log"
-        log_file = log.open("ab")
-        proc = subprocess.Popen(
-            [
-                str(self.bin / "prometheus"),
-                f"--config.file={config_file}",
-                f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.prometheus = Component("prometheus", proc, log, log_file)
+        command = [
+            str(self.bin / "prometheus"),
+            f"--config.file={config_file}",
+            f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
+        self.prometheus = spawn("prometheus", command, self.workdir / "prometheus.log")
         say(f"Prometheus at {self.prometheus_url}, configured from the chart's PodMonitor, ServiceMonitor and rules")
         eventually(lambda: self.prom("/-/ready", raw=True), "Prometheus to be ready", timeout=60)
 
