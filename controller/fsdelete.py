@@ -34,9 +34,11 @@ import asyncio
 import contextlib
 import ctypes
 import errno as E
+import itertools
 import os
 import stat
 import struct
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +52,6 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_OPEN = 32  # levels held open at once (two fds each: the dir and its iterator); deeper ones reopen via `..`
 WORKERS = 4  # subtrees deleted at once (measured in docs/benchmarks.md); 1 = one plain walk
 _SPLIT_DEPTH = 3  # how many top levels may be opened to find enough subtrees for the workers
-_SPLIT_MAX = 32  # subtrees handed to the workers at most; the rest is deleted by the plain walk after them
 _MAX_FAILED_DIRS = 1 << 16  # directories that would not go, remembered to skip on a re-read; beyond: stop
 
 
@@ -414,38 +415,55 @@ def _parallel(walk: _Walk, name: str, workers: int) -> DeleteResult:
 
     A synced tree deletes at the speed of the disk's metadata I/O, not of Python: several walks in
     different directories keep several of those I/Os in flight (unlink releases the GIL). Each subtree walk
-    is the same safe walk, from an fd of its parent held open here until every worker is done. At most
-    `_SPLIT_MAX` subtrees are handed out; whatever else the top levels hold is deleted after them, by the
-    plain walk, so a wide directory costs no more memory here than in one walk.
+    is the same safe walk, from an fd of its parent held open here until every worker is done. Subtrees are
+    handed out as the workers ask, read lazily from the lowest split level, so a wide directory costs no
+    more memory here than in one walk.
     """
     top = walk.enter(None, name)
     if top is None:
         return walk.result()
     walk.open.clear()  # the top levels stay open until the end: the workers delete below their fds
-    uppers = [top]
-    pending: list[tuple[_Frame, str]] = []
+    uppers, level = [top], [top]
+    want = 4 * workers
     try:
         walk.make_writable(top)
-        pending = _split(walk, top, _SPLIT_MAX)
+        pending = _split(walk, top, want)
         for _ in range(_SPLIT_DEPTH):
-            if len(pending) >= 4 * workers or not pending:
+            if len(pending) >= want or not pending:
                 break
-            expanded: list[tuple[_Frame, str]] = []
-            for parent, entry in pending:
+            level, expanded = [], list[tuple[_Frame, str]]()
+            for parent, entry in pending:  # fewer than `want`, and their levels are read out
                 frame = walk.enter(parent, entry)
                 walk.open.clear()
                 if frame is not None:
                     uppers.append(frame)
+                    level.append(frame)
                     walk.make_writable(frame)  # the workers rmdir in it and cannot chmod a frame they do not own
-                    expanded.extend(_split(walk, frame, _SPLIT_MAX - len(expanded)))
+                    expanded.extend(_split(walk, frame, want - len(expanded)))
             pending = expanded
+        work = itertools.chain(pending, _rest(walk, level))
+        lock = threading.Lock()
+
+        def worker() -> list[_Walk]:
+            done: list[_Walk] = []
+            while True:
+                with lock:  # the split levels' readers and `walk` are only touched under the lock
+                    item = next(work, None)
+                if item is None:
+                    return done
+                done.append(_subtree(walk, *item))
+
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fsdelete") as pool:
-            for sub in pool.map(lambda item: _subtree(walk, *item), pending):
-                walk.files += sub.files
-                walk.failed_dirs |= sub.failed_dirs
-                if sub.failure is not None and walk.failure is None:
-                    walk.failure = sub.failure
-        for frame in reversed(uppers):  # deepest first: each drains what was not handed out, then goes
+            for subs in pool.map(lambda _: worker(), range(workers)):
+                for sub in subs:
+                    walk.files += sub.files
+                    walk.failed_dirs |= sub.failed_dirs
+                    if sub.failure is not None and walk.failure is None:
+                        walk.failure = sub.failure
+        for frame in reversed(uppers):  # deepest first: each drains what is left (what would not go), then goes
+            if frame.it is not None:
+                frame.it.close()  # type: ignore[attr-defined]
+                frame.it = None
             if frame.fd is not None:
                 walk.drain(frame)
     except _Stop:
@@ -457,7 +475,7 @@ def _parallel(walk: _Walk, name: str, workers: int) -> DeleteResult:
 
 
 def _split(walk: _Walk, frame: _Frame, limit: int) -> list[tuple[_Frame, str]]:
-    """Unlink a level's non-directories and take up to `limit` of its subdirectories for the workers."""
+    """Unlink a level's non-directories and take up to `limit` of its subdirectories (its reader stays open)."""
     dirs: list[tuple[_Frame, str]] = []
     while len(dirs) < limit:
         entry = walk.next_entry(frame)
@@ -465,10 +483,17 @@ def _split(walk: _Walk, frame: _Frame, limit: int) -> list[tuple[_Frame, str]]:
             break
         if _is_dir(entry) or not walk.unlink(frame, entry.name):
             dirs.append((frame, entry.name))
-    if frame.it is not None:  # read again from the start when drained: what the workers took is gone by then
-        frame.it.close()  # type: ignore[attr-defined]
-        frame.it = None
     return dirs
+
+
+def _rest(walk: _Walk, level: list[_Frame]) -> Iterator[tuple[_Frame, str]]:
+    """The subdirectories the split levels hold beyond the first ones taken, read on demand."""
+    for frame in level:
+        while frame.it is not None or frame.fd is not None:
+            dirs = _split(walk, frame, 1)
+            if not dirs:
+                break
+            yield dirs[0]
 
 
 def _subtree(parent_walk: _Walk, parent: _Frame, name: str) -> _Walk:
