@@ -90,9 +90,13 @@ def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
     """The deadline without any pin: the earlier of `retainUntil` and the window; none without createdAt."""
     if sandbox.created_at is None:
         return Verdict(
-            None, DeadlineSource.NONE, True, (Reason.NO_CREATED_AT,), None,
+            None,
+            DeadlineSource.NONE,
+            True,
+            (Reason.NO_CREATED_AT,),
+            None,
             ("no usable createdAt: nothing says how old it is",),
-        )  # fmt: skip
+        )
     window_until = shift(sandbox.created_at, policy.retention)
     if sandbox.retain_until is not None and sandbox.retain_until < window_until:
         until, source, cause = sandbox.retain_until, DeadlineSource.RETAIN, Reason.RETAIN_UNTIL

@@ -394,8 +394,16 @@ def test_retain_refuses_a_source_with_a_symlink_in_an_intermediate_component(tmp
     (tmp_path / "home" / "job").symlink_to(victim)
     root = Root(tmp_path / "root")
     with pytest.raises(StoreError) as caught:
-        root.retain(tmp_path / "home" / "job" / "data", "ns", "run", job_id="j", created_at=NOW, retention=None,
-                    exclude=["*.conf"], now=NOW)  # fmt: skip
+        root.retain(
+            tmp_path / "home" / "job" / "data",
+            "ns",
+            "run",
+            job_id="j",
+            created_at=NOW,
+            retention=None,
+            exclude=["*.conf"],
+            now=NOW,
+        )
     assert caught.value.reason is c.Reason.SYMLINK and "symlink" in str(caught.value)
     assert _victim_intact(victim) and listing(root.path) == []
 
@@ -456,8 +464,16 @@ def test_retain_racing_a_user_who_swaps_the_source_for_a_link_never_touches_the_
             if i == 0:
                 flipper.start()
             try:
-                root.retain(home / "job" / "data", "ns", f"r{i}", job_id="j", created_at=NOW, retention=None,
-                            exclude=["*.conf"], now=NOW)  # fmt: skip
+                root.retain(
+                    home / "job" / "data",
+                    "ns",
+                    f"r{i}",
+                    job_id="j",
+                    created_at=NOW,
+                    retention=None,
+                    exclude=["*.conf"],
+                    now=NOW,
+                )
                 outcomes["retained"] = outcomes.get("retained", 0) + 1
                 assert listing(root.path / "ns" / f"r{i}" / "workspace") == ["mine"]
             except StoreError as err:
@@ -502,8 +518,13 @@ def test_an_out_of_range_pin_is_reported_and_the_expired_sandbox_still_deleted(
                 "spec": {"nodeName": "node-a", "createdAt": format_instant(datetime.now(UTC) - 2 * H)},
             }
             kube.create_sandbox(namespace, body)
-        kube.create_sandbox(namespace, {"metadata": {"name": "kept"}, "spec": {"nodeName": "node-a",
-                            "createdAt": format_instant(datetime.now(UTC))}})  # fmt: skip
+        kube.create_sandbox(
+            namespace,
+            {
+                "metadata": {"name": "kept"},
+                "spec": {"nodeName": "node-a", "createdAt": format_instant(datetime.now(UTC))},
+            },
+        )
         cluster.kubectl("annotate", c.SANDBOX_SHORT, "kept", "-n", namespace, f"{c.ANN_PIN_FOR}=３h")
         for name in ("year-one", "fullwidth"):
             wait_for(f"{name} deleted", lambda n=name: kube.get_sandbox(namespace, n) is None, timeout=30)
