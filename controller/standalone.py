@@ -57,6 +57,7 @@ from controller.reaper import (
     Target,
     WouldDelete,
 )
+from controller.sizes import human_size
 from controller.store import (
     Absent,
     Entry,
@@ -597,7 +598,7 @@ def _ls(args: argparse.Namespace) -> int:
             r["source"] or "-",
             r["left"] or "-",
             r["state"],
-            _human(r["size"]),
+            human_size(r["size"]),
         )
         for r in rows
     ]
@@ -611,15 +612,6 @@ def _ls(args: argparse.Namespace) -> int:
     for s in strays:
         print(f"not a sandbox: {s['entry']} ({s['reason']})")
     return EXIT_OK
-
-
-def _human(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "K", "M", "G", "T"):
-        if value < 1024 or unit == "T":
-            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return f"{size}B"
 
 
 def _sweep(args: argparse.Namespace) -> int:

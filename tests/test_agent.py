@@ -31,6 +31,7 @@ from controller import agent as agent_mod
 from controller import contracts as c
 from controller import kube, metrics
 from controller.inuse import uninspectable_pids
+from controller.sizes import human_size
 from controller.store import Root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -248,6 +249,26 @@ def test_a_retained_directory_is_adopted_and_the_agent_sees_only_its_node(cluste
     other = get(cluster, namespace, "elsewhere")
     assert other is not None
     assert not other["metadata"].get("finalizers") and not other.get("status")
+
+
+def test_the_size_column_shows_the_agents_human_size_beside_the_exact_bytes(cluster, namespace, nodes, agents):
+    n1, _ = nodes
+    n1.retain(namespace, "big", {"blob.bin": "z" * (1024 * 1024)})
+    agents(n1)
+
+    def sized() -> dict[str, Any] | None:
+        o = get(cluster, namespace, "big")
+        return o if o and o.get("status", {}).get("size") else None
+
+    o = wait_for(sized, what="status.size")
+    assert o["status"]["sizeBytes"] >= 1024 * 1024
+    assert o["status"]["size"] == human_size(o["status"]["sizeBytes"]) == "1.0M"
+    # What a person sees: kubectl prints the CRD's SIZE column from status.size.
+    # Columns are aligned under their headers (an empty column prints nothing), so cut by position.
+    header, row = cluster.kubectl("get", "rsb", "big", "-n", namespace).stdout.splitlines()[:2]
+    start = header.index("SIZE")
+    end = header.index("AGE")
+    assert row[start:end].strip() == "1.0M"
 
 
 def test_writes_only_when_something_changed(cluster, namespace, nodes, agents):

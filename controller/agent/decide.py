@@ -14,18 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 
 from controller import kube
-from controller.contracts import FINALIZER, Condition, Reason
+from controller.contracts import ANN_PIN_FOR, ANN_PIN_UNTIL, FINALIZER, Condition, Phase, Reason
+from controller.durations import Invalid, parse_instant
 from controller.inuse import Usage
 from controller.kube import Obj
+from controller.pressure import Candidate
 from controller.reaper import Claim, Clear, Fate, Finish, Keep
 
 Key = tuple[str, str]
 OWNED_CONDITIONS = (Condition.DISK_PRESENT, Condition.IN_USE, Condition.TOMBSTONE_STUCK, Condition.ORPHANS_SURVIVED)
-OWNED_FIELDS = ("sizeBytes", "fileCount", "inUse", "heldBy", "tombstone")
+OWNED_FIELDS = ("sizeBytes", "size", "fileCount", "inUse", "heldBy", "tombstone")
 
 
 def finalizers(obj: Obj) -> list[str]:
@@ -146,3 +149,64 @@ def discount_orphans(
         if answer.in_use is True and answer.only_pids and answer.held_only_by(orphans_of(paths[key])):
             out[key] = orphans_pending(answer.pids)
     return out
+
+
+# --- disk pressure --------------------------------------------------------------------------------------
+
+
+def pinned_for_pressure(obj: Obj, now: datetime) -> bool:
+    """Whether a pin keeps `obj` from being released for space, erring on keeping it.
+
+    The agent does not read SandboxPolicies, so it cannot tell a capped pin from a whole one: any pin
+    that is not plainly over protects. A pin-for not yet turned into pin-until, a pin-until that does not
+    parse or lies ahead, a controller-reported pinnedUntil ahead or phase Pinned: all pinned. Only a pin
+    the controller itself would call lapsed (or none) leaves a sandbox releasable.
+    """
+    ann = kube.annotations_of(obj)
+    status = obj.get("status") or {}
+    if ANN_PIN_FOR in ann or status.get("phase") == Phase.PINNED:
+        return True
+    for text in (ann.get(ANN_PIN_UNTIL), status.get("pinnedUntil")):
+        if text is None:
+            continue
+        until = parse_instant(str(text))
+        if isinstance(until, Invalid) or until > now:
+            return True
+    return False
+
+
+def age_of(obj: Obj) -> datetime | None:
+    """The deadline releasing orders by: the controller's, else the recorded retainUntil, else createdAt."""
+    shown = parse_instant(str((obj.get("status") or {}).get("deadline") or ""))
+    if not isinstance(shown, Invalid):
+        return shown
+    facts = kube.sandbox_facts(obj)
+    return facts.retain_until or facts.created_at
+
+
+def candidate(obj: Obj, size: int | None, usage: Usage | None, now: datetime) -> Candidate:
+    """One sandbox as the pressure choice sees it. No answer from the in-use scan yet holds (unknown)."""
+    return Candidate(
+        key=kube.key_of(obj),
+        size=size,
+        deadline=age_of(obj),
+        pinned=pinned_for_pressure(obj, now),
+        held=usage is None or usage.holds,
+        deleting=kube.is_deleting(obj),
+        holders=usage.holders if usage is not None else ("not checked yet",),
+    )
+
+
+def release_refusal(fresh: Obj | None, uid: str, now: datetime) -> str | None:
+    """Why a sandbox chosen for release must not be, read fresh just before the DELETE; None: go ahead.
+
+    The DELETE then carries uid and resourceVersion preconditions, so a pin landing after this read
+    makes it a 409 and the sandbox stays.
+    """
+    if fresh is None or fresh["metadata"].get("uid") != uid:
+        return "gone or replaced"
+    if kube.is_deleting(fresh):
+        return "already being deleted"
+    if pinned_for_pressure(fresh, now):
+        return "pinned"
+    return None

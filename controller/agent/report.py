@@ -27,6 +27,7 @@ from controller.contracts import FINALIZER, Condition, Phase, Reason
 from controller.inuse import Usage
 from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj
 from controller.reaper import Deleted, Held, Outcome, Reaper, Refused, Restored, Stuck
+from controller.sizes import human_size
 from controller.store import Root, Tombstone
 
 log = logging.getLogger("sandkeep.agent")
@@ -151,6 +152,7 @@ class Reporter:
         size = self.sizes().get(key)
         if size is not None and key in self.state.present:
             status["sizeBytes"], status["fileCount"] = size
+            status["size"] = human_size(size[0])
         return status
 
     def deleting_status(
