@@ -1,7 +1,9 @@
 """The one expiry rule, and the policy it reads. Pure: no I/O, no clock, no Kubernetes client.
 
-The controller, the agent, the standalone sweep, the CLI and `doctor` all call `deadline()`; none of
-them re-implements any part of it. `now` is always a parameter.
+The controller (for every object) and the standalone `sweep`, `ls` and `pin` (for manifests) call
+`deadline()`; none of them re-implements any part of it. The agent and `doctor` never decide expiry:
+the agent acts only on an object already being deleted, and `doctor` reads the phase and deadline the
+controller wrote. `now` is always a parameter.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def effective_policy(
     return Policy(retention, max_pin, default.dry_run or chosen.dry_run), reasons
 
 
-# --- The phase of a sandbox (issue 4: the controller and the agent both call this) -----------------------
+# --- The phase of a sandbox (the controller's; the agent writes a phase only while deleting: Deleting, Held, Stuck)
 def phase_of(
     verdict: Verdict,
     *,
