@@ -37,6 +37,7 @@ FINALIZER = f"{GROUP}/disk"  # owned by the node agent alone; the controller nev
 CONTROLLER_LEASE = "sandkeep-controller"
 AGENT_LEASE_PREFIX = "sandkeep-agent-"  # + node name: the per-node heartbeat
 ANN_ORPHAN_TOMBSTONES = f"{GROUP}/orphan-tombstones"  # on an agent's heartbeat Lease: JSON list, for doctor
+ANN_PRESSURE = f"{GROUP}/pressure"  # on an agent's heartbeat Lease: JSON, the node's unrelieved disk pressure
 
 # --- On disk -------------------------------------------------------------------------------------------
 MANIFEST_NAME = "manifest.json"
@@ -159,6 +160,9 @@ class Reason(StrEnum):
     # SandboxPolicy status (issue 16)
     IN_FORCE = "InForce"  # this policy applies to its namespace's sandboxes
     SUPERSEDED = "Superseded"  # an older policy in the same namespace applies; this one has no effect
+    # releasing for space (issue 14)
+    DISK_PRESSURE = "DiskPressure"  # released: the node's root was above its high watermark
+    PRESSURE_UNRELIEVED = "PressureUnrelieved"  # above high, and only pinned or held sandboxes are left
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------
@@ -186,3 +190,5 @@ M_INVALID_ENTRIES = "sandkeep_invalid_entries"  # gauge {node, reason}
 M_ROOT_SIZE = "sandkeep_root_filesystem_size_bytes"  # gauge {node}
 M_ROOT_AVAIL = "sandkeep_root_filesystem_avail_bytes"  # gauge {node}
 M_HEARTBEAT = "sandkeep_agent_heartbeat_timestamp_seconds"  # gauge {node}
+M_PRESSURE_UNRELIEVED = "sandkeep_pressure_unrelieved"  # gauge {node}: 1 while above high with nothing releasable
+M_PRESSURE_RELEASES = "sandkeep_pressure_releases_total"  # counter {node}: delete requests for disk pressure

@@ -97,6 +97,12 @@ class AgentMetrics:
         self.root_size = gauge(c.M_ROOT_SIZE, "Size of the filesystem holding the root.", node_)
         self.root_avail = gauge(c.M_ROOT_AVAIL, "Bytes available on the filesystem holding the root.", node_)
         self.heartbeat = gauge(c.M_HEARTBEAT, "Unix time of the agent's last completed pass.", node_)
+        self.pressure_unrelieved = gauge(
+            c.M_PRESSURE_UNRELIEVED, "1 while the root is above its high watermark with nothing releasable.", node_
+        )
+        self.pressure_releases = counter(
+            c.M_PRESSURE_RELEASES, "Sandboxes released (delete requested) for disk pressure.", node_
+        )
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -7,6 +7,9 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controller.agent.decide import age_of, candidate, pinned_for_pressure, release_refusal
+from controller.contracts import ANN_PIN_FOR, ANN_PIN_UNTIL
+from controller.inuse import Usage
 from controller.pressure import Candidate, Disk, Watermarks, choose
 
 GiB = 1 << 30
@@ -166,3 +169,45 @@ def test_the_oldest_go_first(disk, marks, found):
             if other.key in released or other.pinned or other.held or other.deleting or other.size is None:
                 continue
             assert age(by_key[key]) <= age(other)
+
+
+# --- what the agent reads off an object (controller/agent/decide.py) -------------------------------------
+
+NOW = datetime(2026, 6, 1, tzinfo=UTC)
+
+
+def obj(annotations: dict[str, str] | None = None, status: dict[str, object] | None = None) -> dict[str, object]:
+    meta = {"name": "s", "namespace": "team", "uid": "u1", "resourceVersion": "7", "annotations": annotations or {}}
+    spec = {"nodeName": "n1", "createdAt": "2026-01-01T00:00:00Z", "retainUntil": "2026-01-04T00:00:00Z"}
+    return {"metadata": meta, "spec": spec, "status": status or {}}
+
+
+def test_any_pin_not_plainly_over_keeps_a_sandbox_from_release():
+    assert not pinned_for_pressure(obj(), NOW)
+    assert pinned_for_pressure(obj({ANN_PIN_UNTIL: "2099-01-01T00:00:00Z"}), NOW)
+    assert pinned_for_pressure(obj({ANN_PIN_UNTIL: "next tuesday"}), NOW)  # unparseable: erring on keeping
+    assert pinned_for_pressure(obj({ANN_PIN_FOR: "2h"}), NOW)  # not yet settled by the controller
+    assert pinned_for_pressure(obj(status={"phase": "Pinned"}), NOW)
+    assert pinned_for_pressure(obj(status={"pinnedUntil": "2026-06-02T00:00:00Z"}), NOW)
+    assert not pinned_for_pressure(obj({ANN_PIN_UNTIL: "2026-05-01T00:00:00Z"}), NOW)  # lapsed
+
+
+def test_the_age_is_the_controllers_deadline_else_the_recorded_one():
+    assert age_of(obj()) == datetime(2026, 1, 4, tzinfo=UTC)
+    assert age_of(obj(status={"deadline": "2026-02-01T00:00:00Z"})) == datetime(2026, 2, 1, tzinfo=UTC)
+
+
+def test_a_sandbox_the_in_use_scan_has_not_answered_for_is_held():
+    assert candidate(obj(), 10, None, NOW).held
+    assert candidate(obj(), 10, Usage(None, ("pid 9 unreadable",)), NOW).held
+    assert not candidate(obj(), 10, Usage(False), NOW).held
+
+
+def test_a_fresh_read_refuses_a_release_that_is_no_longer_wanted():
+    assert release_refusal(obj(), "u1", NOW) is None
+    assert release_refusal(None, "u1", NOW) == "gone or replaced"
+    assert release_refusal(obj(), "another-uid", NOW) == "gone or replaced"
+    assert release_refusal(obj({ANN_PIN_UNTIL: "2099-01-01T00:00:00Z"}), "u1", NOW) == "pinned"
+    deleting = obj()
+    deleting["metadata"]["deletionTimestamp"] = "2026-06-01T00:00:00Z"  # type: ignore[index]
+    assert release_refusal(deleting, "u1", NOW) == "already being deleted"

@@ -36,6 +36,16 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--orphan-timeout", help="how long a killed orphan command may take to end (default 10s)")
     parser.add_argument("--lock-wait", help="give up after waiting this long for the root lock (default: forever)")
     parser.add_argument("--ignore-pid", type=int, action="append", dest="ignore_pids", help="a pid vouched for")
+    parser.add_argument(
+        "--pressure-high",
+        type=float,
+        help="used percent of the root's filesystem above which sandboxes are released "
+        "(default 85, below the kubelet's eviction at nodefs.available<10%%; 100: never)",
+    )
+    parser.add_argument("--pressure-low", type=float, help="used percent releasing stops under (default 80)")
+    parser.add_argument(
+        "--pressure-min-free-bytes", type=int, help="also release while fewer bytes than this are available (default 0)"
+    )
 
 
 def settings_from(args: argparse.Namespace) -> AgentSettings:

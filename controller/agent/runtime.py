@@ -28,6 +28,7 @@ from controller import commands, kube, leases, logs, metrics
 from controller import contracts as c
 from controller.agent.adoption import Adopter
 from controller.agent.decide import Key, Step, claim_of, discount_orphans, fate, finalizers, next_step, observe
+from controller.agent.relief import Relief
 from controller.agent.report import After, Reporter, orphan_report
 from controller.agent.settings import (
     HEARTBEAT_EVERY,
@@ -71,7 +72,10 @@ class Agent:
         self.adopter = Adopter(settings, client, root, self.state, self.report, self._each)
         self.identity = leases.default_identity()
         self.ignore = {os.getpid(), *settings.ignore_pids}
-        self.last_orphans_published: str | None = None
+        self.relief = Relief(
+            settings, client, root, agent_metrics, self.state, self.report, lambda: self.sizer.sizes, self._in_use_now
+        )
+        self.last_published: str | None = None
         self.stopping = asyncio.Event()
         self.started = time.monotonic()
         self.last_pass: float | None = None
@@ -188,6 +192,7 @@ class Agent:
         self.sizer.request(keys)
         self._prune(set(keys))
         await self._each(list(self.state.objects), self._process_logged)
+        await self.relief.relieve()
         self.report.strays(scan.strays, refused)
         self.report.node_metrics(scan.tombstones, self.reaper)
         await self._heartbeat()
@@ -199,6 +204,7 @@ class Agent:
             if key not in present:
                 self.sizer.sizes.pop(key, None)
         uids = {o["metadata"].get("uid") for o in self.state.objects.values()}
+        self.relief.forget(uids)
         for event_key in [k for k in self.state.events if k[0] not in uids]:
             self.state.events.pop(event_key, None)
         horizon = time.monotonic() - self.s.relog_every.total_seconds()
@@ -265,7 +271,7 @@ class Agent:
             await self._after(obj, key, tomb.name, outcome)
             return
         if step is Step.REAP:
-            target = Target(*key, uid, claim_of(obj), Reason.DELETED)
+            target = Target(*key, uid, claim_of(obj), self.relief.cause_of(uid))
             await self._after(obj, key, None, await self._pipeline(self.reaper.reap, target))
             return
         if step is Step.ADD_FINALIZER:
@@ -400,12 +406,17 @@ class Agent:
                 await asyncio.wait_for(stop.wait(), timeout=HEARTBEAT_EVERY)
 
     async def _heartbeat(self) -> None:
-        """Renew this node's Lease; publish the stuck tombstones no object owns (for `doctor`) when they change."""
+        """Renew this node's Lease; publish, for `doctor`, the stuck tombstones no object owns and the disk
+        pressure nothing can relieve, when they change."""
         try:
             await asyncio.to_thread(leases.renew_heartbeat, self.kube, self.s.namespace, self.s.node, self.identity)
-            report = json.dumps(orphan_report(self.reaper), sort_keys=True)
-            if report != self.last_orphans_published:
-                patch = {"metadata": {"annotations": {c.ANN_ORPHAN_TOMBSTONES: report}}}
+            said = {
+                c.ANN_ORPHAN_TOMBSTONES: json.dumps(orphan_report(self.reaper), sort_keys=True),
+                c.ANN_PRESSURE: self.relief.published,
+            }
+            report = json.dumps(said, sort_keys=True)
+            if report != self.last_published:
+                patch = {"metadata": {"annotations": said}}
                 await asyncio.to_thread(
                     self.kube.request,
                     "PATCH",
@@ -413,7 +424,7 @@ class Agent:
                     body=patch,
                     content_type="application/merge-patch+json",
                 )
-                self.last_orphans_published = report
+                self.last_published = report
             self.m.heartbeat.labels(self.s.node).set(time.time())
         except KubeError as err:
             self.report.say_limited("heartbeat", "heartbeat_failed", reason=Reason.AGENT_STALE, error=str(err)[:300])

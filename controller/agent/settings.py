@@ -5,10 +5,11 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from controller.flags import HumanDuration
 from controller.models import Settings
+from controller.pressure import Watermarks
 
 HEARTBEAT_EVERY = 15.0  # seconds between heartbeat renewals (the Lease says 60 s)
 PARALLEL = 8  # API requests (and reaps) in flight at once during a pass
@@ -35,3 +36,19 @@ class AgentSettings(Settings):
     ignore_pids: list[int] = Field(
         default_factory=list
     )  # processes vouched for that the agent cannot inspect (e.g. a runtime's init)
+    # Disk pressure: above `pressure_high` percent used, release oldest first until under `pressure_low`.
+    # Below the kubelet's image GC (85/80 used) and eviction (nodefs.available<10%, i.e. 90% used) defaults,
+    # so workspaces go before images and long before Pods. 100: never (the filesystem cannot be over 100%).
+    pressure_high: float = 85.0
+    pressure_low: float = 80.0
+    pressure_min_free_bytes: int = 0  # optional floor: fewer bytes available also counts as over high
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> AgentSettings:
+        problem = self.watermarks().problem()
+        if problem is not None:
+            raise ValueError(f"--pressure-high/--pressure-low/--pressure-min-free-bytes: {problem}")
+        return self
+
+    def watermarks(self) -> Watermarks:
+        return Watermarks(self.pressure_high, self.pressure_low, self.pressure_min_free_bytes)

@@ -1,0 +1,175 @@
+"""Releasing for space: above its high watermark the agent releases this node's oldest releasable sandboxes.
+
+Once per pass, after every object was processed: `pressure.choose` (pure) picks what to release from
+the root's statvfs, the measured sizes and what the pass saw (pins, holds, deletions under way). Each
+chosen sandbox is then read fresh, checked again (`decide.release_refusal`), checked for use again on
+the node, and its object DELETEd with uid and resourceVersion preconditions, through the same
+`Kube.delete_sandbox` the controller's expiry uses; a pin or any change landing after the fresh read
+is a 409 and the sandbox stays. From there it is an ordinary deletion (the finalizer, the pipeline),
+counted in `sandkeep_deletions_total{reason="DiskPressure"}`. Why the agent asks and not the
+controller: docs/architecture.md, "Releasing for space".
+
+When the disk stays above high with only pinned or held sandboxes left, the agent says so: the
+`sandkeep_pressure_unrelieved` gauge, a rate-limited log line, and a report on its heartbeat Lease
+(`sandkeep.io/pressure`) naming the largest pinned and held sandboxes, which `sandkeep doctor` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from controller import logs, metrics
+from controller.agent.decide import Key, candidate, release_refusal
+from controller.agent.report import Reporter
+from controller.agent.settings import AgentSettings
+from controller.agent.state import AgentState
+from controller.contracts import Reason
+from controller.inuse import Usage
+from controller.kube import Kube, KubeError, Obj
+from controller.pressure import Candidate, Disk, Plan, Watermarks, choose, percent
+from controller.sizes import human_size
+from controller.store import Root
+
+log = logging.getLogger("sandkeep.agent")
+
+
+def usage_words(node: str, root: Path, disk: Disk, marks: Watermarks) -> str:
+    """The node's usage as a person reads it in an Event or a report."""
+    floor = f", at least {human_size(marks.min_free_bytes)} free" if marks.min_free_bytes else ""
+    return (
+        f"node {node}'s root {root} is {percent(disk.used, disk.size):.1f}% used "
+        f"({human_size(disk.used)} of {human_size(disk.size)}, {human_size(disk.available)} available); "
+        f"high watermark {marks.high:g}%, low {marks.low:g}%{floor}"
+    )
+
+
+def unrelieved_report(node: str, disk: Disk, marks: Watermarks, plan: Plan) -> Obj:
+    """What the heartbeat Lease carries for `doctor` while nothing more can be released."""
+    return {
+        "node": node,
+        "usedPercent": round(percent(disk.used, disk.size), 1),
+        "high": marks.high,
+        "low": marks.low,
+        "projectedPercent": round(percent(plan.projected_used, disk.size), 1),
+        "blocked": [
+            {
+                "sandbox": "/".join(b.key),
+                "bytes": b.size or 0,
+                "why": "pinned" if b.pinned else "held",
+                "holders": list(b.holders[:5]) if b.held else [],
+            }
+            for b in plan.blocked
+        ],
+    }
+
+
+class Relief:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        client: Kube,
+        root: Root,
+        agent_metrics: metrics.AgentMetrics,
+        state: AgentState,
+        report: Reporter,
+        sizes: Callable[[], dict[Key, tuple[int, int]]],
+        in_use_now: Callable[[Path], Usage],
+    ) -> None:
+        self.s = settings
+        self.kube = client
+        self.root = root
+        self.m = agent_metrics
+        self.state = state
+        self.report = report
+        self.sizes = sizes
+        self.in_use_now = in_use_now
+        self.released: dict[str, Reason] = {}  # uid -> the cause its deletion is counted under
+        self.published = ""  # the `sandkeep.io/pressure` report: "" while relieved
+
+    def cause_of(self, uid: str) -> Reason:
+        return self.released.get(uid, Reason.DELETED)
+
+    def forget(self, uids: set[str]) -> None:
+        for uid in [u for u in self.released if u not in uids]:
+            del self.released[uid]
+
+    def candidates(self, now: datetime) -> list[Candidate]:
+        sizes = self.sizes()
+        return [
+            candidate(obj, (sizes.get(key) or (None, 0))[0], self.state.usage.get(key), now)
+            for key, obj in self.state.objects.items()
+            if key in self.state.present
+        ]
+
+    async def relieve(self) -> None:
+        """One pressure pass: choose, release each chosen one after a fresh read, say what is left."""
+        node, marks = self.s.node, self.s.watermarks()
+        try:
+            disk = Disk.of(await asyncio.to_thread(os.statvfs, self.root.path))
+        except OSError as err:
+            self.report.say_limited("pressure", "pressure_unread", reason=Reason.DISK_PRESSURE, error=str(err))
+            return
+        plan = choose(disk, marks, self.candidates(datetime.now(UTC)))
+        words = usage_words(node, self.root.path, disk, marks)
+        for key in plan.release:
+            if not await self.release(key, words):
+                break  # the picture changed: the next pass chooses again from a fresh one
+        unrelieved = plan.over and not plan.relieved
+        self.m.pressure_unrelieved.labels(node).set(1 if unrelieved else 0)
+        if not unrelieved:
+            self.published = ""
+            return
+        report = unrelieved_report(node, disk, marks, plan)
+        self.published = json.dumps(report, sort_keys=True)
+        self.report.say_limited(
+            "pressure-unrelieved",
+            "pressure_unrelieved",
+            reason=Reason.PRESSURE_UNRELIEVED,
+            usage=words,
+            blocked=" ".join(f"{b['sandbox']}({b['why']},{human_size(b['bytes'])})" for b in report["blocked"]),
+            action="unpin, stop what holds them, or free space elsewhere; see docs/runbooks.md",
+        )
+
+    async def release(self, key: Key, words: str) -> bool:
+        """Release one sandbox: fresh read, checks again, in-use again, a preconditioned DELETE. True: asked."""
+        cached = self.state.objects.get(key)
+        if cached is None:
+            return False
+        uid = cached["metadata"]["uid"]
+        fresh = await asyncio.to_thread(self.kube.get_sandbox, *key)
+        refusal = release_refusal(fresh, uid, datetime.now(UTC))
+        if fresh is not None:
+            self.state.remember(fresh)
+        if refusal is not None or fresh is None:
+            logs.say(log, "release_skipped", reason=Reason.DISK_PRESSURE, object="/".join(key), why=refusal)
+            return False
+        usage = await asyncio.to_thread(self.in_use_now, self.root.sandbox_path(*key))
+        if usage.holds:
+            logs.say(log, "release_skipped", reason=usage.reason, object="/".join(key), why="in use")
+            return False
+        try:
+            answer = await asyncio.to_thread(self.kube.delete_sandbox, fresh)
+        except KubeError as err:
+            if err.conflict or err.not_found:  # a pin (or any change) landed after the fresh read: it wins
+                logs.say(log, "release_conflict", reason=Reason.CONFLICT, object="/".join(key))
+                return False
+            raise
+        self.released[uid] = Reason.DISK_PRESSURE
+        if isinstance(answer, dict) and answer.get("metadata", {}).get("uid") == uid:
+            self.state.remember(answer)  # deleting now: the next pass projects its bytes as freed
+        size = (self.sizes().get(key) or (0, 0))[0]
+        rv = fresh["metadata"]["resourceVersion"]
+        message = (
+            f"{key[0]}/{key[1]} released for disk pressure ({human_size(size)}): {words}; oldest unpinned, "
+            f"unheld sandboxes go first until under the low watermark; delete requested (resourceVersion {rv})"
+        )
+        self.m.pressure_releases.labels(self.s.node).inc()
+        await self.report.event(fresh, Reason.DISK_PRESSURE, message, "Warning")
+        logs.say(log, "released", reason=Reason.DISK_PRESSURE, object="/".join(key), bytes=size, usage=words)
+        return True

@@ -1,0 +1,146 @@
+"""Disk pressure on a real filesystem and the real API server: a small tmpfs filled past the high watermark.
+
+The agent runs as a real `sandkeep agent` process whose root sits on its own tmpfs, so the percentages
+are the kernel's own statvfs answers; no controller runs: the agent's release is a preconditioned
+DELETE, and the deletion that follows is the ordinary one behind the finalizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_agent
+from test_agent import REPO, Node, adopted, get, wait_for
+
+from controller import contracts as c
+from controller.pressure import Disk, percent
+
+MiB = 1 << 20
+pytestmark = pytest.mark.cluster
+crd, agents, procs = test_agent.crd, test_agent.agents, test_agent.procs  # the agent tests' own fixtures
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs of its own under the test's directory, unmounted at the end."""
+    point = tmp_path / "disk"
+    point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(point)], check=True)
+    yield point
+    subprocess.run(["umount", str(point)], check=False)
+
+
+def retain(node: Node, namespace: str, name: str, days_old: int, mib: int) -> Path:
+    src = node.root.path.parent / f"job-{name}"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "blob").write_bytes(b"\1" * (mib * MiB))
+    created = datetime.now(UTC) - timedelta(days=days_old)
+    node.root.retain(src, namespace, name, job_id=f"job-{name}", created_at=created, retention=timedelta(days=3650))
+    return node.root.path / namespace / name
+
+
+def used_percent(point: Path) -> float:
+    d = Disk.of(os.statvfs(point))
+    return percent(d.used, d.size)
+
+
+def pin(cluster: Any, namespace: str, name: str) -> None:
+    cluster.kubectl("annotate", "rsb", name, "-n", namespace, f"{c.ANN_PIN_UNTIL}=2099-01-01T00:00:00Z")
+
+
+def lease_annotation(cluster: Any, namespace: str, node: Node) -> str:
+    r = cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{node.name}", "-n", namespace, "-o", "json")
+    return json.loads(r.stdout)["metadata"].get("annotations", {}).get(c.ANN_PRESSURE, "")
+
+
+PRESSURE_OFF = ["--pressure-high", "100", "--pressure-low", "99"]
+PRESSURE_ON = ["--pressure-high", "80", "--pressure-low", "45"]
+
+
+def test_a_full_node_releases_exactly_the_oldest_unpinned_down_to_low_and_pins_and_holds_survive(
+    cluster, namespace, crd, disk, agents, procs
+):
+    node = Node(cluster, disk, "full")
+    # 7 x 8 MiB on 64 MiB: 87.5% used. Under 45% (28.8 MiB) fit the pinned and the held one and one more.
+    retain(node, namespace, "pinned", 30, 8)
+    held = retain(node, namespace, "held", 29, 8)
+    ages = {"a-oldest": 20, "b-older": 15, "c-old": 10, "d-young": 5, "e-youngest": 1}
+    for name, days in ages.items():
+        retain(node, namespace, name, days, 8)
+    assert used_percent(disk) > 80
+    holder = subprocess.Popen(["sleep", "300"], cwd=held / "workspace")
+    procs.append(holder)
+    first = agents(node, extra=PRESSURE_OFF)  # adopt everything, then pin, before any release can happen
+    for name in ("pinned", "held", *ages):
+        adopted(cluster, namespace, name)
+    pin(cluster, namespace, "pinned")
+    first.stop()
+
+    agent = agents(node, extra=PRESSURE_ON)
+    gone = ["a-oldest", "b-older", "c-old", "d-young"]
+    wait_for(lambda: all(get(cluster, namespace, n) is None for n in gone), 60, "the four oldest unpinned released")
+    assert used_percent(disk) < 45
+    for name in ("pinned", "held", "e-youngest"):
+        obj = get(cluster, namespace, name)
+        assert obj is not None and "deletionTimestamp" not in obj["metadata"], name
+        assert (node.root.path / namespace / name / "workspace").is_dir(), name
+    events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+    pressure = [e for e in events if e["reason"] == c.Reason.DISK_PRESSURE]
+    assert sorted(e["involvedObject"]["name"] for e in pressure) == gone
+    assert all("% used" in e["message"] and "high watermark 80%" in e["message"] for e in pressure)
+    text = agent.metrics()
+    assert f'{c.M_DELETIONS}{{node="{node.name}",reason="DiskPressure"}} 4.0' in text
+    assert f'{c.M_PRESSURE_RELEASES}{{node="{node.name}"}} 4.0' in text
+    assert f'{c.M_PRESSURE_UNRELIEVED}{{node="{node.name}"}} 0.0' in text
+
+
+def test_a_full_node_with_only_pinned_and_held_sandboxes_says_so(cluster, namespace, crd, disk, agents, procs):
+    node = Node(cluster, disk, "stuck")
+    retain(node, namespace, "big-pinned", 10, 30)
+    held = retain(node, namespace, "held", 5, 25)
+    holder = subprocess.Popen(["sleep", "300"], cwd=held / "workspace")
+    procs.append(holder)
+    first = agents(node, extra=PRESSURE_OFF)
+    for name in ("big-pinned", "held"):
+        adopted(cluster, namespace, name)
+    pin(cluster, namespace, "big-pinned")
+    first.stop()
+
+    agent = agents(node, extra=PRESSURE_ON)
+    report = json.loads(wait_for(lambda: lease_annotation(cluster, namespace, node), 60, "the pressure report"))
+    assert [b["sandbox"] for b in report["blocked"]] == [f"{namespace}/big-pinned", f"{namespace}/held"]
+    assert report["blocked"][0]["why"] == "pinned" and report["blocked"][1]["why"] == "held"
+    assert any(f"pid {holder.pid} (sleep) cwd" in h for h in report["blocked"][1]["holders"])
+    assert report["usedPercent"] > 80 and report["high"] == 80
+    wait_for(lambda: f'{c.M_PRESSURE_UNRELIEVED}{{node="{node.name}"}} 1.0' in agent.metrics(), 30, "the gauge")
+    assert get(cluster, namespace, "big-pinned") is not None and get(cluster, namespace, "held") is not None
+
+    holder.kill()  # the holder leaves: the held one is released, and the report goes
+    holder.wait()
+    wait_for(lambda: get(cluster, namespace, "held") is None, 60, "the unheld sandbox released")
+    wait_for(lambda: lease_annotation(cluster, namespace, node) == "", 60, "the report cleared")
+    assert get(cluster, namespace, "big-pinned") is not None
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--pressure-high", "80", "--pressure-low", "90"], "must be below the high one"),
+        (["--pressure-high", "80", "--pressure-low", "80"], "must be below the high one"),
+        (["--pressure-high", "120"], "(0, 100]"),
+        (["--pressure-min-free-bytes", "-1"], "cannot be negative"),
+    ],
+)
+def test_the_agent_refuses_bad_watermarks_at_start(tmp_path: Path, flags: list[str], words: str) -> None:
+    args = [sys.executable, "-m", "controller.cli", "agent", "--node", "n1", "--root", str(tmp_path / "r"), *flags]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "invalid settings" in done.stderr and words in done.stderr
