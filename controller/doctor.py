@@ -22,7 +22,7 @@ from typing import Any
 
 from controller import contracts as c
 from controller import kube, leases
-from controller.durations import Invalid, format_duration, parse_duration, parse_instant
+from controller.durations import Invalid, format_duration, instant_or_none, parse_duration
 from controller.kube import Kube, Obj
 from controller.store import parse_tombstone
 
@@ -49,11 +49,6 @@ def _age(since: datetime | None, now: datetime) -> str:
     return "?" if since is None else format_duration(max(now - since, timedelta(0)))
 
 
-def _instant(text: Any) -> datetime | None:
-    parsed = parse_instant(text) if isinstance(text, str) else None
-    return None if parsed is None or isinstance(parsed, Invalid) else parsed
-
-
 def _ref(obj: Obj) -> str:
     ns, name = kube.key_of(obj)
     return f"{ns}/{name}"
@@ -65,7 +60,7 @@ def _stuck_row(obj: Obj, now: datetime) -> list[str] | None:
     if status.get("phase") != str(c.Phase.STUCK) and not (cond and cond.get("status") == "True"):
         return None
     tomb = parse_tombstone(status.get("tombstone") or "")
-    since = tomb.made_at if tomb else _instant(obj["metadata"].get("deletionTimestamp"))
+    since = tomb.made_at if tomb else instant_or_none(obj["metadata"].get("deletionTimestamp"))
     m = _STUCK.search((cond or {}).get("message", ""))
     node = (obj.get("spec") or {}).get("nodeName", "?")
     errno, path = (m["errno"], m["path"]) if m else ("?", status.get("tombstone", "?"))
@@ -89,7 +84,7 @@ def _held_row(obj: Obj) -> list[str] | None:
 
 def _lapsing_row(obj: Obj, now: datetime) -> list[str] | None:
     status = obj.get("status") or {}
-    until = _instant(status.get("pinnedUntil")) or _instant(kube.annotations_of(obj).get(c.ANN_PIN_UNTIL))
+    until = instant_or_none(status.get("pinnedUntil")) or instant_or_none(kube.annotations_of(obj).get(c.ANN_PIN_UNTIL))
     if until is None or not now < until <= now + LAPSING_WITHIN:
         return None
     return [_ref(obj), (obj.get("spec") or {}).get("nodeName", "?"), until.isoformat(), format_duration(until - now)]

@@ -12,8 +12,9 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-_UNITS = {"w": timedelta(weeks=1), "d": timedelta(days=1), "h": timedelta(hours=1),
-          "m": timedelta(minutes=1), "s": timedelta(seconds=1)}  # fmt: skip
+_UNITS = dict(
+    w=timedelta(weeks=1), d=timedelta(days=1), h=timedelta(hours=1), m=timedelta(minutes=1), s=timedelta(seconds=1)
+)
 # [0-9], not \d: `\d` also matches `３` or `٣`, which int() reads and the CRD's pattern refuses.
 _DURATION = re.compile(r"(?:([0-9]+)w)?(?:([0-9]+)d)?(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 # A bound well inside datetime's range, so `now + duration` can never overflow.
@@ -76,6 +77,13 @@ def parse_instant(text: object) -> datetime | Invalid:
     if when is None or not MIN_INSTANT <= when <= MAX_INSTANT:
         return Invalid(raw, f"out of range; sandkeep takes times from {MIN_INSTANT.year} to {MAX_INSTANT.year}")
     return when
+
+
+def instant_or_none(value: object) -> datetime | None:
+    """A time read from an object or a file (`createdAt`, a Lease's `renewTime`): the instant, or None when
+    the value is absent, not a string, or not a valid RFC 3339 time. Total: it never raises."""
+    parsed = parse_instant(value) if isinstance(value, str) else None
+    return parsed if isinstance(parsed, datetime) else None
 
 
 def shift(when: datetime, delta: timedelta) -> datetime:

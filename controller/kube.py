@@ -29,7 +29,7 @@ from kubernetes import config as k8s_config
 
 from controller import __version__, logs
 from controller import contracts as c
-from controller.durations import Invalid, format_instant, parse_duration, parse_instant
+from controller.durations import Invalid, format_instant, instant_or_none, parse_duration
 from controller.models import bounded_name
 from controller.policy import Facts, Policy
 
@@ -357,18 +357,13 @@ def is_deleting(obj: Obj) -> bool:
     return bool(obj.get("metadata", {}).get("deletionTimestamp"))
 
 
-def _instant(value: Any) -> datetime | None:
-    parsed = parse_instant(value) if isinstance(value, str) else None
-    return None if parsed is None or isinstance(parsed, Invalid) else parsed
-
-
 def sandbox_facts(obj: Obj) -> Facts:
     """What the one rule reads from a RetainedSandbox: spec times and the pin annotations (raw text)."""
     spec = obj.get("spec") or {}
     ann = annotations_of(obj)
     return Facts(
-        created_at=_instant(spec.get("createdAt")),
-        retain_until=_instant(spec.get("retainUntil")),
+        created_at=instant_or_none(spec.get("createdAt")),
+        retain_until=instant_or_none(spec.get("retainUntil")),
         pin_until=ann.get(c.ANN_PIN_UNTIL),
         pinned_at=ann.get(c.ANN_PINNED_AT),
     )

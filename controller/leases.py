@@ -15,13 +15,13 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
 from controller import contracts as c
 from controller import logs
-from controller.durations import Invalid, parse_instant
+from controller.durations import instant_or_none
 from controller.kube import Kube, KubeError, micro_time, now_utc
 from controller.models import bounded_name, label_value
 
@@ -64,17 +64,12 @@ class LeaseState:
         return None if self.renew_time is None else now - self.renew_time
 
 
-def _time(value: Any) -> datetime | None:
-    parsed = parse_instant(value) if isinstance(value, str) else None
-    return None if parsed is None or isinstance(parsed, Invalid) else parsed.astimezone(UTC)
-
-
 def _state(raw: dict[str, Any]) -> LeaseState:
     spec = raw.get("spec") or {}
     return LeaseState(
         holder=spec.get("holderIdentity"),
-        renew_time=_time(spec.get("renewTime")),
-        acquire_time=_time(spec.get("acquireTime")),
+        renew_time=instant_or_none(spec.get("renewTime")),
+        acquire_time=instant_or_none(spec.get("acquireTime")),
         duration=timedelta(seconds=int(spec.get("leaseDurationSeconds") or LEASE_DURATION)),
         transitions=int(spec.get("leaseTransitions") or 0),
         resource_version=raw["metadata"]["resourceVersion"],

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from controller.durations import Invalid, parse_duration, parse_instant
+from controller.durations import Invalid, instant_or_none, parse_duration
 from controller.policy import Ceiling, Facts, Policy
 
 # Whole-string matches: `$` also matches before a final newline, which let `ns\n` pass as a namespace.
@@ -59,11 +59,6 @@ def bounded_name(prefix: str, name: str, limit: int = NAME_MAX) -> str:
     if len(prefix) + len(name) <= limit:
         return prefix + name
     return prefix + _bounded(name, limit - len(prefix))
-
-
-def _instant_or_none(value: Any) -> datetime | None:
-    parsed = parse_instant(value) if isinstance(value, str) else None
-    return None if parsed is None or isinstance(parsed, Invalid) else parsed
 
 
 MANIFEST_SCHEMA_VERSION = 1
@@ -113,8 +108,8 @@ class Manifest(BaseModel):
     def facts(self) -> Facts:
         """What the one rule reads from this manifest."""
         return Facts(
-            created_at=_instant_or_none(self.created_at),
-            retain_until=_instant_or_none(self.retain_until),
+            created_at=instant_or_none(self.created_at),
+            retain_until=instant_or_none(self.retain_until),
             pin_until=self.keep_until,
             pinned_at=self.pinned_at,
         )

@@ -15,6 +15,7 @@ from controller.durations import (
     Invalid,
     format_duration,
     format_instant,
+    instant_or_none,
     parse_duration,
     parse_instant,
     shift,
@@ -98,6 +99,42 @@ def test_bad_instants_are_invalid_and_say_what_is_expected(text: object) -> None
 def test_parse_instant_never_raises(text: str) -> None:
     result = parse_instant(text)
     assert isinstance(result, Invalid | datetime)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "",
+        "yesterday",
+        "2026-13-01T00:00:00Z",
+        "2026-12-01T10:00:00",
+        "0001-01-01T00:00:00+01:00",
+        1764583200,
+        1764583200.0,
+        ["2026-12-01T10:00:00Z"],
+        {"at": "2026-12-01T10:00:00Z"},
+        b"2026-12-01T10:00:00Z",
+    ],
+)
+def test_instant_or_none_is_none_for_anything_but_a_valid_time(value: object) -> None:
+    assert instant_or_none(value) is None
+
+
+def test_instant_or_none_reads_what_kubernetes_writes() -> None:
+    expected = datetime(2026, 12, 1, 10, 0, 0, 123456, tzinfo=UTC)
+    assert instant_or_none("2026-12-01T10:00:00.123456789Z") == expected
+    assert instant_or_none(" 2026-12-01t11:00:00.123456+01:00 ") == expected
+    assert instant_or_none("2026-12-01T10:00:00Z") == expected.replace(microsecond=0)
+
+
+@given(st.one_of(st.none(), st.integers(), st.floats(), st.binary(max_size=40), st.text(max_size=40)))
+def test_instant_or_none_never_raises_and_agrees_with_parse_instant(value: object) -> None:
+    result = instant_or_none(value)
+    if isinstance(value, str) and isinstance(parse_instant(value), datetime):
+        assert result == parse_instant(value) and result.tzinfo == UTC
+    else:
+        assert result is None
 
 
 @given(st.datetimes(min_value=datetime(1971, 1, 1), max_value=datetime(9000, 1, 1), timezones=st.just(UTC)))
