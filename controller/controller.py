@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import kopf
-from pydantic import field_validator
 
 from controller import contracts as c
-from controller import logs, metrics, models
+from controller import flags, logs, metrics, models
 from controller.contracts import Phase, Reason
 from controller.durations import Invalid, format_instant, parse_duration, parse_instant
+from controller.flags import HumanDuration
 from controller.kube import (
     CONTROLLER_MANAGER,
     Kube,
@@ -78,7 +78,7 @@ SEAM_ENV = "SANDKEEP_TEST_BEFORE_DELETE_DIR"
 class ControllerSettings(models.Settings):
     """The controller's settings (`SANDKEEP_*` env vars; flags override them)."""
 
-    node_grace: models.Duration = timedelta(minutes=10)  # a node gone this long: its sandboxes are Lost
+    node_grace: HumanDuration = timedelta(minutes=10)  # a node gone this long: its sandboxes are Lost
     namespace: str = "sandkeep-system"  # where the leader Lease lives
     kubeconfig: str | None = None
     metrics_port: int = 8080
@@ -87,11 +87,6 @@ class ControllerSettings(models.Settings):
     workers: int = 8
     identity: str | None = None
     watch_namespaces: tuple[str, ...] = ()  # empty: the whole cluster
-
-    @field_validator("node_grace", mode="before")
-    @classmethod
-    def _grace(cls, v: Any) -> timedelta:
-        return models._duration(v)
 
 
 # --- the decision for one sandbox (pure) ------------------------------------------------------------------
@@ -837,14 +832,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> ControllerSettings:
-    names = (
-        "kubeconfig", "namespace", "watch_namespaces", "metrics_port", "metrics_host", "retention", "max_pin",
-        "max_retention", "max_pin_ceiling", "dry_run", "node_grace", "lease_duration", "workers", "identity",
-    )  # fmt: skip
-    overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    if "watch_namespaces" in overrides:
-        overrides["watch_namespaces"] = tuple(overrides["watch_namespaces"])
-    return ControllerSettings(**overrides)
+    return flags.settings_from(ControllerSettings, args)
 
 
 def _fewer_malloc_arenas() -> None:

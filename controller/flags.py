@@ -9,17 +9,28 @@ from __future__ import annotations
 
 import argparse
 from datetime import timedelta
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings
 
-from controller.models import _duration
+from controller.durations import Invalid, parse_duration
 
 S = TypeVar("S", bound=BaseSettings)
 
+
+def _duration(value: Any) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    parsed = parse_duration(value)
+    if isinstance(parsed, Invalid):
+        raise ValueError(str(parsed))
+    return parsed
+
+
 # A duration setting written the human way (`72h`, `30d`, `1h30m`), from the env or a flag: one annotated
-# type instead of a validator per settings class. A bad value stops the process at start, naming it.
+# type for every component's settings (controller, agent, sweep) instead of a validator per class. A bad
+# value stops the process at start, naming it.
 HumanDuration = Annotated[timedelta, BeforeValidator(_duration), Field(json_schema_extra={"format": "duration"})]
 
 

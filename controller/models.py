@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import re
 from datetime import timedelta
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from controller.durations import Invalid, instant_or_none, parse_duration
+from controller.durations import instant_or_none
+from controller.flags import HumanDuration
 from controller.policy import Ceiling, Facts, Policy
 
 # Whole-string matches: `$` also matches before a final newline, which let `ns\n` pass as a namespace.
@@ -118,18 +119,6 @@ class Manifest(BaseModel):
         return self.model_dump_json(by_alias=True, indent=2) + "\n"
 
 
-def _duration(value: Any) -> timedelta:
-    if isinstance(value, timedelta):
-        return value
-    parsed = parse_duration(value)
-    if isinstance(parsed, Invalid):
-        raise ValueError(str(parsed))
-    return parsed
-
-
-Duration = Annotated[timedelta, Field(json_schema_extra={"format": "duration"})]
-
-
 class Settings(BaseSettings):
     """Settings every sandkeep process shares, from `SANDKEEP_*` env vars (flags override them).
 
@@ -139,16 +128,11 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SANDKEEP_", extra="ignore")
 
-    retention: Duration = timedelta(hours=72)
-    max_pin: Duration = timedelta(days=30)
-    max_retention: Duration = timedelta(days=90)  # the ceiling no namespace policy can exceed
-    max_pin_ceiling: Duration = timedelta(days=90)
+    retention: HumanDuration = timedelta(hours=72)
+    max_pin: HumanDuration = timedelta(days=30)
+    max_retention: HumanDuration = timedelta(days=90)  # the ceiling no namespace policy can exceed
+    max_pin_ceiling: HumanDuration = timedelta(days=90)
     dry_run: bool = False
-
-    @field_validator("retention", "max_pin", "max_retention", "max_pin_ceiling", mode="before")
-    @classmethod
-    def _durations(cls, v: Any) -> timedelta:
-        return _duration(v)
 
     def policy(self) -> Policy:
         return Policy(self.retention, self.max_pin, self.dry_run)

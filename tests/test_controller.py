@@ -6,6 +6,7 @@ few seconds. No agent runs here, so no finalizer is on the objects and a DELETE 
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import threading
@@ -29,7 +30,7 @@ from controller_harness import (
 from localcluster import LocalCluster, settled_writes, writes_by_resource
 
 from controller import contracts as c
-from controller.controller import Context, decide, status_changed
+from controller.controller import Context, add_arguments, decide, settings_from, status_changed
 from controller.durations import format_instant, parse_instant
 from controller.kube import Kube, KubeError
 from controller.policy import Policy, deadline, phase_of
@@ -150,6 +151,21 @@ def test_an_out_of_range_pin_is_invalid_and_the_sandbox_still_expires() -> None:
 
 
 # --- against the API server -------------------------------------------------------------------------------
+def test_flags_override_the_env_and_durations_are_read_the_human_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments("controller", parser)
+    monkeypatch.setenv("SANDKEEP_NODE_GRACE", "5m")
+    monkeypatch.setenv("SANDKEEP_RETENTION", "2d")
+    settings = settings_from(parser.parse_args(["--retention=1h30m", "--watch-namespace=a", "--watch-namespace=b"]))
+    assert settings.retention == timedelta(hours=1, minutes=30) and settings.node_grace == timedelta(minutes=5)
+    assert settings.watch_namespaces == ("a", "b") and settings.dry_run is False
+    with pytest.raises(ValueError, match="node_grace"):
+        settings_from(parser.parse_args(["--node-grace=5 minutes"]))
+    monkeypatch.setenv("SANDKEEP_MAX_PIN", "forever")
+    with pytest.raises(ValueError, match="max_pin"):
+        settings_from(parser.parse_args([]))
+
+
 def test_creating_a_sandbox_sets_its_status(kube: Kube, namespace: str, start: Any) -> None:
     start("--retention=1h")
     created = kube.create_sandbox(namespace, sandbox("run-1", created=-timedelta(minutes=5)))
