@@ -156,21 +156,12 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         conditions.append(cond(c.Condition.POLICY_CEILING, True, reason, "; ".join(words)))
     eligible = verdict.expired and not observed.in_use
     if eligible and ctx.policy.dry_run:
-        conditions.append(
-            cond(
-                c.Condition.DRY_RUN, True, Reason.WOULD_DELETE,
-                f"would delete: expired at {_when(verdict.deadline)} ({_cause(verdict)}); dry-run is on, "
-                "nothing is deleted",
-            )
-        )  # fmt: skip
+        would = f"would delete: expired at {_when(verdict.deadline)} ({_cause(verdict)}); dry-run is on"
+        conditions.append(cond(c.Condition.DRY_RUN, True, Reason.WOULD_DELETE, f"{would}, nothing is deleted"))
     if node_lost:
-        conditions.append(
-            cond(
-                c.Condition.LOST, True, Reason.NODE_GONE,
-                f"node {obj['spec'].get('nodeName')} is gone since {_when(ctx.node_gone_since)}; "
-                "the directory went with its disk",
-            )
-        )  # fmt: skip
+        node = obj["spec"].get("nodeName")
+        lost = f"node {node} is gone since {_when(ctx.node_gone_since)}; the directory went with its disk"
+        conditions.append(cond(c.Condition.LOST, True, Reason.NODE_GONE, lost))
     status: Obj = {"phase": phase.value, "deadlineSource": source, "conditions": conditions}
     if verdict.deadline is not None:
         status["deadline"] = format_instant(verdict.deadline)
@@ -208,11 +199,9 @@ def _pinned_condition(verdict: Verdict, cond: Callable[..., Obj]) -> Obj:
     if verdict.pinned:
         return cond(c.Condition.PINNED, False, Reason.PIN_EXPIRED, f"the pin lapsed at {_when(verdict.pinned_until)}")
     if Reason.PIN_NO_EFFECT in verdict.reasons:
-        words = next(m for m in verdict.messages if "no effect" in m)
-        return cond(
-            c.Condition.PINNED, False, Reason.PIN_NO_EFFECT,
-            f"{c.ANN_PIN_UNTIL}: {words}; a pin only keeps a sandbox longer, so write a later time to pin it",
-        )  # fmt: skip
+        why = next(m for m in verdict.messages if "no effect" in m)
+        words = f"{c.ANN_PIN_UNTIL}: {why}; a pin only keeps a sandbox longer, so write a later time to pin it"
+        return cond(c.Condition.PINNED, False, Reason.PIN_NO_EFFECT, words)
     return cond(c.Condition.PINNED, False, Reason.UNPINNED, "no pin")
 
 
@@ -520,8 +509,13 @@ class Reconciler:
             self.remember(obj)
             for reason, message, type_ in events:
                 self._post(obj, reason, message, type_)
-            logs.say(log, "status", reason=decision.phase, object=f"{key[0]}/{key[1]}",
-                     deadline=decision.status.get("deadline"))  # fmt: skip
+            logs.say(
+                log,
+                "status",
+                reason=decision.phase,
+                object=f"{key[0]}/{key[1]}",
+                deadline=decision.status.get("deadline"),
+            )
         if decision.wake_at is not None:
             self.wake_at(key, decision.wake_at)
 
@@ -558,8 +552,14 @@ class Reconciler:
             return None
         self.remember(patched)
         self.enqueue(key_of(patched))
-        logs.say(log, "pin_settled", reason=Reason.PINNED, object="/".join(key_of(obj)),
-                 pin_until=changes.get(c.ANN_PIN_UNTIL), pinned_at=changes.get(c.ANN_PINNED_AT))  # fmt: skip
+        logs.say(
+            log,
+            "pin_settled",
+            reason=Reason.PINNED,
+            object="/".join(key_of(obj)),
+            pin_until=changes.get(c.ANN_PIN_UNTIL),
+            pinned_at=changes.get(c.ANN_PINNED_AT),
+        )
         return None
 
     async def _expire(self, key: Key) -> None:
@@ -602,8 +602,13 @@ class Reconciler:
         expired = next(cd for cd in decision.status["conditions"] if cd["type"] == c.Condition.EXPIRED)
         self._post(fresh, Reason.EXPIRED, f"{key[0]}/{key[1]} expired: {expired['message']}", "Normal")
         self._post(fresh, Reason.DELETE_REQUESTED, message, "Normal")
-        logs.say(log, "delete_requested", reason=cause, object=f"{key[0]}/{key[1]}",
-                 deadline=_when(decision.verdict.deadline))  # fmt: skip
+        logs.say(
+            log,
+            "delete_requested",
+            reason=cause,
+            object=f"{key[0]}/{key[1]}",
+            deadline=_when(decision.verdict.deadline),
+        )
 
     async def _release_lost(self, obj: Obj, now: datetime) -> None:
         """A deleting sandbox whose node is gone past the grace: drop the disk finalizer (nobody else can)."""
@@ -643,8 +648,15 @@ class Reconciler:
             return await asyncio.to_thread(self.kube.get_node, node) is not None
         except KubeError as err:
             if err.status in (401, 403):
-                logs.say(log, "node_unreadable", level=logging.WARNING, reason=Reason.NODE_GONE, node=node,
-                         error=err.message[:200], hint="grant get/list/watch on nodes")  # fmt: skip
+                logs.say(
+                    log,
+                    "node_unreadable",
+                    level=logging.WARNING,
+                    reason=Reason.NODE_GONE,
+                    node=node,
+                    error=err.message[:200],
+                    hint="grant get/list/watch on nodes",
+                )
                 return True
             raise
 
@@ -780,13 +792,19 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
     elector.on_change = leadership
     rec.is_leader = lambda: elector.is_leader
     tasks = [asyncio.create_task(rec.worker(), name=f"worker-{i}") for i in range(settings.workers)]
-    server = metrics.serve(
-        metrics_.registry, settings.metrics_port, settings.metrics_host,
-        healthy=lambda: all(not t.done() for t in tasks),
-    )  # fmt: skip
-    logs.say(log, "controller_started", identity=elector.identity, lease=f"{settings.namespace}/{c.CONTROLLER_LEASE}",
-             metrics=f"http://{settings.metrics_host}:{server.server_port}/metrics",
-             watch=",".join(settings.watch_namespaces) or "cluster")  # fmt: skip
+
+    def healthy() -> bool:
+        return all(not t.done() for t in tasks)
+
+    server = metrics.serve(metrics_.registry, settings.metrics_port, settings.metrics_host, healthy=healthy)
+    logs.say(
+        log,
+        "controller_started",
+        identity=elector.identity,
+        lease=f"{settings.namespace}/{c.CONTROLLER_LEASE}",
+        metrics=f"http://{settings.metrics_host}:{server.server_port}/metrics",
+        watch=",".join(settings.watch_namespaces) or "cluster",
+    )
     election = asyncio.create_task(elector.run(), name="leader-election")
     scope: dict[str, Any] = (
         {"namespaces": list(settings.watch_namespaces)} if settings.watch_namespaces else {"clusterwide": True}
@@ -816,8 +834,12 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", help="kubeconfig path (default: in-cluster, else $KUBECONFIG)")
     parser.add_argument("--namespace", help="namespace of the leader Lease (env SANDKEEP_NAMESPACE)")
-    parser.add_argument("--watch-namespace", action="append", dest="watch_namespaces",
-                        help="watch only this namespace (repeatable; default: the whole cluster)")  # fmt: skip
+    parser.add_argument(
+        "--watch-namespace",
+        action="append",
+        dest="watch_namespaces",
+        help="watch only this namespace (repeatable; default: the whole cluster)",
+    )
     parser.add_argument("--metrics-port", type=int, help="port of /metrics and /healthz (0 = any free port)")
     parser.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
     parser.add_argument("--retention", help="cluster default retention window, e.g. 72h")

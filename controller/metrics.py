@@ -74,6 +74,7 @@ class AgentMetrics:
         _standard(self.registry)
         gauge = partial(Gauge, registry=self.registry)
         counter = partial(Counter, registry=self.registry)
+        histogram = partial(Histogram, registry=self.registry, buckets=DURATION_BUCKETS)
         node_, by_phase, by_reason = ["node"], ["node", "phase"], ["node", "reason"]
         self.sandboxes = gauge(c.M_AGENT_SANDBOXES, "Sandboxes on this node's disk by phase.", by_phase)
         self.retained_bytes = gauge(c.M_RETAINED_BYTES, "Bytes retained on this node by phase.", by_phase)
@@ -84,14 +85,8 @@ class AgentMetrics:
         )
         self.deletions = counter(c.M_DELETIONS, "Directories deleted from disk, by reason.", by_reason)
         self.deletion_failures = counter(c.M_DELETION_FAILURES, "Deletion attempts that failed, by reason.", by_reason)
-        self.deletion_duration = Histogram(
-            c.M_DELETION_DURATION, "Seconds to delete one tombstone.", node_, buckets=DURATION_BUCKETS,
-            registry=self.registry,
-        )  # fmt: skip
-        self.scan_duration = Histogram(
-            c.M_SCAN_DURATION, "Seconds for one scan of the root (without sizes).", node_, buckets=DURATION_BUCKETS,
-            registry=self.registry,
-        )  # fmt: skip
+        self.deletion_duration = histogram(c.M_DELETION_DURATION, "Seconds to delete one tombstone.", node_)
+        self.scan_duration = histogram(c.M_SCAN_DURATION, "Seconds for one scan of the root (without sizes).", node_)
         self.in_use_holds = gauge(c.M_IN_USE_HOLDS, "Sandboxes held because something uses them.", node_)
         self.invalid_entries = gauge(c.M_INVALID_ENTRIES, "Root entries that are not valid sandboxes.", by_reason)
         self.root_size = gauge(c.M_ROOT_SIZE, "Size of the filesystem holding the root.", node_)
