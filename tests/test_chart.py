@@ -25,6 +25,7 @@ from controller_harness import wait_for
 from localcluster import LocalCluster, kube_version
 
 from controller import contracts as c
+from controller import logs
 from controller.metrics import series_names
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +45,30 @@ EVERYTHING_ON = [
     "--set=imagePullSecrets[0].name=regcred",
     "--set=controller.priorityClassName=system-cluster-critical",
     "--set=controller.serviceAccount.annotations.example\\.com/role=sandkeep",
+    "--set=logFormat=json",
+    "--set=commonLabels.team=platform",
+    "--set=image.registry=registry.example.com:5000",
+    "--set=image.digest=sha256:" + "ab" * 32,
+    "--set=controller.watchNamespaces={team-a,team-b}",
+    "--set=controller.workers=4",
+    "--set=controller.leaseDuration=30",
+    "--set=controller.extraArgs={--identity=$(POD_NAME)}",
+    "--set=controller.extraEnv[0].name=POD_NAME",
+    "--set=controller.extraEnv[0].valueFrom.fieldRef.fieldPath=metadata.name",
+    "--set=agent.extraArgs={--pressure-high=90}",
+    "--set=agent.extraEnv[0].name=TZ",
+    "--set=agent.extraEnv[0].value=UTC",
+    "--set=controller.topologySpreadConstraints[0].maxSkew=1",
+    "--set=controller.topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone",
+    "--set=controller.topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway",
+    "--set=agent.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0]"
+    ".matchExpressions[0].key=example.com/retains",
+    "--set=agent.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0]"
+    ".matchExpressions[0].operator=Exists",
+    "--set=monitoring.alerts.SandkeepRootNearlyFull.enabled=false",
+    "--set=monitoring.alerts.SandkeepAgentDown.for=10m",
+    "--set=monitoring.alerts.SandkeepAgentDown.severity=page",
+    "--set=monitoring.runbookBaseURL=https://wiki.example.com/sandkeep",
 ]
 REQUIRED_ALERTS = {
     "SandkeepTombstoneStuck",
@@ -86,6 +111,21 @@ def find(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, A
     matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
     assert len(matches) == 1, f"expected one {kind} named *{suffix}, got {[d['metadata']['name'] for d in matches]}"
     return matches[0]
+
+
+def values_docs() -> dict[tuple[str, ...], str]:
+    """The `# --` documentation of each value, as hack/chart_values_table.py reads it."""
+    sys.path.insert(0, str(REPO / "hack"))
+    try:
+        from chart_values_table import documented_keys
+    finally:
+        sys.path.remove(str(REPO / "hack"))
+    return documented_keys((CHART / "values.yaml").read_text())
+
+
+def container_of(doc: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = doc["spec"]["template"]["spec"]["containers"][0]
+    return container
 
 
 def alert_rules() -> list[dict[str, Any]]:
@@ -185,6 +225,109 @@ def test_alert_labels_are_added_to_every_alert(tools: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("switches", "expected"),
+    [
+        ([], {"ServiceMonitor", "PodMonitor", "PrometheusRule"}),
+        (["--set=monitoring.serviceMonitor.enabled=false"], {"PodMonitor", "PrometheusRule"}),
+        (["--set=monitoring.podMonitor.enabled=false"], {"ServiceMonitor", "PrometheusRule"}),
+        (["--set=monitoring.prometheusRule.enabled=false"], {"ServiceMonitor", "PodMonitor"}),
+        (["--set=monitoring.enabled=false"], set()),  # the master switch wins over the three
+    ],
+)
+def test_servicemonitor_podmonitor_and_rules_switch_separately(
+    tools: Path, switches: list[str], expected: set[str]
+) -> None:
+    docs = objects(render(tools, "--set=monitoring.enabled=true", *switches))
+    assert {d["kind"] for d in docs if d["apiVersion"] == "monitoring.coreos.com/v1"} == expected
+
+
+ALERT_OVERRIDES = [
+    "--set=monitoring.enabled=true",
+    "--set=monitoring.alertLabels.team=platform",
+    "--set=monitoring.alerts.SandkeepRootNearlyFull.enabled=false",
+    "--set=monitoring.alerts.SandkeepAgentDown.for=10m",
+    "--set=monitoring.alerts.SandkeepAgentDown.severity=page",
+    "--set=monitoring.alerts.SandkeepAgentDown.labels.team=infra",
+    "--set=monitoring.alerts.SandkeepAgentDown.labels.escalate=oncall",
+    "--set=monitoring.runbookBaseURL=https://wiki.example.com/sandkeep/runbooks",
+]
+
+
+def test_alert_overrides_change_only_what_they_name(tools: Path) -> None:
+    rules = {
+        r["alert"]: r
+        for g in find(objects(render(tools, *ALERT_OVERRIDES)), "PrometheusRule")["spec"]["groups"]
+        for r in g["rules"]
+    }
+    shipped = {r["alert"]: r for r in alert_rules()}
+    assert set(rules) == REQUIRED_ALERTS - {"SandkeepRootNearlyFull"}
+    for name, rule in rules.items():
+        assert rule["expr"] == shipped[name]["expr"], "expressions ship as promtool tested them"
+        anchor = name.lower()
+        assert rule["annotations"]["runbook_url"] == f"https://wiki.example.com/sandkeep/runbooks#{anchor}"
+        assert anchor in github_anchors(RUNBOOKS.read_text())
+        if name != "SandkeepAgentDown":
+            assert rule["for"] == shipped[name]["for"]
+            assert rule["labels"] == {**shipped[name]["labels"], "team": "platform"}
+    down = rules["SandkeepAgentDown"]
+    assert down["for"] == "10m"
+    assert down["labels"] == {"severity": "page", "team": "infra", "escalate": "oncall"}
+
+
+def test_promtool_fires_the_overridden_rules_as_configured(tools: Path, tmp_path: Path) -> None:
+    # The PrometheusRule as rendered, loaded by promtool: SandkeepAgentDown now waits 10 minutes and pages
+    # with its own labels and runbook; SandkeepRootNearlyFull is gone even on a full disk.
+    groups = find(objects(render(tools, *ALERT_OVERRIDES)), "PrometheusRule")["spec"]["groups"]
+    rule_file = tmp_path / "rendered.yaml"
+    rule_file.write_text(yaml.safe_dump({"groups": groups}))
+    checked = subprocess.run(
+        [str(tools / "promtool"), "check", "rules", str(rule_file)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0 and "SUCCESS: 5 rules found" in checked.stdout, checked.stdout + checked.stderr
+    agent = yaml.safe_load((PROMTOOL_TESTS / "agent_down.yaml").read_text())["tests"][0]
+    annotations = next(c for c in agent["alert_rule_test"] if c["exp_alerts"])["exp_alerts"][0]["exp_annotations"]
+    annotations["runbook_url"] = "https://wiki.example.com/sandkeep/runbooks#sandkeepagentdown"
+    spec = {
+        "rule_files": [str(rule_file)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    *agent["input_series"],  # n1 down from 6m
+                    {
+                        "series": 'sandkeep_root_filesystem_size_bytes{job="sandkeep-agent", node="n1"}',
+                        "values": "100x25",
+                    },
+                    {
+                        "series": 'sandkeep_root_filesystem_avail_bytes{job="sandkeep-agent", node="n1"}',
+                        "values": "1x25",
+                    },
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "15m", "alertname": "SandkeepAgentDown", "exp_alerts": []},  # pending 9 of 10 min
+                    {
+                        "eval_time": "16m",
+                        "alertname": "SandkeepAgentDown",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "page", "team": "infra", "escalate": "oncall", "node": "n1"},
+                                "exp_annotations": annotations,
+                            }
+                        ],
+                    },
+                    {"eval_time": "25m", "alertname": "SandkeepRootNearlyFull", "exp_alerts": []},  # 99% full, off
+                ],
+            }
+        ],
+    }
+    test_file = tmp_path / "overrides_test.yaml"
+    test_file.write_text(yaml.safe_dump(spec))
+    result = subprocess.run([str(tools / "promtool"), "test", "rules", str(test_file)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
     ("value", "complaint"),
     [
         ("controller.replicas=two", "/controller/replicas"),
@@ -201,6 +344,29 @@ def test_alert_labels_are_added_to_every_alert(tools: Path) -> None:
         ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
         ("settings.dryRun=maybe", "/settings/dryRun"),
         ("agent.appArmorProfile.type=Localhost", "localhostProfile"),
+        ("logFormat=yaml", "/logFormat"),
+        ("commonLabels.team[0]=a", "/commonLabels/team"),
+        ("image.digest=abc123", "/image/digest"),
+        ("image.registry=https://registry.example.com", "/image/registry"),
+        ("controller.extraArgs=--workers=4", "/controller/extraArgs"),
+        ("agent.extraArgs[0]=pressure-high=90", "/agent/extraArgs/0"),
+        ("controller.extraEnv[0].value=x", "name"),
+        ("agent.extraEnv=TZ", "/agent/extraEnv"),
+        ("controller.affinity.nodeAfinity.x=y", "nodeAfinity"),
+        ("agent.topologySpreadConstraints[0].maxSkew=1", "topologyKey"),
+        ("controller.podSecurityContext.runAsUser=root", "/controller/podSecurityContext/runAsUser"),
+        ("agent.securityContext.capabilities.add=KILL", "/agent/securityContext/capabilities/add"),
+        ("controller.watchNamespaces[0]=Team_A", "/controller/watchNamespaces/0"),
+        ("controller.workers=0", "/controller/workers"),
+        ("controller.leaseDuration=15s", "/controller/leaseDuration"),
+        ("monitoring.serviceMonitor.enabled=yes", "/monitoring/serviceMonitor/enabled"),
+        ("monitoring.podMonitor.enabeld=false", "enabeld"),
+        ("monitoring.prometheusRule.enabled=off", "/monitoring/prometheusRule/enabled"),
+        ("monitoring.runbookBaseURL=docs/runbooks.md", "/monitoring/runbookBaseURL"),
+        ("monitoring.alerts.SandkeepAgentDwn.enabled=false", "SandkeepAgentDwn"),
+        ("monitoring.alerts.SandkeepAgentDown.enabled=no", "/monitoring/alerts/SandkeepAgentDown/enabled"),
+        ("monitoring.alerts.SandkeepAgentDown.for=5 minutes", "/monitoring/alerts/SandkeepAgentDown/for"),
+        ("monitoring.alerts.SandkeepAgentDown.labels.bad-name=x", "bad-name"),
     ],
 )
 def test_a_wrong_value_fails_at_template_time(tools: Path, value: str, complaint: str) -> None:
@@ -254,11 +420,10 @@ def test_agent_drops_every_capability_and_adds_back_only_four_each_justified(too
     root = next(v for v in pod["volumes"] if v["name"] == "root")
     mount = next(m for m in container["volumeMounts"] if m["name"] == "root")
     assert root["hostPath"]["path"] == mount["mountPath"] == "/var/lib/sandkeep"
-    # each added capability carries its own justification right above it in the template
-    template = (CHART / "templates" / "agent-daemonset.yaml").read_text().splitlines()
+    # each added capability is justified in the documentation of agent.securityContext (the values table)
+    doc = values_docs()[("agent", "securityContext")]
     for cap in sc["capabilities"]["add"]:
-        line = next(i for i, text in enumerate(template) if text.strip() == f"- {cap}")
-        assert template[line - 1].strip().startswith("#"), f"capability {cap} has no comment saying why"
+        assert re.search(rf"\b{cap} [a-z]", doc), f"capability {cap} has no sentence saying why"
 
 
 def test_controller_runs_as_non_root_without_capabilities(tools: Path) -> None:
@@ -268,6 +433,97 @@ def test_controller_runs_as_non_root_without_capabilities(tools: Path) -> None:
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert not pod.get("hostPID") and not any("hostPath" in v for v in pod["volumes"])
+
+
+# --- escape hatches --------------------------------------------------------------------------------------
+def test_every_escape_hatch_reaches_the_manifest(tools: Path) -> None:
+    docs = objects(render(tools, *EVERYTHING_ON))
+    deployment, daemonset = find(docs, "Deployment"), find(docs, "DaemonSet")
+    for doc in docs:  # commonLabels on every object, and on the pods
+        assert doc["metadata"]["labels"]["team"] == "platform", doc["metadata"]["name"]
+    for workload in (deployment, daemonset):
+        pod = workload["spec"]["template"]
+        assert pod["metadata"]["labels"]["team"] == "platform"
+        assert pod["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        container = container_of(workload)
+        assert container["image"] == "registry.example.com:5000/ghcr.io/sandkeep/sandkeep@sha256:" + "ab" * 32
+        assert {"name": "SANDKEEP_LOG_FORMAT", "value": "json"} in container["env"]
+
+    controller = container_of(deployment)
+    assert controller["args"][-5:] == [
+        "--watch-namespace=team-a",
+        "--watch-namespace=team-b",
+        "--workers=4",
+        "--lease-duration=30",
+        "--identity=$(POD_NAME)",
+    ]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in controller["env"]
+    spread = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": deployment["spec"]["selector"]["matchLabels"]},
+        }
+    ]
+
+    agent = container_of(daemonset)
+    assert agent["args"][-1] == "--pressure-high=90"
+    assert {"name": "TZ", "value": "UTC"} in agent["env"]
+    terms = daemonset["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+    assert terms["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"] == [
+        {"key": "example.com/retains", "operator": "Exists"}
+    ]
+
+
+def test_defaults_keep_the_image_tag_and_schedule_on_linux_only(tools: Path) -> None:
+    docs = objects(render(tools))
+    for kind in ("Deployment", "DaemonSet"):
+        workload = find(docs, kind)
+        assert (
+            container_of(workload)["image"]
+            == "ghcr.io/sandkeep/sandkeep:" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+        )
+        assert workload["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}
+        assert {"name": "SANDKEEP_LOG_FORMAT", "value": "text"} in container_of(workload)["env"]
+        assert "team" not in workload["metadata"]["labels"]
+    args = container_of(find(docs, "Deployment"))["args"]
+    assert not any(a.startswith(("--workers", "--lease-duration", "--watch-namespace")) for a in args)
+
+
+def test_openshift_restricted_scc_can_drop_the_fixed_user_and_group(tools: Path) -> None:
+    values = [
+        "--set=controller.podSecurityContext.runAsUser=null",
+        "--set=controller.podSecurityContext.runAsGroup=null",
+    ]
+    pod = find(objects(render(tools, *values)), "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # and a container override is taken as written (here a fixed uid some platforms require)
+    values = ["--set=controller.securityContext.runAsUser=1000680000"]
+    container = container_of(find(objects(render(tools, *values)), "Deployment"))
+    assert container["securityContext"]["runAsUser"] == 1000680000
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_controller_affinity_adds_to_the_anti_affinity_or_replaces_it(tools: Path) -> None:
+    node = {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 1, "preference": {"matchExpressions": [{"key": "zone", "operator": "Exists"}]}}
+        ]
+    }
+    given = "--set-json=controller.affinity=" + json.dumps({"nodeAffinity": node})
+    affinity = find(objects(render(tools, given)), "Deployment")["spec"]["template"]["spec"]["affinity"]
+    assert affinity["nodeAffinity"] == node
+    assert set(affinity) == {"nodeAffinity", "podAntiAffinity"}
+    assert "preferredDuringSchedulingIgnoredDuringExecution" in affinity["podAntiAffinity"]
+    own = "--set-json=controller.affinity.podAntiAffinity={}"
+    affinity = find(objects(render(tools, own)), "Deployment")["spec"]["template"]["spec"].get("affinity")
+    assert affinity == {"podAntiAffinity": {}}
+    none = find(objects(render(tools, "--set=controller.antiAffinity=none")), "Deployment")
+    assert "affinity" not in none["spec"]["template"]["spec"]
 
 
 @pytest.mark.parametrize(("kind", "command"), [("Deployment", "controller"), ("DaemonSet", "agent")])
@@ -280,10 +536,21 @@ def test_container_args_are_accepted_by_the_real_command_line(
 
     from controller import cli
 
-    values = ["--set=agent.scanInterval=15s", "--set=agent.stuckAfter=20m", "--set=settings.retention=48h"]
+    values = [
+        "--set=agent.scanInterval=15s",
+        "--set=agent.stuckAfter=20m",
+        "--set=settings.retention=48h",
+        "--set=logFormat=json",
+        "--set=controller.watchNamespaces={team-a,team-b}",
+        "--set=controller.workers=4",
+        "--set=controller.leaseDuration=30",
+        "--set=controller.extraArgs={--identity=sk-0}",
+        "--set=agent.extraArgs={--pressure-high=90}",
+    ]
     container = find(objects(render(tools, *values)), kind)["spec"]["template"]["spec"]["containers"][0]
     args = [a.replace("$(NODE_NAME)", "node-a") for a in container["args"]]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert env["SANDKEEP_LOG_FORMAT"] == "json"
     parsed = cli._parser(command).parse_args(args)
     assert parsed.command == command
     module = importlib.import_module(cli.COMMANDS[command][0])
@@ -295,6 +562,11 @@ def test_container_args_are_accepted_by_the_real_command_line(
     if command == "agent":
         assert settings.node == "node-a" and str(settings.root) == "/var/lib/sandkeep"
         assert settings.scan_interval.total_seconds() == 15 and settings.stuck_after.total_seconds() == 1200
+        assert settings.pressure_high == 90
+    else:
+        assert settings.watch_namespaces == ("team-a", "team-b")
+        assert settings.workers == 4 and settings.lease_duration == 30 and settings.identity == "sk-0"
+    assert env["SANDKEEP_LOG_FORMAT"] in logs.FORMATS  # one logs.setup accepts at start
 
 
 def test_agent_role_cannot_delete_read_secrets_or_grant(tools: Path) -> None:
@@ -426,11 +698,15 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
     """kube-controller-manager turns the chart's Deployment and DaemonSet into Pods, admitted by the real
     Pod Security admission: the agent needs `privileged` (hostPID and hostPath are refused by `baseline`),
     as the READMEs say, and the controller passes `restricted`. The agent goes to every selected node,
-    tainted or not, and to no other."""
+    tainted or not, and to no other: not to an unselected node, nor to a Windows node of the selected pool
+    (the default agent.nodeSelector, kept beside the pool label given here)."""
     wanted = f"jobs-{secrets.token_hex(3)}"
-    nodes = {name: f"{namespace[:40]}-{name}" for name in ("plain", "tainted", "unselected")}
+    nodes = {name: f"{namespace[:40]}-{name}" for name in ("plain", "tainted", "unselected", "windows")}
     for name, node in nodes.items():
-        cluster.create_node(node, ready=True, labels={} if name == "unselected" else {"sandkeep.io/test-pool": wanted})
+        labels = {"kubernetes.io/os": "windows" if name == "windows" else "linux"}  # as the kubelet labels them
+        if name != "unselected":
+            labels["sandkeep.io/test-pool"] = wanted
+        cluster.create_node(node, ready=True, labels=labels)
     taint = {"spec": {"taints": [{"key": "dedicated", "value": "jobs", "effect": "NoSchedule"}]}}
     cluster.kubectl("patch", "node", nodes["tainted"], "--type=merge", "-p", json.dumps(taint))
     levels = {"privileged": namespace, "baseline": f"{namespace[:50]}-base", "restricted": f"{namespace[:50]}-restr"}
@@ -597,7 +873,16 @@ def test_promtool_unit_tests_pass_and_cover_every_alert_firing_and_silent(tools:
 
 def test_promtool_tests_fail_when_a_threshold_moves(tools: Path, tmp_path: Path) -> None:
     # Mutate the rule file (a later `for`, a higher threshold): the unit tests must notice.
-    for old, new in (("> 600", "> 900"), ("for: 15m", "for: 20m"), ("> 0.90", "> 0.99"), ("or vector(0)", "")):
+    mutations = (
+        ("> 300", "> 900"),
+        ("for: 15m", "for: 20m"),
+        ("> 0.90", "> 0.99"),
+        ("vector(0)", "vector(1)"),
+        # `cluster` dropped: one cluster hides another's outage (tests/promtool/cluster_label.yaml)
+        ("sum by (cluster) (sandkeep_controller_leader", "sum(sandkeep_controller_leader"),
+        ("by (cluster, node)", "by (node)"),
+    )
+    for old, new in mutations:
         text = ALERTS.read_text()
         assert old in text
         (tmp_path / "files").mkdir(exist_ok=True)

@@ -24,6 +24,21 @@ app.kubernetes.io/name: {{ include "sandkeep.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of one component's pods: its selector labels, commonLabels, then the component's podLabels.
+Call with (dict "root" $ "component" "agent"). */}}
+{{- define "sandkeep.podLabels" -}}
+{{- include "sandkeep.selectorLabels" . }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- with (index .root.Values .component).podLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Selector labels of one component's pods: call with (dict "root" $ "component" "agent"). */}}
@@ -33,8 +48,32 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* [registry/]repository, then @digest when one is set, else :tag (default: appVersion). */}}
 {{- define "sandkeep.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $repository := .Values.image.repository }}
+{{- with .Values.image.registry }}
+{{- $repository = printf "%s/%s" (trimSuffix "/" .) $repository }}
+{{- end }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" $repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* topologySpreadConstraints of one component, each without a labelSelector given that component's
+selector labels. Call with (dict "root" $ "component" "agent"). */}}
+{{- define "sandkeep.topologySpread" -}}
+{{- $selector := include "sandkeep.selectorLabels" . | fromYaml }}
+{{- $out := list }}
+{{- range (index .root.Values .component).topologySpreadConstraints }}
+{{- $c := deepCopy . }}
+{{- if not (hasKey $c "labelSelector") }}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" $selector) }}
+{{- end }}
+{{- $out = append $out $c }}
+{{- end }}
+{{- toYaml $out }}
 {{- end }}
 
 {{- define "sandkeep.leaseNamespace" -}}
@@ -61,6 +100,8 @@ app.kubernetes.io/component: {{ .component }}
   value: {{ .Values.settings.maxPinCeiling | quote }}
 - name: SANDKEEP_DRY_RUN
   value: {{ .Values.settings.dryRun | quote }}
+- name: SANDKEEP_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
 {{- end }}
 
 {{/* The agents' heartbeat Lease names are this prefix + the node (controller/contracts.py AGENT_LEASE_PREFIX). */}}
