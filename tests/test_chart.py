@@ -77,6 +77,7 @@ REQUIRED_ALERTS = {
     "SandkeepRootNearlyFull",
     "SandkeepControllerDown",
     "SandkeepExpiryLagging",
+    "SandkeepPressureUnrelieved",
 }
 _METRIC = re.compile(r"\bsandkeep_[a-z0-9_]+")
 
@@ -845,6 +846,34 @@ def test_dashboard_shows_what_operators_need() -> None:
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
             assert target["datasource"]["uid"] == "${datasource}"
+
+
+def test_dashboard_has_datasource_cluster_and_job_variables_every_query_honours(tools: Path, tmp_path: Path) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = [v["name"] for v in dashboard["templating"]["list"]]
+    assert variables == ["datasource", "cluster", "job", "node"]
+    for expr in dashboard_exprs():
+        if expr.startswith("label_values(sandkeep_build_info"):  # the cluster and job variables themselves
+            continue
+        for selector in re.findall(r"\bsandkeep_[a-z0-9_]+(\{[^}]*\})?", expr):
+            assert 'cluster=~"$cluster"' in selector and 'job=~"$job"' in selector, expr
+    for grouping in re.findall(r"\bby \(([^)]*)\)", " ".join(dashboard_exprs())):
+        assert grouping.startswith("cluster"), f"by ({grouping}) merges clusters"
+    # every query is valid PromQL once Grafana fills the variables in (promtool parses them as rules)
+    filled = {"$__rate_interval": "5m", "$cluster": ".*", "$job": ".*", "$node": ".*"}
+    rules = []
+    for i, expr in enumerate(dashboard_exprs()):
+        if expr.startswith("label_values("):
+            expr = expr.removeprefix("label_values(").rsplit(",", 1)[0]
+        for name, value in filled.items():
+            expr = expr.replace(name, value)
+        rules.append({"record": f"dashboard:query{i}", "expr": expr})
+    rule_file = tmp_path / "dashboard.yaml"
+    rule_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    checked = subprocess.run(
+        [str(tools / "promtool"), "check", "rules", str(rule_file)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_promtool_checks_the_rule_file(tools: Path) -> None:
