@@ -180,6 +180,7 @@ def test_defaults_render_every_component(tools: Path) -> None:
         "DaemonSet/sk-sandkeep-agent",
         "Deployment/sk-sandkeep-controller",
         "PodDisruptionBudget/sk-sandkeep-controller",
+        "ResourceQuota/sk-sandkeep-critical-pods",
         "Role/sk-sandkeep-agent-leases",
         "Role/sk-sandkeep-controller-leases",
         "RoleBinding/sk-sandkeep-agent-leases",
@@ -284,7 +285,9 @@ def test_promtool_fires_the_overridden_rules_as_configured(tools: Path, tmp_path
     checked = subprocess.run(
         [str(tools / "promtool"), "check", "rules", str(rule_file)], capture_output=True, text=True
     )
-    assert checked.returncode == 0 and "SUCCESS: 5 rules found" in checked.stdout, checked.stdout + checked.stderr
+    assert checked.returncode == 0 and f"SUCCESS: {len(REQUIRED_ALERTS) - 1} rules found" in checked.stdout, (
+        checked.stdout + checked.stderr
+    )
     agent = yaml.safe_load((PROMTOOL_TESTS / "agent_down.yaml").read_text())["tests"][0]
     annotations = next(c for c in agent["alert_rule_test"] if c["exp_alerts"])["exp_alerts"][0]["exp_annotations"]
     annotations["runbook_url"] = "https://wiki.example.com/sandkeep/runbooks#sandkeepagentdown"
@@ -360,6 +363,7 @@ def test_promtool_fires_the_overridden_rules_as_configured(tools: Path, tmp_path
         ("controller.watchNamespaces[0]=Team_A", "/controller/watchNamespaces/0"),
         ("controller.workers=0", "/controller/workers"),
         ("controller.leaseDuration=15s", "/controller/leaseDuration"),
+        ("criticalPriorityQuota.pods=many", "/criticalPriorityQuota/pods"),
         ("monitoring.serviceMonitor.enabled=yes", "/monitoring/serviceMonitor/enabled"),
         ("monitoring.podMonitor.enabeld=false", "enabeld"),
         ("monitoring.prometheusRule.enabled=off", "/monitoring/prometheusRule/enabled"),
@@ -525,6 +529,32 @@ def test_controller_affinity_adds_to_the_anti_affinity_or_replaces_it(tools: Pat
     assert affinity == {"podAntiAffinity": {}}
     none = find(objects(render(tools, "--set=controller.antiAffinity=none")), "Deployment")
     assert "affinity" not in none["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(
+    ("values", "classes"),
+    [
+        ([], ["system-node-critical"]),
+        (
+            ["--set=controller.priorityClassName=system-cluster-critical"],
+            ["system-node-critical", "system-cluster-critical"],
+        ),
+        (["--set=agent.priorityClassName=", "--set=controller.priorityClassName=batch-high"], None),
+        (["--set=criticalPriorityQuota.enabled=false"], None),
+    ],
+)
+def test_critical_priority_quota_covers_exactly_the_critical_classes_in_use(
+    tools: Path, values: list[str], classes: list[str] | None
+) -> None:
+    quotas = [d for d in objects(render(tools, *values)) if d["kind"] == "ResourceQuota"]
+    if classes is None:
+        assert quotas == []
+        return
+    (quota,) = quotas
+    assert quota["spec"]["scopeSelector"]["matchExpressions"] == [
+        {"scopeName": "PriorityClass", "operator": "In", "values": classes}
+    ]
+    assert quota["spec"]["hard"] == {"pods": "10000"}
 
 
 @pytest.mark.parametrize(("kind", "command"), [("Deployment", "controller"), ("DaemonSet", "agent")])
