@@ -372,6 +372,7 @@ def test_promtool_fires_the_overridden_rules_as_configured(tools: Path, tmp_path
         ("monitoring.alerts.SandkeepAgentDown.enabled=no", "/monitoring/alerts/SandkeepAgentDown/enabled"),
         ("monitoring.alerts.SandkeepAgentDown.for=5 minutes", "/monitoring/alerts/SandkeepAgentDown/for"),
         ("monitoring.alerts.SandkeepAgentDown.labels.bad-name=x", "bad-name"),
+        ("monitoring.serviceMonitor=null", "serviceMonitor"),
     ],
 )
 def test_a_wrong_value_fails_at_template_time(tools: Path, value: str, complaint: str) -> None:
@@ -496,6 +497,23 @@ def test_defaults_keep_the_image_tag_and_schedule_on_linux_only(tools: Path) -> 
         assert "team" not in workload["metadata"]["labels"]
     args = container_of(find(docs, "Deployment"))["args"]
     assert not any(a.startswith(("--workers", "--lease-duration", "--watch-namespace")) for a in args)
+
+
+def test_common_and_pod_labels_never_replace_the_charts_own_labels(tools: Path) -> None:
+    values = [
+        "--set=commonLabels.team=common",
+        "--set=commonLabels.app\\.kubernetes\\.io/name=other",
+        "--set=commonLabels.app\\.kubernetes\\.io/component=other",
+        "--set=agent.podLabels.team=agents",
+        "--set=agent.podLabels.app\\.kubernetes\\.io/component=other",
+    ]
+    docs = objects(render(tools, *values))  # a duplicate key would not even parse
+    daemonset = find(docs, "DaemonSet")
+    assert daemonset["metadata"]["labels"]["app.kubernetes.io/component"] == "agent"
+    assert daemonset["metadata"]["labels"]["app.kubernetes.io/name"] == "sandkeep"
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels == {**daemonset["spec"]["selector"]["matchLabels"], "team": "agents"}
+    assert find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]["team"] == "common"
 
 
 def test_openshift_restricted_scc_can_drop_the_fixed_user_and_group(tools: Path) -> None:

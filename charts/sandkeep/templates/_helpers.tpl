@@ -24,21 +24,18 @@ app.kubernetes.io/name: {{ include "sandkeep.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
-{{- with .Values.commonLabels }}
+{{- /* commonLabels never replace the chart's own labels, nor the component label templates add. */}}
+{{- with omit (.Values.commonLabels | default dict) "helm.sh/chart" "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/version" "app.kubernetes.io/managed-by" "app.kubernetes.io/component" }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
 
-{{/* Labels of one component's pods: its selector labels, commonLabels, then the component's podLabels.
-Call with (dict "root" $ "component" "agent"). */}}
+{{/* Labels of one component's pods: its podLabels over commonLabels, and its selector labels over both
+(a value can never move a pod out of its own selector). Call with (dict "root" $ "component" "agent"). */}}
 {{- define "sandkeep.podLabels" -}}
-{{- include "sandkeep.selectorLabels" . }}
-{{- with .root.Values.commonLabels }}
-{{ toYaml . }}
-{{- end }}
-{{- with (index .root.Values .component).podLabels }}
-{{ toYaml . }}
-{{- end }}
+{{- $selector := include "sandkeep.selectorLabels" . | fromYaml }}
+{{- $own := (index .root.Values .component).podLabels | default dict }}
+{{- toYaml (merge (dict) $selector $own (.root.Values.commonLabels | default dict)) }}
 {{- end }}
 
 {{/* Selector labels of one component's pods: call with (dict "root" $ "component" "agent"). */}}
