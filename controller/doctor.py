@@ -3,7 +3,8 @@
 Everything comes from what the components already publish: sandbox status and conditions (stuck
 tombstones, holds), pin annotations, and the agents' heartbeat Leases (staleness, and the stuck
 tombstones that have no object, which the agent lists in the Lease's `sandkeep.io/orphan-tombstones`
-annotation). Doctor never touches a disk and never changes an object.
+annotation, and a disk above its high watermark with only pinned or held sandboxes left, in
+`sandkeep.io/pressure`). Doctor never touches a disk and never changes an object.
 
 The install's namespace is found, not assumed: sandkeep's Leases (the agents' heartbeats, labelled
 `app.kubernetes.io/managed-by=sandkeep`, and the controller's `sandkeep-controller`) are looked up
@@ -24,6 +25,7 @@ from controller import contracts as c
 from controller import kube, leases
 from controller.durations import Invalid, format_duration, instant_or_none, parse_duration
 from controller.kube import Kube, Obj
+from controller.sizes import human_size
 from controller.store import parse_tombstone
 
 ORPHANS_ANNOTATION = c.ANN_ORPHAN_TOMBSTONES
@@ -38,11 +40,12 @@ class Report:
     lapsing: list[list[str]] = field(default_factory=list)
     stale: list[list[str]] = field(default_factory=list)
     orphans: list[list[str]] = field(default_factory=list)
+    pressure: list[list[str]] = field(default_factory=list)  # unrelieved disk pressure: the largest kept
     notes: list[str] = field(default_factory=list)
 
     @property
     def needs_a_person(self) -> bool:
-        return bool(self.stuck or self.held or self.stale or self.orphans)
+        return bool(self.stuck or self.held or self.stale or self.orphans or self.pressure)
 
 
 def _age(since: datetime | None, now: datetime) -> str:
@@ -113,6 +116,7 @@ def build_report(sandboxes: list[Obj], heartbeats: dict[str, leases.LeaseState],
         if state is not None:
             for item in _orphans(state):
                 report.orphans.append([node, item.get("name", "?"), str(item.get("errno", "?")), str(item.get("path"))])
+            report.pressure.extend(_pressure_rows(node, state))
     return report
 
 
@@ -123,6 +127,27 @@ def _orphans(state: leases.LeaseState) -> list[dict[str, Any]]:
     except ValueError:
         return []
     return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
+
+def _pressure_rows(node: str, state: leases.LeaseState) -> list[list[str]]:
+    """The agent's `sandkeep.io/pressure` report: over its high watermark with only pinned/held ones left."""
+    text = (state.raw.get("metadata", {}).get("annotations") or {}).get(c.ANN_PRESSURE)
+    try:
+        found = json.loads(text) if text else {}
+    except ValueError:
+        return []
+    if not isinstance(found, dict) or not found:
+        return []
+    usage = f"{found.get('usedPercent', '?')}% (high {found.get('high', '?')}%)"
+    rows = []
+    for item in found.get("blocked") or [{}]:  # over high with nothing kept to name: still a row
+        item = item if isinstance(item, dict) else {}
+        why = str(item.get("why", "-"))
+        if item.get("holders"):
+            why += ": " + "; ".join(str(h) for h in item["holders"])[:200]
+        size = human_size(item["bytes"]) if isinstance(item.get("bytes"), int) else "-"
+        rows.append([node, usage, str(item.get("sandbox", "-")), size, why])
+    return rows
 
 
 def _table(title: str, header: list[str], rows: list[list[str]], empty: str) -> str:
@@ -140,6 +165,12 @@ def render(report: Report) -> str:
         _table("Stuck tombstones", ["SANDBOX", "NODE", "AGE", "ERRNO", "PATH"], report.stuck, "none"),
         _table("Held sandboxes", ["SANDBOX", "NODE", "STATE", "WHY"], report.held, "none"),
         _table("Orphan tombstones (no object)", ["NODE", "TOMBSTONE", "ERRNO", "PATH"], report.orphans, "none"),
+        _table(
+            "Disk pressure not relieved (the largest pinned and held sandboxes)",
+            ["NODE", "USED", "SANDBOX", "SIZE", "KEPT BECAUSE"],
+            report.pressure,
+            "none",
+        ),
         _table("Agents not reporting", ["NODE", "LAST HEARTBEAT", "NOTE"], report.stale, "none"),
         _table("Pins lapsing within a day", ["SANDBOX", "NODE", "PINNED UNTIL", "LEFT"], report.lapsing, "none"),
     ]

@@ -121,6 +121,13 @@ def test_a_full_node_with_only_pinned_and_held_sandboxes_says_so(cluster, namesp
     assert any(f"pid {holder.pid} (sleep) cwd" in h for h in report["blocked"][1]["holders"])
     assert report["usedPercent"] > 80 and report["high"] == 80
     wait_for(lambda: f'{c.M_PRESSURE_UNRELIEVED}{{node="{node.name}"}} 1.0' in agent.metrics(), 30, "the gauge")
+    cli = [sys.executable, "-m", "controller.cli", "doctor", "--namespace", namespace]
+    cli += ["--kubeconfig", str(cluster.kubeconfig), "--sandbox-namespace", namespace]
+    doctor = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr  # something needs a person
+    shown = doctor.stdout.split("Disk pressure not relieved", 1)[1].split("\n\n", 1)[0]
+    assert f"{namespace}/big-pinned" in shown and "pinned" in shown and "30.0M" in shown, doctor.stdout
+    assert f"{namespace}/held" in shown and f"pid {holder.pid} (sleep) cwd" in shown, doctor.stdout
     assert get(cluster, namespace, "big-pinned") is not None and get(cluster, namespace, "held") is not None
 
     holder.kill()  # the holder leaves: the held one is released, and the report goes
