@@ -7,20 +7,23 @@ DELETE, and the deletion that follows is the ordinary one behind the finalizer.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import test_agent
-from test_agent import REPO, Node, adopted, get, wait_for
+from test_agent import IGNORE, REPO, Node, adopted, get, wait_for
 
+from controller import agent as agent_mod
 from controller import contracts as c
+from controller import kube, metrics
 from controller.pressure import Disk, percent
 
 MiB = 1 << 20
@@ -151,3 +154,64 @@ def test_the_agent_refuses_bad_watermarks_at_start(tmp_path: Path, flags: list[s
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "invalid settings" in done.stderr and words in done.stderr
+
+
+class LandsDuringThePass(kube.Kube):
+    """The real client; right after its fresh read of a sandbox, `land()` runs (a pin, a holder arriving)."""
+
+    def __init__(self, cluster: Any, land: Callable[[], None]) -> None:
+        super().__init__(kube.load_config(cluster.kubeconfig), component="sandkeep-agent")
+        self.land = land
+
+    def get_sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
+        fresh = super().get_sandbox(namespace, name)
+        self.land()
+        return fresh
+
+
+def release_once(cluster: Any, namespace: str, node: Node, name: str, land: Callable[[], None]) -> bool:
+    """One release of `name` by an in-process agent whose fresh read is followed at once by `land()`."""
+    settings = agent_mod.AgentSettings(node=node.name, root=node.root.path, namespace=namespace, ignore_pids=IGNORE)
+    client = LandsDuringThePass(cluster, land)
+    agent = agent_mod.Agent(settings, client, node.root, metrics.AgentMetrics(node.name))
+    cached = get(cluster, namespace, name)
+    assert cached is not None
+    agent.state.objects[(namespace, name)] = cached
+    try:
+        return asyncio.run(agent.relief.release((namespace, name), "node usage"))
+    finally:
+        client.close()
+
+
+def test_a_pin_landing_after_the_fresh_read_wins(cluster, namespace, crd, tmp_path, agents):
+    node = Node(cluster, tmp_path, "race")
+    retain(node, namespace, "late-pin", 3, 1)
+    first = agents(node, extra=PRESSURE_OFF)
+    adopted(cluster, namespace, "late-pin")
+    first.stop()
+
+    assert not release_once(cluster, namespace, node, "late-pin", lambda: pin(cluster, namespace, "late-pin"))
+    obj = get(cluster, namespace, "late-pin")  # the DELETE's resourceVersion precondition failed: a 409
+    assert obj is not None and "deletionTimestamp" not in obj["metadata"]
+    assert obj["metadata"]["annotations"][c.ANN_PIN_UNTIL] == "2099-01-01T00:00:00Z"
+
+
+def test_a_holder_arriving_after_the_fresh_read_wins(cluster, namespace, crd, tmp_path, agents, procs):
+    node = Node(cluster, tmp_path, "race")
+    path = retain(node, namespace, "late-holder", 3, 1)
+    first = agents(node, extra=PRESSURE_OFF)
+    adopted(cluster, namespace, "late-holder")
+    first.stop()
+
+    def arrive() -> None:
+        procs.append(subprocess.Popen(["sleep", "300"], cwd=path / "workspace"))
+
+    assert not release_once(cluster, namespace, node, "late-holder", arrive)
+    obj = get(cluster, namespace, "late-holder")
+    assert obj is not None and "deletionTimestamp" not in obj["metadata"]
+    assert release_once(cluster, namespace, node, "late-holder", lambda: None) is False  # still held
+    procs[0].kill()
+    procs[0].wait()
+    assert release_once(cluster, namespace, node, "late-holder", lambda: None)  # the holder gone: released
+    deleting = get(cluster, namespace, "late-holder")
+    assert deleting is None or "deletionTimestamp" in deleting["metadata"]
