@@ -109,6 +109,10 @@ class AgentProcess:
             "--stuck-after": "2s",
             "--orphan-timeout": "2s",
             "--lock-wait": "0",
+            # Releasing for space off unless a test turns it on: these roots share the host's disk, and a
+            # host above 85% used must not make the agent release the sandboxes a test is about.
+            "--pressure-high": "100",
+            "--pressure-low": "99",
         }
         args = [sys.executable, "-m", "controller.cli", "agent", *(part for kv in flags.items() for part in kv)]
         for pid in IGNORE:
@@ -511,6 +515,8 @@ class InProcessAgent:
             stuck_after="2s",
             orphan_timeout="1s",
             ignore_pids=IGNORE,
+            pressure_high=100,
+            pressure_low=99,
         )
         client = kube.Kube(kube.load_config(cluster.kubeconfig), component="sandkeep-agent")
         self.agent = agent_mod.Agent(settings, client, node.root, metrics.AgentMetrics(node.name), kill=kill)
