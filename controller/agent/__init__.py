@@ -9,6 +9,7 @@ Its parts, each named for its job (the data flow is drawn in docs/architecture.m
     decide.py     pure: what an object needs next (`next_step`), what a tombstone is for (`fate`)
     adoption.py   a retained directory without an object gets one
     report.py     status, conditions, Events, metrics, log lines; one pipeline outcome at a time
+    relief.py     releasing for space: above the high watermark, the oldest releasable sandboxes' guarded DELETE
     sizer.py      sandbox sizes, measured off the loop
     state.py      the cache and what was last seen
     settings.py   AgentSettings and the few fixed numbers
