@@ -7,7 +7,8 @@ the node, and its object DELETEd with uid and resourceVersion preconditions, thr
 `Kube.delete_sandbox` the controller's expiry uses; a pin or any change landing after the fresh read
 is a 409 and the sandbox stays. From there it is an ordinary deletion (the finalizer, the pipeline),
 counted in `sandkeep_deletions_total{reason="DiskPressure"}`. Why the agent asks and not the
-controller: docs/architecture.md, "Releasing for space".
+controller: docs/architecture.md, "Releasing for space". With the cluster's dry-run on (`settings.dryRun`,
+`SANDKEEP_DRY_RUN`) the DELETE goes with `dryRun=All` and a `WouldDelete` Event says what would go.
 
 When the disk stays above high with only pinned or held sandboxes left, the agent says so: the
 `sandkeep_pressure_unrelieved` gauge, a rate-limited log line, and a report on its heartbeat Lease
@@ -118,8 +119,19 @@ class Relief:
         plan = choose(disk, marks, self.candidates(datetime.now(UTC)))
         words = usage_words(node, self.root.path, disk, marks)
         for key in plan.release:
-            if not await self.release(key, words):
-                break  # the picture changed: the next pass chooses again from a fresh one
+            try:
+                asked = await self.release(key, words)
+            except (KubeError, OSError) as err:  # said, and tried again next pass; the pass itself goes on
+                self.report.say_limited(
+                    "pressure-failed",
+                    "release_failed",
+                    reason=Reason.DISK_PRESSURE,
+                    object="/".join(key),
+                    error=repr(err)[:300],
+                )
+                asked = False
+            if not asked:
+                break  # the picture changed (or the API did not answer): the next pass chooses again
         unrelieved = plan.over and not plan.relieved
         self.m.pressure_unrelieved.labels(node).set(1 if unrelieved else 0)
         if not unrelieved:
@@ -153,6 +165,8 @@ class Relief:
         if usage.holds:
             logs.say(log, "release_skipped", reason=usage.reason, object="/".join(key), why="in use")
             return False
+        if self.s.dry_run:
+            return await self._would_release(fresh, key)
         try:
             answer = await asyncio.to_thread(self.kube.delete_sandbox, fresh)
         except KubeError as err:
@@ -172,4 +186,26 @@ class Relief:
         self.m.pressure_releases.labels(self.s.node).inc()
         await self.report.event(fresh, Reason.DISK_PRESSURE, message, "Warning")
         logs.say(log, "released", reason=Reason.DISK_PRESSURE, object="/".join(key), bytes=size, usage=words)
+        return True
+
+    async def _would_release(self, fresh: Obj, key: Key) -> bool:
+        """Dry-run: the same DELETE, checked by the API server (`dryRun=All`) and not done; said once."""
+        try:
+            await asyncio.to_thread(self.kube.delete_sandbox, fresh, dry_run=True)
+        except KubeError as err:
+            if err.conflict or err.not_found:
+                return False
+            raise
+        message = (
+            f"{key[0]}/{key[1]} would be released for disk pressure: node {self.s.node}'s root is above its high "
+            f"watermark ({self.s.pressure_high:g}%); dry-run is on, nothing is deleted"
+        )
+        await self.report.event(fresh, Reason.WOULD_DELETE, message, "Normal")
+        self.report.say_limited(
+            f"would-release:{fresh['metadata']['uid']}",
+            "would_release",
+            level=logging.INFO,
+            reason=Reason.DISK_PRESSURE,
+            object="/".join(key),
+        )
         return True
