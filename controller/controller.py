@@ -54,6 +54,7 @@ from controller.kube import (
 )
 from controller.leases import LeaderElector
 from controller.policy import Policy, Verdict, deadline, effective_policy, phase_of
+from controller.policyset import in_force, write_statuses
 from controller.workqueue import WorkQueue
 
 log = logging.getLogger("sandkeep.controller")
@@ -289,6 +290,13 @@ def _rv(obj: Obj) -> int:
         return -1
 
 
+def _same_spec(known: Obj, new: Obj) -> bool:
+    """The same object at the same generation: only its status or metadata changed, never its spec."""
+    a, b = known.get("metadata", {}), new.get("metadata", {})
+    generation = a.get("generation")
+    return a.get("uid") == b.get("uid") and generation is not None and generation == b.get("generation")
+
+
 _DROPPED_META = frozenset({"managedFields", "labels", "creationTimestamp"})
 
 
@@ -361,10 +369,13 @@ class Reconciler:
     def on_policy(self, event_type: str | None, obj: Obj) -> None:
         namespace, name = key_of(obj)
         policies = self.view.policies.setdefault(namespace, {})
+        known = policies.get(name)
         if event_type == "DELETED":
             policies.pop(name, None)
         else:
             policies[name] = obj
+            if known is not None and _same_spec(known, obj):
+                return  # its status (ours) or metadata changed: no sandbox's decision can
         for key in list(self.view.sandboxes):
             if key[0] == namespace:
                 self.schedule(key)
@@ -460,6 +471,28 @@ class Reconciler:
             retry_in=f"{delay:.1f}s",
         )
 
+    # --- the SandboxPolicies' status (the leader's) -------------------------------------------------------
+    async def write_policy_statuses(self, namespace: str) -> None:
+        """As leader: each SandboxPolicy of `namespace` says whether it applies (Active) or is Superseded.
+
+        Only a change is written (policyset.write_statuses). A refusal is logged, never raised: the next
+        event of a policy of the namespace, or the next leadership, writes again.
+        """
+        if not self.is_leader():
+            return
+        policies = dict(self.view.policies.get(namespace) or {})
+        try:
+            written = await asyncio.to_thread(write_statuses, self.kube, namespace, policies)
+        except KubeError as err:
+            logs.say(log, "policy_status_failed", level=logging.WARNING, namespace=namespace, error=str(err)[:300])
+            return
+        if written:
+            logs.say(log, "policy_status", namespace=namespace, written=",".join(written), applies=in_force(policies))
+
+    async def write_all_policy_statuses(self) -> None:
+        for namespace in list(self.view.policies):
+            await self.write_policy_statuses(namespace)
+
     # --- one reconcile pass --------------------------------------------------------------------------------
     def context(self, obj: Obj, now: datetime) -> Context:
         """The namespace's effective policy (under the ceiling) and when the object's node went away."""
@@ -467,8 +500,8 @@ class Reconciler:
         chosen = None
         problems: list[str] = []
         policies = self.view.policies.get(namespace) or {}
-        if policies:
-            name = min(policies)  # several policies in one namespace: the first by name, deterministically
+        name = in_force(policies)  # several policies in one namespace: the oldest applies (policyset)
+        if name is not None:
             chosen, problems = namespace_policy(policies[name], self.default_policy)
             problems = [f"SandboxPolicy {namespace}/{name}: {p}; the default applies" for p in problems]
         policy, reasons = effective_policy(self.default_policy, self.ceiling, chosen)
@@ -748,7 +781,8 @@ def operator_settings() -> kopf.OperatorSettings:
 
 
 def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
-    """Low-level watch handlers only: they feed the view and never write to the watched objects.
+    """Low-level watch handlers only: they feed the view, and never write to the watched objects but for
+    the leader's SandboxPolicy status (which policy of a namespace applies).
 
     They are coroutines so that kopf runs them on the loop (a plain function runs in a thread), where the
     work queue lives: the queue is for one loop and is not thread-safe.
@@ -765,7 +799,9 @@ def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
 
     @kopf.on.event(c.GROUP, c.VERSION, c.POLICY_PLURAL, registry=registry)
     async def policy_event(event: kopf.RawEvent, **_: Any) -> None:
-        rec.on_policy(event.get("type"), dict(event["object"]))
+        policy: Obj = dict(event["object"])
+        rec.on_policy(event.get("type"), policy)
+        await rec.write_policy_statuses(key_of(policy)[0])
 
     @kopf.on.event("v1", "nodes", registry=registry)
     async def node_event(event: kopf.RawEvent, **_: Any) -> None:
@@ -784,10 +820,15 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
     rec = Reconciler(kube, settings, metrics_)
     elector = LeaderElector(kube, settings.namespace, c.CONTROLLER_LEASE, settings.identity, settings.lease_duration)
 
+    statuses: set[asyncio.Task[None]] = set()
+
     async def leadership(leading: bool) -> None:
         metrics_.leader.set(1 if leading else 0)
         if leading:
             rec.enqueue_all()
+            # Off the election's loop: renewing the Lease never waits on these writes.
+            statuses.add(task := asyncio.create_task(rec.write_all_policy_statuses(), name="policy-statuses"))
+            task.add_done_callback(statuses.discard)
 
     elector.on_change = leadership
     rec.is_leader = lambda: elector.is_leader

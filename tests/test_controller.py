@@ -31,8 +31,8 @@ from localcluster import LocalCluster, settled_writes, writes_by_resource
 
 from controller import contracts as c
 from controller.controller import Context, add_arguments, decide, settings_from, status_changed
-from controller.durations import format_instant, parse_instant
-from controller.kube import Kube, KubeError
+from controller.durations import format_instant, instant_or_none, parse_instant
+from controller.kube import Kube, KubeError, policy_path
 from controller.policy import Policy, deadline, phase_of
 
 HOUR = timedelta(hours=1)
@@ -59,6 +59,11 @@ def start(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Any
 
 def get(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
     return kube.get_sandbox(namespace, name)
+
+
+def get_policy(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
+    policy: dict[str, Any] = kube.request("GET", policy_path(namespace, name))
+    return policy
 
 
 def status_of(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
@@ -253,8 +258,11 @@ def test_an_invalid_pin_gives_a_condition_and_an_event_and_no_pin(
         assert status_of(kube, namespace, name)["phase"] == c.Phase.RETAINED
         assert "pinnedUntil" not in status_of(kube, namespace, name)
         wait_for("an InvalidPin event", lambda n=name: c.Reason.INVALID_PIN in reasons_for(kube, namespace, n))
-        warning = [e for e in kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
-                   if e["reason"] == c.Reason.INVALID_PIN and e["involvedObject"]["name"] == name]  # fmt: skip
+        warning = [
+            e
+            for e in kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+            if e["reason"] == c.Reason.INVALID_PIN and e["involvedObject"]["name"] == name
+        ]
         assert warning[0]["type"] == "Warning"
 
 
@@ -301,8 +309,12 @@ def test_a_shortened_policy_applies_to_existing_sandboxes(
     start("--retention=1h")
     kube.create_sandbox(namespace, sandbox("old", created=-timedelta(seconds=20)))
     first = wait_for("status", lambda: status_of(kube, namespace, "old").get("deadline"))
-    policy = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND,
-              "metadata": {"name": "short", "namespace": namespace}, "spec": {"retention": "25s"}}  # fmt: skip
+    policy = {
+        "apiVersion": c.API_VERSION,
+        "kind": c.POLICY_KIND,
+        "metadata": {"name": "short", "namespace": namespace},
+        "spec": {"retention": "25s"},
+    }
     cluster.apply(policy)
     moved = wait_for(
         "the new deadline", lambda: (d := status_of(kube, namespace, "old").get("deadline")) != first and d
@@ -310,6 +322,45 @@ def test_a_shortened_policy_applies_to_existing_sandboxes(
     created = parse_instant(get(kube, namespace, "old")["spec"]["createdAt"])  # type: ignore[index]
     assert moved == format_instant(created + timedelta(seconds=25))  # type: ignore[operator]
     wait_for("the sandbox to be deleted under the new window", lambda: gone(kube, namespace, "old"), timeout=20)
+
+
+def test_a_second_policy_is_superseded_and_the_oldest_applies(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    """Two SandboxPolicies in one namespace: the older applies (not the first by name), the newer is marked
+    Active=False Superseded by the controller, and deleting the older hands the namespace to the other."""
+
+    def policy(name: str, retention: str) -> dict[str, Any]:
+        meta = {"name": name, "namespace": namespace}
+        return {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": meta, "spec": {"retention": retention}}
+
+    def active(name: str) -> dict[str, Any] | None:
+        return condition(get_policy(kube, namespace, name), c.PolicyCondition.ACTIVE)
+
+    def deadline_is(retention: timedelta) -> bool:
+        obj = get(kube, namespace, "run") or {}
+        created = instant_or_none(obj.get("spec", {}).get("createdAt"))
+        return created is not None and (obj.get("status") or {}).get("deadline") == format_instant(created + retention)
+
+    start("--retention=1h")
+    cluster.apply(policy("zz-older", "2h"))
+    older = wait_for("the only policy to be Active", lambda: active("zz-older"))
+    assert older["status"] == "True" and older["reason"] == c.Reason.IN_FORCE, older
+    time.sleep(1.1)  # creationTimestamp counts seconds: the second policy is younger, not tied
+    cluster.apply(policy("aa-newer", "3h"))  # first by name, so only its age keeps it from applying
+    newer = wait_for(
+        "the newer policy to be marked", lambda: (cd := active("aa-newer")) and cd["status"] == "False" and cd
+    )
+    assert newer["reason"] == c.Reason.SUPERSEDED and f"{namespace}/zz-older applies instead" in newer["message"]
+    wait_for(
+        "the older to name the superseded one", lambda: "aa-newer" in (active("zz-older") or {}).get("message", "")
+    )
+    assert active("zz-older")["status"] == "True"  # type: ignore[index]
+    kube.create_sandbox(namespace, sandbox("run"))
+    wait_for("the older policy's window on the sandbox", lambda: deadline_is(timedelta(hours=2)))
+    cluster.kubectl("delete", "sbp", "zz-older", "-n", namespace)
+    wait_for("the newer policy to apply", lambda: (cd := active("aa-newer")) and cd["status"] == "True")
+    wait_for("its window on the sandbox", lambda: deadline_is(timedelta(hours=3)))
 
 
 @pytest.mark.parametrize("where", ["flag", "namespace-policy"])
@@ -320,8 +371,12 @@ def test_dry_run_deletes_nothing_and_posts_would_delete(
         start("--retention=2s", "--dry-run")
     else:
         spec = {"retention": "2s", "dryRun": True}
-        policy = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND,
-                  "metadata": {"name": "dry", "namespace": namespace}, "spec": spec}  # fmt: skip
+        policy = {
+            "apiVersion": c.API_VERSION,
+            "kind": c.POLICY_KIND,
+            "metadata": {"name": "dry", "namespace": namespace},
+            "spec": spec,
+        }
         cluster.apply(policy)
         start("--retention=1h")
     kube.create_sandbox(namespace, sandbox("kept"))
@@ -406,8 +461,11 @@ def test_randomized_pins_racing_expiring_deletes_never_lose_a_pinned_sandbox(
     lost_pins = [n for n in pinned if n not in survivors]
     assert lost_pins == [], f"pinned sandboxes deleted: {lost_pins}"
     assert pinned and late, f"the race did not happen both ways (pinned {len(pinned)}, late {len(late)}, began {began})"
-    wait_for("every pinned survivor to show Pinned", lambda: all(
-        status_of(kube, namespace, n).get("phase") == c.Phase.PINNED for n in pinned), timeout=20)  # fmt: skip
+    wait_for(
+        "every pinned survivor to show Pinned",
+        lambda: all(status_of(kube, namespace, n).get("phase") == c.Phase.PINNED for n in pinned),
+        timeout=20,
+    )
 
 
 def _path(namespace: str, name: str) -> str:
@@ -441,8 +499,17 @@ def test_steady_state_makes_no_writes(kube: Kube, cluster: LocalCluster, namespa
     for name in names:
         kube.create_sandbox(namespace, sandbox(name))
     cluster.kubectl("annotate", c.SANDBOX_SHORT, "quiet-0", "-n", namespace, f"{c.ANN_PIN_FOR}=2h")
+    for policy in ("one", "two"):  # two: one Active, one Superseded, and neither status written again
+        meta = {"name": policy, "namespace": namespace}
+        cluster.apply(
+            {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": meta, "spec": {"retention": "1h"}}
+        )
     wait_for("every status", lambda: all(status_of(kube, namespace, n).get("phase") for n in names))
     wait_for("the pin", lambda: status_of(kube, namespace, "quiet-0").get("phase") == c.Phase.PINNED)
+    wait_for(
+        "both policies' status",
+        lambda: all(condition(get_policy(kube, namespace, p), c.PolicyCondition.ACTIVE) for p in ("one", "two")),
+    )
     before = settled_writes(cluster.metrics_text, WRITTEN)  # in-flight Events (posted from their own pool) land first
     assert before is not None, "the write counters never settled for 1s within 30s"
     time.sleep(6)

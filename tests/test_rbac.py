@@ -6,8 +6,8 @@ the test's namespace; they are applied to the local control plane; a real `sandk
 real `sandkeep agent` run with kubeconfigs holding their ServiceAccounts' tokens. The scenario: the agent
 adopts directories (with its finalizer) and renews its heartbeat; the controller takes its leader Lease,
 writes status, converts a `pin-for`, deletes an expired sandbox (the agent then removes it from disk and
-drops its finalizer) and releases a sandbox of a vanished node. The rule-removal tests take one verb of
-one rule away at a time and show the scenario then hits a refusal.
+drops its finalizer), releases a sandbox of a vanished node and marks a SandboxPolicy Active. The
+rule-removal tests take one verb of one rule away at a time and show the scenario then hits a refusal.
 """
 
 from __future__ import annotations
@@ -42,8 +42,12 @@ from controller.store import Root
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "sandkeep"
 RBAC_TEMPLATES = (
-    "serviceaccounts.yaml", "rbac-controller.yaml", "rbac-agent.yaml", "rbac-aggregate.yaml", "agent-node-scope.yaml",
-)  # fmt: skip
+    "serviceaccounts.yaml",
+    "rbac-controller.yaml",
+    "rbac-agent.yaml",
+    "rbac-aggregate.yaml",
+    "agent-node-scope.yaml",
+)
 CLUSTER_SCOPED = ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 STEP_TIMEOUT = 30.0
 # A request refused by authorization, as the components log it (KubeError text, kopf's messages). A refusal
@@ -134,18 +138,18 @@ class Install:
         """A kubeconfig with the token a real agent pod on `node` gets: bound to a Pod of the DaemonSet's
         ServiceAccount scheduled there, so the API server records the node in it (no kubelet runs the Pod)."""
         pod = {
-            "apiVersion": "v1", "kind": "Pod",
+            "apiVersion": "v1",
+            "kind": "Pod",
             "metadata": {"name": f"agent-{node}", "namespace": self.namespace},
             "spec": {
-                "nodeName": node, "serviceAccountName": self.sa("agent"),
+                "nodeName": node,
+                "serviceAccountName": self.sa("agent"),
                 "containers": [{"name": "agent", "image": "sandkeep:test"}],
             },
-        }  # fmt: skip
+        }
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-        token = self.cluster.kubectl(
-            "create", "token", self.sa("agent"), "-n", self.namespace, "--bound-object-kind=Pod",
-            f"--bound-object-name=agent-{node}", "--duration=1h",
-        ).stdout.strip()  # fmt: skip
+        bound = ("--bound-object-kind=Pod", f"--bound-object-name=agent-{node}", "--duration=1h")
+        token = self.cluster.kubectl("create", "token", self.sa("agent"), "-n", self.namespace, *bound).stdout.strip()
         return self.cluster.kubeconfig_for_token(token, self.dir / f"agent-{node}.kubeconfig")
 
 
@@ -176,9 +180,12 @@ class Process:
         self.log_path = log_path
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", *args], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "controller.cli", *args],
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -252,21 +259,36 @@ class Scenario:
             (src / "out").mkdir(parents=True)
             (src / "out" / "result.txt").write_text(f"the results of {name}\n")
             root.retain(
-                src, self.ns, name, job_id=f"job-{name}", created_at=datetime.now(UTC) + created,
-                retention=timedelta(hours=1), node=self.node,
-            )  # fmt: skip
+                src,
+                self.ns,
+                name,
+                job_id=f"job-{name}",
+                created_at=datetime.now(UTC) + created,
+                retention=timedelta(hours=1),
+                node=self.node,
+            )
         return root
 
     def start(self) -> None:
         agent_args = [
-            "agent", f"--node={self.node}", f"--root={self.tmp / 'root'}", f"--namespace={self.ns}",
-            f"--kubeconfig={self.inst.agent_kubeconfig(self.node)}", "--metrics-port=0", "--scan-interval=1s",
-            "--orphan-timeout=2s", *(f"--ignore-pid={pid}" for pid in uninspectable_pids()),
-        ]  # fmt: skip
+            "agent",
+            f"--node={self.node}",
+            f"--root={self.tmp / 'root'}",
+            f"--namespace={self.ns}",
+            f"--kubeconfig={self.inst.agent_kubeconfig(self.node)}",
+            "--metrics-port=0",
+            "--scan-interval=1s",
+            "--orphan-timeout=2s",
+            *(f"--ignore-pid={pid}" for pid in uninspectable_pids()),
+        ]
         controller_args = [
-            "controller", f"--namespace={self.ns}", f"--kubeconfig={self.inst.kubeconfig('controller')}",
-            "--metrics-port=0", "--node-grace=1s", "--lease-duration=5",
-        ]  # fmt: skip
+            "controller",
+            f"--namespace={self.ns}",
+            f"--kubeconfig={self.inst.kubeconfig('controller')}",
+            "--metrics-port=0",
+            "--node-grace=1s",
+            "--lease-duration=5",
+        ]
         self.processes.append(Process("agent", agent_args, self.tmp / "agent.log"))
         self.processes.append(Process("controller", controller_args, self.tmp / "controller.log"))
 
@@ -298,6 +320,7 @@ class Scenario:
         # a renewal is an update, which the scenario may otherwise outrun (the first comes a retry period in)
         self.step("the controller to renew its Lease", lambda: self._renewed(c.CONTROLLER_LEASE, acquired))
         self._ghost_sandbox_is_released()
+        self._policy_is_marked_active()
         self.step("Events from both components", self._events_from_both)
         if refused := self.refusals():
             raise Refused(f"after the last step: refused: {refused[0][:400]}")
@@ -305,14 +328,27 @@ class Scenario:
     def _ghost_sandbox_is_released(self) -> None:
         """A sandbox of a vanished node: Lost, and on delete its disk finalizer is dropped by the controller."""
         body = {
-            "apiVersion": c.API_VERSION, "kind": c.SANDBOX_KIND,
+            "apiVersion": c.API_VERSION,
+            "kind": c.SANDBOX_KIND,
             "metadata": {"name": "ghost", "namespace": self.ns, "finalizers": [c.FINALIZER]},
             "spec": {"nodeName": self.ghost, "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
-        }  # fmt: skip
+        }
         self.cluster.kubectl("create", "-f", "-", input=json.dumps(body))
         self.step("the sandbox of a vanished node to be Lost", lambda: self._phase("ghost") == "Lost")
         self.cluster.kubectl("delete", "rsb", "ghost", "-n", self.ns, "--wait=false")
         self.step("the controller to release the lost sandbox", lambda: not self.get("rsb", "ghost"))
+
+    def _policy_is_marked_active(self) -> None:
+        """A SandboxPolicy (with the controller's default retention, so nothing else changes): the leader
+        writes its status, Active as the one that applies to the namespace."""
+        meta = {"name": "team-policy", "namespace": self.ns}
+        body = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": meta, "spec": {"retention": "72h"}}
+        self.cluster.kubectl("create", "-f", "-", input=json.dumps(body))
+        self.step("the controller to mark the policy Active", lambda: self._active("team-policy"))
+
+    def _active(self, policy: str) -> bool:
+        conditions = ((self.get("sbp", policy) or {}).get("status") or {}).get("conditions") or []
+        return any(cd["type"] == c.PolicyCondition.ACTIVE and cd["status"] == "True" for cd in conditions)
 
     def _status(self, name: str) -> dict[str, Any]:
         status: dict[str, Any] = (self.get("rsb", name) or {}).get("status") or {}
@@ -487,9 +523,11 @@ def test_a_namespace_editor_can_pin_in_their_namespace_and_not_in_another(
     cluster.kubectl("create", "rolebinding", "bob-views", "--clusterrole=view", f"--user={viewer}", "-n", namespace)
     for ns in (namespace, other_namespace):
         body = {
-            "apiVersion": c.API_VERSION, "kind": c.SANDBOX_KIND, "metadata": {"name": "run-42", "namespace": ns},
+            "apiVersion": c.API_VERSION,
+            "kind": c.SANDBOX_KIND,
+            "metadata": {"name": "run-42", "namespace": ns},
             "spec": {"nodeName": "node-a", "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
-        }  # fmt: skip
+        }
         cluster.kubectl("create", "-f", "-", input=json.dumps(body))
 
     def kubectl_as(user: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -501,10 +539,10 @@ def test_a_namespace_editor_can_pin_in_their_namespace_and_not_in_another(
     refused = kubectl_as(editor, *pin, "-n", other_namespace)
     assert refused.returncode != 0 and "forbidden" in refused.stderr
     assert kubectl_as(editor, "annotate", "rsb", "run-42", f"{c.ANN_PIN_FOR}-", "-n", namespace).returncode == 0
+    phase = json.dumps({"status": {"phase": "Pinned"}})
     status = kubectl_as(
-        editor, "patch", "rsb", "run-42", "-n", namespace, "--subresource=status", "--type=merge",
-        "-p", json.dumps({"status": {"phase": "Pinned"}}),
-    )  # fmt: skip
+        editor, "patch", "rsb", "run-42", "-n", namespace, "--subresource=status", "--type=merge", "-p", phase
+    )
     assert status.returncode != 0 and "forbidden" in status.stderr, "status is the components' alone"
     # a viewer lists and reads, and cannot pin
     assert "run-42" in kubectl_as(viewer, "get", "rsb", "-n", namespace).stdout
@@ -530,9 +568,11 @@ def test_an_agent_writes_only_its_own_nodes_sandboxes_and_heartbeat(
 
     def sandbox(name: str, node: str) -> dict[str, Any]:
         return {
-            "apiVersion": c.API_VERSION, "kind": c.SANDBOX_KIND, "metadata": {"name": name, "namespace": namespace},
+            "apiVersion": c.API_VERSION,
+            "kind": c.SANDBOX_KIND,
+            "metadata": {"name": name, "namespace": namespace},
             "spec": {"nodeName": node, "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
-        }  # fmt: skip
+        }
 
     def lease(name: str) -> dict[str, Any]:
         meta = {"name": name, "namespace": namespace}
