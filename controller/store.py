@@ -68,7 +68,7 @@ from controller.contracts import (
     WORKSPACE_DIR,
     Reason,
 )
-from controller.durations import MAX_INSTANT, MIN_INSTANT, format_instant, parse_instant, shift
+from controller.durations import MAX_INSTANT, MIN_INSTANT, format_instant, instant_or_none, shift
 from controller.models import Manifest, is_namespace_name, is_object_name
 
 # A read that failed for a moment: held this pass and read again next pass, never acted on.
@@ -1032,8 +1032,8 @@ def _instant_ms(when: datetime) -> str:
 
 def _live_pin(manifest: Manifest, now: datetime) -> datetime | None:
     """The manifest's standalone pin when it is valid and not yet lapsed."""
-    until = parse_instant(manifest.keep_until) if manifest.keep_until is not None else None
-    return until if isinstance(until, datetime) and until > now else None
+    until = instant_or_none(manifest.keep_until)
+    return until if until is not None and until > now else None
 
 
 def _symlink_on(path: Path) -> Path | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from controller import kube
 from controller.contracts import ANN_PIN_FOR, ANN_PIN_UNTIL, FINALIZER, Condition, Phase, Reason
-from controller.durations import Invalid, parse_instant
+from controller.durations import Invalid, instant_or_none, parse_instant
 from controller.inuse import Usage
 from controller.kube import Obj
 from controller.pressure import Candidate
@@ -177,11 +177,8 @@ def pinned_for_pressure(obj: Obj, now: datetime) -> bool:
 
 def age_of(obj: Obj) -> datetime | None:
     """The deadline releasing orders by: the controller's, else the recorded retainUntil, else createdAt."""
-    shown = parse_instant(str((obj.get("status") or {}).get("deadline") or ""))
-    if not isinstance(shown, Invalid):
-        return shown
     facts = kube.sandbox_facts(obj)
-    return facts.retain_until or facts.created_at
+    return instant_or_none((obj.get("status") or {}).get("deadline")) or facts.retain_until or facts.created_at
 
 
 def candidate(obj: Obj, size: int | None, usage: Usage | None, now: datetime) -> Candidate:
