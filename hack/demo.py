@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, signals_raise, tools_bin
 
 from controller import contracts as c
-from controller.durations import Invalid, parse_duration, parse_instant
+from controller.durations import Invalid, instant_or_none, parse_duration
 from controller.inuse import uninspectable_pids
 from controller.kube import condition_of, now_utc
 
@@ -49,6 +50,7 @@ T = TypeVar("T")
 
 NAMESPACE = "demo"
 SYSTEM_NAMESPACE = "sandkeep-system"
+IN_USE_COLUMNS = "jsonpath={.status.inUse} {.status.heldBy}"  # what `kubectl get rsb` shows of a hold
 NODES = ("node-a", "node-b")
 WINDOW = "40s"  # the demo namespace's retention window (a SandboxPolicy); real clusters use days
 RECORDED = "20s"  # one sandbox records a shorter deadline of its own at retention (`retain --retention`)
@@ -240,8 +242,8 @@ class Demo:
     def before_deadline(self, name: str, what: str) -> None:
         """Fail clearly when a set-up step comes after the sandbox it prepares has already expired."""
         text = ((self.sandbox_obj(name) or {}).get("status") or {}).get("deadline")
-        until = parse_instant(text) if text else None
-        if until is None or isinstance(until, Invalid) or until - now_utc() < timedelta(seconds=2):
+        until = instant_or_none(text)
+        if until is None or until - now_utc() < timedelta(seconds=2):
             raise DemoFailed(f"{what} had to happen before {name}'s deadline ({text}); {SLOW_HINT}")
 
     def table(self) -> None:
@@ -368,28 +370,25 @@ def start_components(demo: Demo) -> None:
             f"(This machine has {len(ignore)} process(es) even root cannot inspect; an agent would hold every "
             "sandbox as 'use cannot be ruled out', so they are vouched for with --ignore-pid.)"
         )
-    controller = demo.start(
-        "controller",
-        [*demo.sandkeep, "controller", f"--kubeconfig={kubeconfig}", f"--namespace={SYSTEM_NAMESPACE}",
-         "--metrics-port=0", "--lease-duration=5"],
-        logs / "controller.log",
-    )  # fmt: skip
+    common = [f"--kubeconfig={kubeconfig}", f"--namespace={SYSTEM_NAMESPACE}", "--metrics-port=0"]
+    controller_args = [*demo.sandkeep, "controller", *common, "--lease-duration=5"]
+    controller = demo.start("controller", controller_args, logs / "controller.log")
+    timing = ["--scan-interval=1s", "--stuck-after=3s", "--orphan-timeout=3s"]
     for node in NODES:
         root = demo.workdir / f"{node}-root"
         demo.roots[node] = root
-        args = [
-            *demo.sandkeep, "agent", f"--node={node}", f"--root={root}", f"--kubeconfig={kubeconfig}",
-            f"--namespace={SYSTEM_NAMESPACE}", "--metrics-port=0", "--scan-interval=1s", "--stuck-after=3s",
-            "--orphan-timeout=3s",
-        ]  # fmt: skip
+        args = [*demo.sandkeep, "agent", f"--node={node}", f"--root={root}", *common, *timing]
         args += [f"--ignore-pid={pid}" for pid in ignore]
         demo.start(f"agent {node}", args, logs / f"agent-{node}.log")
     controller_log = controller.log
     assert controller_log is not None
     demo.wait("the controller to take the leader Lease", lambda: "leader_elected" in controller_log.read_text())
+
+    def metrics_port(node: str) -> re.Match[str] | None:
+        return re.search(r"metrics_port=(\d+)", demo.agent_log(node))
+
     for node in NODES:
-        found = demo.wait(f"the agent on {node} to serve metrics", lambda n=node: re.search(  # type: ignore[misc]
-            r"metrics_port=(\d+)", demo.agent_log(n)))  # fmt: skip
+        found = demo.wait(f"the agent on {node} to serve metrics", functools.partial(metrics_port, node))
         demo.metrics_ports[node] = int(found.group(1))
         demo.wait(
             f"the agent on {node} to send its first heartbeat",
@@ -414,17 +413,21 @@ def retain_all(demo: Demo) -> None:
     for s in demo.sandboxes.values():
         src = jobs / s.node / s.name
         make_job(src, s.files)
-        args = ["retain", f"--root={demo.roots[s.node]}", f"--namespace={NAMESPACE}", f"--name={s.name}",
-                f"--node={s.node}", str(src)]  # fmt: skip
+        where = [f"--root={demo.roots[s.node]}", f"--namespace={NAMESPACE}", f"--name={s.name}", f"--node={s.node}"]
+        args = ["retain", *where, str(src)]
         if s.recorded:
             args.insert(-1, f"--retention={s.recorded}")
         commands.append(args)
     # the six jobs end at about the same time: their retains run side by side, as on real nodes
     for args, result in zip(commands, demo.run_many(commands), strict=True):
         demo.show_sandkeep(args, result)
+
+    def measured(name: str) -> str | None:
+        size = ((demo.sandbox_obj(name) or {}).get("status") or {}).get("sizeBytes")
+        return demo.phase(name) if size else None
+
     for s in demo.sandboxes.values():
-        demo.wait(f"{s.name} to be adopted with its size measured", lambda n=s.name: demo.sandbox_obj(n) and (  # type: ignore[misc]
-            demo.sandbox_obj(n) or {}).get("status", {}).get("sizeBytes") and demo.phase(n))  # fmt: skip
+        demo.wait(f"{s.name} to be adopted with its size measured", functools.partial(measured, s.name))
     demo.table()
     big = demo.sandbox_obj("build-1042") or {}
     files = big.get("status", {}).get("fileCount")
@@ -481,8 +484,7 @@ def hold_in_use(demo: Demo) -> Proc:
         lambda: holder in ((demo.sandbox_obj("agent-run-17") or {}).get("status", {}).get("heldBy") or []),
         timeout=30,
     )
-    demo.kubectl("get", "rsb", "agent-run-17", "-n", NAMESPACE, "-o", "jsonpath={.status.inUse} {.status.heldBy}",
-                 show=True)  # fmt: skip
+    demo.kubectl("get", "rsb", "agent-run-17", "-n", NAMESPACE, "-o", IN_USE_COLUMNS, show=True)
     demo.ok(f"agent on node-b reports agent-run-17 in use by pid {sleeper.popen.pid}")
     return sleeper
 
@@ -498,11 +500,9 @@ def orphan(demo: Demo) -> list[tuple[int, int]]:
     )
     root = demo.roots["node-b"]
     demo.before_deadline("agent-run-18", "starting the command")
-    recorder = demo.start(
-        "sandkeep exec",
-        [*demo.sandkeep, "exec", f"{NAMESPACE}/agent-run-18", f"--root={root}", "--",
-         "sh", "-c", "sleep 600 & sleep 600"],
-    )  # fmt: skip
+    command = ["sh", "-c", "sleep 600 & sleep 600"]
+    recorder_args = [*demo.sandkeep, "exec", f"{NAMESPACE}/agent-run-18", f"--root={root}", "--", *command]
+    recorder = demo.start("sandkeep exec", recorder_args)
     demo.say(
         f"started pid {recorder.popen.pid}: sandkeep exec demo/agent-run-18 --root $DEMO/node-b-root -- "
         "sh -c 'sleep 600 & sleep 600'"
@@ -527,8 +527,12 @@ def orphan(demo: Demo) -> list[tuple[int, int]]:
     # stop() signals the group the recorder leads; the command runs in a session of its own and lives on
     if not all(alive(pid, ticks) for pid, ticks in marks):
         raise DemoFailed("the recorded command should have outlived its SIGKILLed recorder")
-    ps = subprocess.run(["ps", "-o", "pid,pgid,args", "-p", ",".join(str(p) for p, _ in marks)],
-                        capture_output=True, text=True, check=False)  # fmt: skip
+    ps = subprocess.run(
+        ["ps", "-o", "pid,pgid,args", "-p", ",".join(str(p) for p, _ in marks)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     demo.show(f"kill -9 {recorder.popen.pid}; ps -o pid,pgid,args -p ...", ps.stdout)
     demo.ok(f"recorder killed; orphans {' '.join(str(p) for p, _ in marks)} still running inside agent-run-18")
     demo.wait(
@@ -536,8 +540,7 @@ def orphan(demo: Demo) -> list[tuple[int, int]]:
         lambda: orphans_pending(demo, "agent-run-18"),
         timeout=20,
     )
-    demo.kubectl("get", "rsb", "agent-run-18", "-n", NAMESPACE, "-o", "jsonpath={.status.inUse} {.status.heldBy}",
-                 show=True)  # fmt: skip
+    demo.kubectl("get", "rsb", "agent-run-18", "-n", NAMESPACE, "-o", IN_USE_COLUMNS, show=True)
     demo.ok("agent-run-18 reported not in use: its orphans will be reaped before it is deleted")
     return marks
 
@@ -573,17 +576,26 @@ def expiry(demo: Demo) -> None:
         "the object fresh, and deletes it with a resourceVersion precondition. The agent's finalizer then "
         "renames the directory to a tombstone, deletes it, and lets the object go.",
     )
-    demo.wait(f"build-1042 (its recorded {demo.recorded} deadline) to be deleted from the API and from node-a's disk",
-              lambda: demo.gone("build-1042"), timeout=demo.seconds(demo.recorded) + 30)  # fmt: skip
+    demo.wait(
+        f"build-1042 (its recorded {demo.recorded} deadline) to be deleted from the API and from node-a's disk",
+        lambda: demo.gone("build-1042"),
+        timeout=demo.seconds(demo.recorded) + 30,
+    )
     demo.sandboxes["build-1042"].deleted = True
     demo.ok("build-1042 deleted (API object and directory)")
-    demo.kubectl("get", "events", "-n", NAMESPACE, "--field-selector=involvedObject.name=build-1042",
-                 "--sort-by=.lastTimestamp", show=True)  # fmt: skip
+    selector = "--field-selector=involvedObject.name=build-1042"
+    demo.kubectl("get", "events", "-n", NAMESPACE, selector, "--sort-by=.lastTimestamp", show=True)
     demo.say(f"...waiting for the {demo.window} window of the others to pass")
-    demo.wait("agent-run-17 to be Held (expired, but in use)", lambda: demo.phase("agent-run-17") == "Held",
-              demo.seconds(demo.window) + 30)  # fmt: skip
-    demo.wait("agent-run-18 to be deleted (expired; its orphans do not hold it, nobody ran kubectl delete)",
-              lambda: demo.gone("agent-run-18"), 30)  # fmt: skip
+    demo.wait(
+        "agent-run-17 to be Held (expired, but in use)",
+        lambda: demo.phase("agent-run-17") == "Held",
+        demo.seconds(demo.window) + 30,
+    )
+    demo.wait(
+        "agent-run-18 to be deleted (expired; its orphans do not hold it, nobody ran kubectl delete)",
+        lambda: demo.gone("agent-run-18"),
+        30,
+    )
     demo.sandboxes["agent-run-18"].deleted = True
     demo.wait(
         "build-1044 to be Stuck (its tombstone cannot be deleted)", lambda: demo.phase("build-1044") == "Stuck", 30
@@ -610,8 +622,8 @@ def stuck(demo: Demo) -> None:
         lambda: stuck_lines_when(demo, "node-b", lambda stuck: stuck >= 1),
         timeout=30,
     )
-    demo.show(f"curl -s http://127.0.0.1:{demo.metrics_ports['node-b']}/metrics | grep '^sandkeep_.*stuck'",
-              "\n".join(lines))  # fmt: skip
+    curl = f"curl -s http://127.0.0.1:{demo.metrics_ports['node-b']}/metrics | grep '^sandkeep_.*stuck'"
+    demo.show(curl, "\n".join(lines))
     out = demo.run_sandkeep("doctor", f"--kubeconfig={demo.cluster.kubeconfig}", show=False, ok_codes=(1,))
     demo.show("sandkeep doctor", _short_paths(out, demo))
     if "build-1044" not in out.split("Held sandboxes")[0]:
@@ -640,8 +652,8 @@ def recover(demo: Demo) -> None:
         lambda: stuck_lines_when(demo, "node-b", lambda stuck: stuck == 0),
         timeout=20,
     )
-    demo.show(f"curl -s http://127.0.0.1:{demo.metrics_ports['node-b']}/metrics | grep '^sandkeep_.*stuck'",
-              "\n".join(lines))  # fmt: skip
+    curl = f"curl -s http://127.0.0.1:{demo.metrics_ports['node-b']}/metrics | grep '^sandkeep_.*stuck'"
+    demo.show(curl, "\n".join(lines))
     demo.ok("build-1044 deleted; no stuck tombstone left on node-b")
 
 
@@ -673,8 +685,8 @@ def reap(demo: Demo, marks: list[tuple[int, int]]) -> None:
     lines += [x for x in log_lines(demo.agent_log("node-b"), "deleted") if "agent-run-18" in x]
     if not lines or "orphans_reaped" not in lines[0]:
         raise DemoFailed("the agent on node-b should have logged orphans_reaped for agent-run-18")
-    demo.show("the agent's log on node-b, its decisions about agent-run-18 (timestamps cut):", "\n".join(lines),
-              command=False)  # fmt: skip
+    title = "the agent's log on node-b, its decisions about agent-run-18 (timestamps cut):"
+    demo.show(title, "\n".join(lines), command=False)
     demo.ok(f"orphans {' '.join(str(p) for p, _ in marks)} killed, then agent-run-18 deleted")
 
 
@@ -685,8 +697,10 @@ def finale(demo: Demo) -> None:
         entries = sorted(str(p.relative_to(root)) for p in root.glob(f"{NAMESPACE}/*") if p.is_dir())
         leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith(c.TOMBSTONE_PREFIX))
         gone = sorted(s.name for s in demo.sandboxes.values() if s.node == node and s.deleted)
-        print(f"    {node} root $DEMO/{root.name}: on disk {entries or '(none)'}; deleted {gone}; "
-              f"tombstones left {leftovers or 'none'}")  # fmt: skip
+        print(
+            f"    {node} root $DEMO/{root.name}: on disk {entries or '(none)'}; deleted {gone}; "
+            f"tombstones left {leftovers or 'none'}"
+        )
         if leftovers:
             raise DemoFailed(f"{node} still has tombstones: {leftovers}")
         for s in demo.sandboxes.values():

@@ -82,13 +82,17 @@ def demo(base: Path, immutable: list[Path]) -> None:
     ignore = [f"--ignore-pid={pid}" for pid in uninspectable_pids()]
 
     say("1.", f"retain five finished jobs under {root} (renamed into place, transcripts excluded)")
-    plan = [("team-a", "build-1", f"{WINDOW_S}s"), ("team-a", "build-2", f"{WINDOW_S}s"),
-            ("team-a", "build-3", "1h"), ("team-b", "notebook-7", f"{WINDOW_S}s"),
-            ("team-b", "agent-run-3", f"{WINDOW_S}s")]  # fmt: skip
+    plan = [
+        ("team-a", "build-1", f"{WINDOW_S}s"),
+        ("team-a", "build-2", f"{WINDOW_S}s"),
+        ("team-a", "build-3", "1h"),
+        ("team-b", "notebook-7", f"{WINDOW_S}s"),
+        ("team-b", "agent-run-3", f"{WINDOW_S}s"),
+    ]
     for ns, name, retention in plan:
         job = make_job(jobs, name, files=20)
-        out = run("retain", str(job), "--root", str(root), "--namespace", ns, "--name", name,
-                  "--retention", retention, "--exclude", "session")  # fmt: skip
+        where = ("--root", str(root), "--namespace", ns, "--name", name)
+        out = run("retain", str(job), *where, "--retention", retention, "--exclude", "session")
         expect(out.returncode == 0 and not job.exists(), f"{ns}/{name} retained (the job dir moved, not copied)")
     expect(not (root / "team-a" / "build-1" / "workspace" / "session").exists(), "the transcript was excluded")
     run("ls", "--root", str(root))
@@ -109,16 +113,22 @@ def demo(base: Path, immutable: list[Path]) -> None:
 
     say("5.", "sweep: expired sandboxes are renamed to tombstones, then deleted; one tombstone gets stuck")
     if ignore:
-        print(f"        (this machine's pid(s) {', '.join(a.split('=')[1] for a in ignore)} cannot be inspected even "
-              "by root; without --ignore-pid the in-use check would hold every sandbox as unknown)")  # fmt: skip
+        print(
+            f"        (this machine's pid(s) {', '.join(a.split('=')[1] for a in ignore)} cannot be inspected even "
+            "by root; without --ignore-pid the in-use check would hold every sandbox as unknown)"
+        )
     out = run("sweep", "--root", str(root), "--once", *ignore)
     expect("sweep_deleted reason=RetainUntil entry=team-a/build-1" in out.stderr, "team-a/build-1 deleted")
     expect("sweep_deleted reason=RetainUntil entry=team-a/build-2" in out.stderr, "team-a/build-2 deleted")
-    expect("sweep_stuck reason=TombstoneStuck entry=team-b/agent-run-3" in out.stderr,
-           "team-b/agent-run-3's tombstone is stuck, reported with errno and path")  # fmt: skip
+    expect(
+        "sweep_stuck reason=TombstoneStuck entry=team-b/agent-run-3" in out.stderr,
+        "team-b/agent-run-3's tombstone is stuck, reported with errno and path",
+    )
     expect(not (root / "team-b" / "agent-run-3").exists(), "team-b/agent-run-3 is no longer openable under its name")
-    expect((root / "team-b" / "notebook-7").is_dir() and (root / "team-a" / "build-3").is_dir(),
-           "the pinned and the unexpired sandboxes are kept")  # fmt: skip
+    expect(
+        (root / "team-b" / "notebook-7").is_dir() and (root / "team-a" / "build-3").is_dir(),
+        "the pinned and the unexpired sandboxes are kept",
+    )
     tombstones = [n for n in os.listdir(root) if n.startswith(".reap-")]
     expect(len(tombstones) == 1, f"one tombstone left: {tombstones}")
 

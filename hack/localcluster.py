@@ -481,10 +481,8 @@ class LocalCluster:
             "[client]\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
             "extendedKeyUsage=clientAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
         )
-        self._openssl(
-            "req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=sandkeep-local-ca", "-days", "3650",
-            "-config", "ext.cnf", "-extensions", "ca", "-out", "ca.crt",
-        )  # fmt: skip
+        ca = ("-key", "ca.key", "-subj", "/CN=sandkeep-local-ca", "-days", "3650")
+        self._openssl("req", "-x509", "-new", *ca, "-config", "ext.cnf", "-extensions", "ca", "-out", "ca.crt")
         self._sign("server", "/CN=kube-apiserver", "server")
         self._sign("admin", "/O=system:masters/CN=sandkeep-admin", "client")
 

@@ -32,10 +32,8 @@ T = TypeVar("T")
 def install_crds(cluster: Any) -> None:
     """Apply both CRDs and wait until they are Established (idempotent: every test module calls it)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s",
-        f"crd/{c.SANDBOX_PLURAL}.{c.GROUP}", f"crd/{c.POLICY_PLURAL}.{c.GROUP}",
-    )  # fmt: skip
+    crds = (f"crd/{c.SANDBOX_PLURAL}.{c.GROUP}", f"crd/{c.POLICY_PLURAL}.{c.GROUP}")
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
 
 
 def kube_for(cluster: Any) -> Kube:
@@ -94,15 +92,25 @@ class Controller:
     ) -> None:
         self.log_path = log_path
         cmd = [
-            sys.executable, "-m", "controller.cli", "controller",
-            f"--kubeconfig={cluster.kubeconfig}", f"--namespace={namespace}", f"--watch-namespace={namespace}",
-            "--metrics-port=0", *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "controller.cli",
+            "controller",
+            f"--kubeconfig={cluster.kubeconfig}",
+            f"--namespace={namespace}",
+            f"--watch-namespace={namespace}",
+            "--metrics-port=0",
+            *args,
+        ]
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})},
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

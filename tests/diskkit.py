@@ -50,8 +50,16 @@ def outside_bait(tmp_path: Path) -> tuple[Path, Path]:
     return bait_file, bait_dir
 
 
-def retain(root: Root, tmp_path: Path, ns: str, name: str, *, age: timedelta, retention: timedelta | None = None,
-           now: datetime = NOW) -> Path:  # fmt: skip
+def retain(
+    root: Root,
+    tmp_path: Path,
+    ns: str,
+    name: str,
+    *,
+    age: timedelta,
+    retention: timedelta | None = None,
+    now: datetime = NOW,
+) -> Path:
     """Retain a fresh job as `ns/name`, created `age` before `now`."""
     job = make_job(tmp_path / "jobs" / ns, name)
     root.retain(job, ns, name, job_id=f"job-{name}", created_at=now - age, retention=retention, now=now)

@@ -18,10 +18,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_controller_scale_benchmark_runs_small(cluster: LocalCluster) -> None:
     install_crds(cluster)
-    cmd = [
-        sys.executable, str(REPO / "hack" / "bench" / "controller_scale.py"), f"--kubeconfig={cluster.kubeconfig}",
-        "--objects=60", "--nodes=3", "--namespaces=2", "--spread=4", "--quiet=3", "--margin=6",
-    ]  # fmt: skip
+    script = REPO / "hack" / "bench" / "controller_scale.py"
+    small = ("--objects=60", "--nodes=3", "--namespaces=2", "--spread=4", "--quiet=3", "--margin=6")
+    cmd = [sys.executable, str(script), f"--kubeconfig={cluster.kubeconfig}", *small]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr

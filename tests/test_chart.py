@@ -388,22 +388,13 @@ def test_schema_durations_agree_with_the_parser(tools: Path) -> None:
     # The schema's pattern and controller/durations.py must accept and refuse the same spellings.
     from controller.durations import Invalid, parse_duration
 
+    template = ("template", "sk", str(CHART), f"--kube-version={kube_version()}")
     for text in ("72h", "30d", "2w", "1h30m", "45s", "0", "10m"):
         assert not isinstance(parse_duration(text), Invalid)
-        helm(
-            tools,
-            "template",
-            "sk",
-            str(CHART),
-            f"--kube-version={kube_version()}",
-            f"--set-string=settings.retention={text}",
-        )
+        helm(tools, *template, f"--set-string=settings.retention={text}")
     for text in ("3 days", "h", "1.5h", "-1h", "72"):
         assert isinstance(parse_duration(text), Invalid), text
-        result = helm(
-            tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}",
-            f"--set-string=settings.retention={text}", check=False,
-        )  # fmt: skip
+        result = helm(tools, *template, f"--set-string=settings.retention={text}", check=False)
         assert result.returncode != 0, f"the schema accepted {text!r}, which the controller would refuse at start"
 
 
@@ -766,10 +757,8 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
                 cluster.kubectl("create", "namespace", ns)
             cluster.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
             release = f"pods-{secrets.token_hex(3)}"
-            helm(
-                tools, "install", release, str(CHART), f"--namespace={ns}",
-                f"--set=agent.nodeSelector.sandkeep\\.io/test-pool={wanted}", kubeconfig=cluster.kubeconfig,
-            )  # fmt: skip
+            pool = f"--set=agent.nodeSelector.sandkeep\\.io/test-pool={wanted}"
+            helm(tools, "install", release, str(CHART), f"--namespace={ns}", pool, kubeconfig=cluster.kubeconfig)
             releases.append((release, ns))
         for level, ns in levels.items():
             wait_for(f"two controller Pods under {level}", lambda n=ns: len(_pods(cluster, n, "controller")) == 2, 60)

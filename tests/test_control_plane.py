@@ -175,10 +175,8 @@ def test_service_account_is_denied_until_a_role_binding_allows_it(
         assert f'User "{as_reader}" cannot list resource "configmaps"' in impersonated.stderr
 
         cluster.kubectl("create", "role", "read-cm", "--verb=get,list", "--resource=configmaps", "-n", namespace)
-        cluster.kubectl(
-            "create", "rolebinding", "reader-read-cm", "--role=read-cm", f"--serviceaccount={namespace}:reader",
-            "-n", namespace,
-        )  # fmt: skip
+        binding = ("reader-read-cm", "--role=read-cm", f"--serviceaccount={namespace}:reader")
+        cluster.kubectl("create", "rolebinding", *binding, "-n", namespace)
         # The RBAC authorizer reads bindings from an informer cache: allow it a moment to see the new one.
         wait_until(lambda: list_status(reader) == 200)
         cluster.kubectl("get", "configmaps", "-n", namespace, kubeconfig=token_config)
@@ -215,16 +213,18 @@ def test_nodes_metrics_and_logs(cluster: LocalCluster) -> None:
 
 def test_write_counts_leave_out_reads_and_collection_deletes() -> None:
     """Only writes a client of ours could make count: collection deletes are kube-controller-manager's."""
-    text = "\n".join([
-        '# TYPE apiserver_request_total counter',
-        'apiserver_request_total{code="201",resource="events",scope="namespace",verb="POST"} 3',
-        'apiserver_request_total{code="200",resource="events",scope="namespace",verb="DELETE"} 7',
-        'apiserver_request_total{code="200",resource="events",scope="namespace",verb="LIST"} 9',
-        'apiserver_request_total{code="200",resource="retainedsandboxes",scope="resource",verb="DELETE"} 2',
-        'apiserver_request_total{code="200",resource="retainedsandboxes",scope="resource",verb="APPLY"} 1',
-        'apiserver_request_total{code="200",resource="nodes",scope="cluster",verb="DELETE"} 4',
-        'apiserver_request_duration_seconds_count{resource="events",verb="POST"} 5',
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "# TYPE apiserver_request_total counter",
+            'apiserver_request_total{code="201",resource="events",scope="namespace",verb="POST"} 3',
+            'apiserver_request_total{code="200",resource="events",scope="namespace",verb="DELETE"} 7',
+            'apiserver_request_total{code="200",resource="events",scope="namespace",verb="LIST"} 9',
+            'apiserver_request_total{code="200",resource="retainedsandboxes",scope="resource",verb="DELETE"} 2',
+            'apiserver_request_total{code="200",resource="retainedsandboxes",scope="resource",verb="APPLY"} 1',
+            'apiserver_request_total{code="200",resource="nodes",scope="cluster",verb="DELETE"} 4',
+            'apiserver_request_duration_seconds_count{resource="events",verb="POST"} 5',
+        ]
+    )
     assert writes_by_resource(text) == {"events": 3.0, "retainedsandboxes": 3.0}
 
 
@@ -242,14 +242,17 @@ def test_the_controller_manager_runs_workloads_namespaces_and_aggregation(cluste
     )
     label = f"kcm-test/{ns}"
     aggregate = {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": f"{ns}-all"},
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": f"{ns}-all"},
         "aggregationRule": {"clusterRoleSelectors": [{"matchLabels": {label: "true"}}]},
-    }  # fmt: skip
+    }
     part = {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
         "metadata": {"name": f"{ns}-part", "labels": {label: "true"}},
         "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}],
-    }  # fmt: skip
+    }
     try:
         cluster.apply([aggregate, part])
         wait_for(

@@ -16,8 +16,13 @@ from diskkit import REPO, require_root
 @pytest.mark.slow
 def test_the_standalone_demo_shows_every_outcome_and_cleans_up() -> None:
     require_root()
-    out = subprocess.run([sys.executable, str(REPO / "hack" / "demo_standalone.py")], capture_output=True,
-                         text=True, timeout=120, cwd=REPO)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(REPO / "hack" / "demo_standalone.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     for step in ("1. retain", "2. pin", "5. sweep", "6. a sweep running every second", "7. clear", "8. what is left"):
         assert step in out.stdout

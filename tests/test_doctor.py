@@ -65,20 +65,27 @@ def test_doctor_names_stuck_held_lapsing_stale_and_orphans_and_exits_non_zero(cl
     message = stuck_message(f"{namespace}/stuck", "node-a", tomb, errno.EPERM, f"/var/lib/sandkeep/{tomb}/x/immutable")
     client.apply_status(
         stuck,
-        {"phase": "Stuck", "tombstone": tomb,
-         "conditions": [kube.condition("TombstoneStuck", True, c.Reason.DELETE_FAILED, message)]},
+        {
+            "phase": "Stuck",
+            "tombstone": tomb,
+            "conditions": [kube.condition("TombstoneStuck", True, c.Reason.DELETE_FAILED, message)],
+        },
         AGENT_MANAGER,
-    )  # fmt: skip
+    )
     # A held one: its deletion waits on a process.
     held = _create(client, namespace, "held", "node-a", finalizers=[c.FINALIZER])
     cluster.kubectl("delete", "rsb", "held", "-n", namespace, "--wait=false")
     held = client.get_sandbox(namespace, "held")
     client.apply_status(
         held,
-        {"phase": "Held", "inUse": True, "heldBy": ["pid 42 (bash) cwd"],
-         "conditions": [kube.condition("InUse", True, c.Reason.IN_USE, "pid 42 (bash) cwd")]},
+        {
+            "phase": "Held",
+            "inUse": True,
+            "heldBy": ["pid 42 (bash) cwd"],
+            "conditions": [kube.condition("InUse", True, c.Reason.IN_USE, "pid 42 (bash) cwd")],
+        },
         AGENT_MANAGER,
-    )  # fmt: skip
+    )
     # A pin that lapses in two hours, and one that does not lapse within a day.
     _create(
         client, namespace, "lapsing", "node-b", annotations={c.ANN_PIN_UNTIL: format_instant(now + timedelta(hours=2))}
@@ -88,10 +95,11 @@ def test_doctor_names_stuck_held_lapsing_stale_and_orphans_and_exits_non_zero(cl
     leases.renew_heartbeat(client, namespace, "node-a", "agent-a")
     orphans = [{"name": ".reap-deadbeef-1", "errno": "EBUSY", "path": "/var/lib/sandkeep/.reap-deadbeef-1/mnt"}]
     client.request(
-        "PATCH", leases.lease_path(namespace, leases.heartbeat_name("node-a")),
+        "PATCH",
+        leases.lease_path(namespace, leases.heartbeat_name("node-a")),
         body={"metadata": {"annotations": {c.ANN_ORPHAN_TOMBSTONES: json.dumps(orphans)}}},
         content_type="application/merge-patch+json",
-    )  # fmt: skip
+    )
     leases.renew_heartbeat(client, namespace, "node-b", "agent-b", duration_s=10)
     lease_b = client.request("GET", leases.lease_path(namespace, leases.heartbeat_name("node-b")))
     lease_b["spec"]["renewTime"] = kube.micro_time(now - timedelta(hours=1))
@@ -127,8 +135,11 @@ def test_doctor_says_when_it_cannot_reach_the_cluster(tmp_path):
     bad.write_text("apiVersion: v1\nkind: Config\nclusters: []\ncontexts: []\nusers: []\n")
     result = subprocess.run(
         [sys.executable, "-m", "controller.cli", "doctor", "--kubeconfig", str(bad)],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "cannot read the cluster" in result.stderr
 

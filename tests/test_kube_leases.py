@@ -34,8 +34,8 @@ def test_controller_and_agent_status_applies_never_clobber_each_other(kube: Kube
     obj = kube.create_sandbox(namespace, sandbox("shared"))
     expired = make_condition("Expired", False, c.Reason.RETAINED, "kept")
     pinned = make_condition("Pinned", True, c.Reason.PINNED, "pinned")
-    kube.apply_status(obj, {"phase": "Pinned", "pinnedUntil": "2030-01-01T00:00:00Z",
-                            "conditions": [expired, pinned]}, CONTROLLER_MANAGER)  # fmt: skip
+    controller_status = {"phase": "Pinned", "pinnedUntil": "2030-01-01T00:00:00Z", "conditions": [expired, pinned]}
+    kube.apply_status(obj, controller_status, CONTROLLER_MANAGER)
     disk = make_condition("DiskPresent", True, c.Reason.RETAINED, "on disk")
     kube.apply_status(obj, {"sizeBytes": 42, "inUse": False, "conditions": [disk]}, AGENT_MANAGER)
     status = kube.get_sandbox(namespace, "shared")["status"]  # type: ignore[index]

@@ -79,11 +79,10 @@ def test_a_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
 
 def test_the_lock_refuses_a_second_holder_naming_the_first(tmp_path: Path) -> None:
     root = Root(tmp_path / "root")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom controller.store import Root\n"
-         "with Root(sys.argv[1]).lock():\n print('held', flush=True)\n time.sleep(60)", str(root.path)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    hold = "import sys, time\nfrom controller.store import Root\nwith Root(sys.argv[1]).lock():\n"
+    hold += " print('held', flush=True)\n time.sleep(60)"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(root.path)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(RootRefused) as caught, root.lock(wait=0):
@@ -140,8 +139,16 @@ def test_retain_removes_excluded_globs_first_and_never_follows_links(tmp_path: P
     (job / "src" / "notes.log").write_text("x")
     (job / "linked-session").symlink_to(bait_dir)
     (job / "session" / "to-outside").symlink_to(bait_dir)
-    root.retain(job, "ns", "r", job_id="j", created_at=NOW, retention=None,
-                exclude=["session", "*.log", "linked-session"], now=NOW)  # fmt: skip
+    root.retain(
+        job,
+        "ns",
+        "r",
+        job_id="j",
+        created_at=NOW,
+        retention=None,
+        exclude=["session", "*.log", "linked-session"],
+        now=NOW,
+    )
     ws = root.path / "ns" / "r" / "workspace"
     assert listing(ws) == ["README", "src"]
     assert listing(ws / "src") == ["pkg"]
@@ -211,8 +218,18 @@ def test_a_failure_while_placing_puts_the_source_back_and_leaves_no_debris(tmp_p
     assert (job / "src" / "pkg" / "f0.py").exists() and not (job / "session").exists()
 
 
-@pytest.mark.parametrize(("ns", "name"), [("Bad", "run"), ("ns", "-run"), (".reap-x", "run"), ("ns", "a" * 254),
-                                          ("n" * 64, "run"), ("ns", ".."), ("ns", "a/b")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("ns", "name"),
+    [
+        ("Bad", "run"),
+        ("ns", "-run"),
+        (".reap-x", "run"),
+        ("ns", "a" * 254),
+        ("n" * 64, "run"),
+        ("ns", ".."),
+        ("ns", "a/b"),
+    ],
+)
 def test_names_that_are_not_kubernetes_names_are_refused_clearly(tmp_path: Path, ns: str, name: str) -> None:
     root = Root(tmp_path / "root")
     with pytest.raises(ValueError, match="DNS-1123"):
@@ -301,8 +318,13 @@ def test_a_read_that_runs_out_of_descriptors_is_transient(tmp_path: Path) -> Non
         os.close(fds.pop())  # one free: the root opens, the namespace does not
         print(repr(root.read("ns", "run")))
     """)
-    out = subprocess.run([sys.executable, "-c", code, str(root.path)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root.path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=True,
+    )
     assert "Transient(errno=24" in out.stdout
 
 
@@ -348,8 +370,9 @@ def test_scan_lists_sandboxes_strays_and_tombstones_without_following_links(tmp_
     assert scan.empty_namespaces == ["empty-ns"]
     for stray in scan.strays:
         root.remove_stray(stray)
-    assert listing(root.path) == sorted([".hidden", ".sandkeep.lock", "Bad_Name", "empty-ns", "ns",
-                                         tombstone_name("abc", NOW)])  # fmt: skip
+    assert listing(root.path) == sorted(
+        [".hidden", ".sandkeep.lock", "Bad_Name", "empty-ns", "ns", tombstone_name("abc", NOW)]
+    )
     assert listing(bait_dir) == ["keep.txt"]
 
 

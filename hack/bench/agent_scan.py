@@ -97,11 +97,16 @@ def measure_agent(root: Root, count: int, workdir: Path) -> dict[str, float]:
         cluster.create_node("bench-node")
         log = workdir / "agent.log"
         pids = [str(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and not _inspectable(p)]
-        args = [
-            sys.executable, "-m", "controller.cli", "agent", "--node", "bench-node", "--root", str(root.path),
-            "--kubeconfig", str(cluster.kubeconfig), "--namespace", "sandkeep-system", "--metrics-port", "0",
-            "--scan-interval", "5s", *[a for p in pids for a in ("--ignore-pid", p)],
-        ]  # fmt: skip
+        flags = {
+            "--node": "bench-node",
+            "--root": str(root.path),
+            "--kubeconfig": str(cluster.kubeconfig),
+            "--namespace": "sandkeep-system",
+            "--metrics-port": "0",
+            "--scan-interval": "5s",
+        }
+        args = [sys.executable, "-m", "controller.cli", "agent", *(f"{flag}={value}" for flag, value in flags.items())]
+        args += [f"--ignore-pid={pid}" for pid in pids]
         with log.open("wb") as out:
             started = time.monotonic()
             agent = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)

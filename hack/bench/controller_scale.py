@@ -145,8 +145,8 @@ def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
     namespaces = [f"bench-{run_id}-{i:02d}" for i in range(args.namespaces)]
     nodes = [f"bench-{run_id}-node-{i:02d}" for i in range(args.nodes)]
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    f"crd/{c.SANDBOX_PLURAL}.{c.GROUP}", f"crd/{c.POLICY_PLURAL}.{c.GROUP}")  # fmt: skip
+    crds = (f"crd/{c.SANDBOX_PLURAL}.{c.GROUP}", f"crd/{c.POLICY_PLURAL}.{c.GROUP}")
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
     for ns in namespaces:
         cluster.kubectl("create", "namespace", ns)
     with ThreadPoolExecutor(8) as pool:
@@ -166,14 +166,16 @@ def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
 
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(create, range(args.objects)))
-    print(f"created {args.objects} sandboxes on {len(nodes)} nodes in {len(namespaces)} namespaces "
-          f"in {time.monotonic() - began:.1f}s")  # fmt: skip
+    print(
+        f"created {args.objects} sandboxes on {len(nodes)} nodes in {len(namespaces)} namespaces "
+        f"in {time.monotonic() - began:.1f}s"
+    )
 
     # 2. the controller, as a real process, watching the bench namespaces
     log_path = Path(tempfile.mkdtemp(prefix="sandkeep-bench-")) / "controller.log"
-    cmd = [sys.executable, "-m", "controller.cli", "controller", f"--kubeconfig={cluster.kubeconfig}",
-           f"--namespace={namespaces[0]}", "--metrics-port=0", "--retention=1h", f"--workers={args.workers}",
-           *[f"--watch-namespace={ns}" for ns in namespaces]]  # fmt: skip
+    flags = [f"--kubeconfig={cluster.kubeconfig}", f"--namespace={namespaces[0]}", f"--workers={args.workers}"]
+    cmd = [sys.executable, "-m", "controller.cli", "controller", *flags, "--metrics-port=0", "--retention=1h"]
+    cmd += [f"--watch-namespace={ns}" for ns in namespaces]
     with log_path.open("ab") as log_file:
         started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -194,9 +196,14 @@ def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
 
 
 def measure(
-    args: argparse.Namespace, cluster: LocalCluster, kube: Kube, proc: subprocess.Popen[bytes],
-    log_path: Path, started: float, namespaces: list[str],
-) -> int:  # fmt: skip
+    args: argparse.Namespace,
+    cluster: LocalCluster,
+    kube: Kube,
+    proc: subprocess.Popen[bytes],
+    log_path: Path,
+    started: float,
+    namespaces: list[str],
+) -> int:
     def metrics() -> str:
         found = re.search(r"metrics=(http://\S+)", log_path.read_text(errors="replace"))
         if found is None:
@@ -214,12 +221,16 @@ def measure(
                 raise SystemExit(f"timed out waiting for {what}\n{log_path.read_text()[-3000:]}")
             time.sleep(0.2)
 
-    wait("every sandbox to have a status",
-         lambda: metric_sum(metrics(), c.M_SANDBOXES, exclude='phase="Unknown"') >= args.objects,
-         timeout=args.timeout)  # fmt: skip
+    wait(
+        "every sandbox to have a status",
+        lambda: metric_sum(metrics(), c.M_SANDBOXES, exclude='phase="Unknown"') >= args.objects,
+        timeout=args.timeout,
+    )
     reconcile_all = time.monotonic() - started
-    print(f"time to reconcile all {args.objects}: {reconcile_all:.1f}s (from process start, "
-          f"{args.objects / reconcile_all:.0f} sandboxes/s)")  # fmt: skip
+    print(
+        f"time to reconcile all {args.objects}: {reconcile_all:.1f}s (from process start, "
+        f"{args.objects / reconcile_all:.0f} sandboxes/s)"
+    )
 
     # 3. steady state: once the Events of the first pass are posted, nothing may be written
     settled_writes(cluster.metrics_text, WRITTEN, still_for=3.0, timeout=args.timeout)
@@ -230,8 +241,10 @@ def measure(
     delta = {r: after.get(r, 0) - before.get(r, 0) for r in set(after) | set(before)}
     quiet_writes = sandkeep_writes(delta)
     per_hour = quiet_writes * 3600 / args.quiet
-    print(f"steady-state API writes per hour (sandboxes, policies, events): {per_hour:.0f} "
-          f"over a {args.quiet:.0f}s window (target 0) -> {'OK' if quiet_writes == 0 else 'MISSED'}")  # fmt: skip
+    print(
+        f"steady-state API writes per hour (sandboxes, policies, events): {per_hour:.0f} "
+        f"over a {args.quiet:.0f}s window (target 0) -> {'OK' if quiet_writes == 0 else 'MISSED'}"
+    )
     lease_rate = delta.get("leases", 0) * 3600 / args.quiet
     print(f"  leader Lease renewals per hour (inherent to leader election): {lease_rate:.0f}")
 
@@ -243,30 +256,39 @@ def measure(
     retention = math.ceil((first - args.base).total_seconds())
     for ns in namespaces:
         meta = {"name": "bench", "namespace": ns}
-        cluster.apply({"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": meta,
-                       "spec": {"retention": f"{retention}s"}})  # fmt: skip
-    print(f"policies applied: retention {retention}s, deadlines spread over the next "
-          f"{args.margin:.0f}..{args.margin + args.spread:.0f}s")  # fmt: skip
+        spec = {"retention": f"{retention}s"}
+        cluster.apply({"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": meta, "spec": spec})
+    print(
+        f"policies applied: retention {retention}s, deadlines spread over the next "
+        f"{args.margin:.0f}..{args.margin + args.spread:.0f}s"
+    )
     deadlines: dict[tuple[str, str], float] = {}
     for ns in namespaces:
         for obj in kube.list_sandboxes(ns):
             created = parse_instant(obj["spec"]["createdAt"])
             due = created + timedelta(seconds=retention)  # type: ignore[operator]
             deadlines[(ns, obj["metadata"]["name"])] = due.timestamp()
-    wait("every sandbox to be deleted", lambda: len(watcher.deleted) >= args.objects,
-         timeout=args.margin + args.spread + args.timeout)  # fmt: skip
+    wait(
+        "every sandbox to be deleted",
+        lambda: len(watcher.deleted) >= args.objects,
+        timeout=args.margin + args.spread + args.timeout,
+    )
     watcher.stop = True
     lags = [watcher.deleted[k] - deadlines[k] for k in deadlines if k in watcher.deleted]
     text = metrics()
     p50, p99 = percentile(lags, 0.5), percentile(lags, 0.99)
     h50, h99 = histogram_quantile(text, c.M_EXPIRY_LAG, 0.5), histogram_quantile(text, c.M_EXPIRY_LAG, 0.99)
-    print(f"deleted {len(lags)}/{args.objects}; expiry lag (deadline -> DELETED on a watch) p50 {p50:.3f}s "
-          f"p99 {p99:.3f}s max {max(lags):.3f}s (target p99 < {TARGET_LAG_P99}s -> "
-          f"{'OK' if p99 < TARGET_LAG_P99 else 'MISSED'})")  # fmt: skip
+    print(
+        f"deleted {len(lags)}/{args.objects}; expiry lag (deadline -> DELETED on a watch) p50 {p50:.3f}s "
+        f"p99 {p99:.3f}s max {max(lags):.3f}s (target p99 < {TARGET_LAG_P99}s -> "
+        f"{'OK' if p99 < TARGET_LAG_P99 else 'MISSED'})"
+    )
     print(f"  controller's own histogram (deadline -> DELETE request): p50 ~{h50:.3f}s p99 ~{h99:.3f}s")
     rss = peak_rss_mib(proc.pid)
-    print(f"controller peak RSS: {rss:.0f} MiB (target < {TARGET_RSS_MIB} MiB -> "
-          f"{'OK' if rss < TARGET_RSS_MIB else 'MISSED'})")  # fmt: skip
+    print(
+        f"controller peak RSS: {rss:.0f} MiB (target < {TARGET_RSS_MIB} MiB -> "
+        f"{'OK' if rss < TARGET_RSS_MIB else 'MISSED'})"
+    )
     errors = metric_sum(text, c.M_RECONCILE_ERRORS)
     print(f"reconcile errors: {errors:.0f}; deletions requested: {metric_sum(text, c.M_DELETIONS_REQUESTED):.0f}")
     return 0
