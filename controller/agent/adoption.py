@@ -17,6 +17,7 @@ from controller.agent.settings import AgentSettings
 from controller.agent.state import AgentState
 from controller.contracts import FINALIZER, Reason
 from controller.kube import Kube, KubeError, Obj
+from controller.models import label_value
 from controller.store import Entry, Mismatch, Present, Root, Transient
 
 log = logging.getLogger("sandkeep.agent")
@@ -108,7 +109,7 @@ class Adopter:
                 "name": key[1],
                 "namespace": key[0],
                 "finalizers": [FINALIZER],
-                "labels": {c.LABEL_NODE: self.s.node, c.LABEL_MANAGED_BY: c.MANAGED_BY},
+                "labels": {c.LABEL_NODE: label_value(self.s.node), c.LABEL_MANAGED_BY: c.MANAGED_BY},
             },
             "spec": spec,
         }
