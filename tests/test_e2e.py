@@ -20,7 +20,9 @@ from e2e_bed import SYSTEM_NS, Bed, eventually, make_bed, say
 
 from controller import contracts as c
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("e2e")]
+# The first test also pays for the bed: on a fresh machine that includes the image's cold build (a Debian
+# base made with mmdebstrap, then the pip install), minutes more than the suite's default timeout.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("e2e"), pytest.mark.timeout(1200)]
 NS = "e2e"
 
 
