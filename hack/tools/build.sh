@@ -28,6 +28,13 @@ kube_version() { awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v/ {print $2; exit}' "
 build() {
 	local mod=$1 out=$2 pkg=$3 ldflags=${4:-}
 	local dest key
+	# Prebuilt binaries of one's own (setup-envtest's KUBEBUILDER_ASSETS holds kube-apiserver, etcd and
+	# kubectl) are used as they are, unbuilt: the version is then theirs, not the pinned one.
+	if [[ -n ${KUBEBUILDER_ASSETS:-} && -x $KUBEBUILDER_ASSETS/$out ]]; then
+		log "using $out from KUBEBUILDER_ASSETS ($KUBEBUILDER_ASSETS), not building it"
+		ln -sfn "$KUBEBUILDER_ASSETS/$out" "$bin/$out"
+		return
+	fi
 	key=$(key_of "$mod" "$pkg" "$ldflags")
 	dest=$cache/$out-$key
 	if [[ ! -x $dest/$out ]]; then
