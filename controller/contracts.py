@@ -59,6 +59,14 @@ class Phase(StrEnum):
     LOST = "Lost"
 
 
+class ReleasePriority(StrEnum):
+    """A SandboxPolicy's `releasePriority`: when its namespace's sandboxes go, as a node releases for space."""
+
+    FIRST = "First"
+    NORMAL = "Normal"
+    LAST = "Last"
+
+
 class DeadlineSource(StrEnum):
     """Which input decided a sandbox's deadline."""
 
@@ -162,6 +170,8 @@ class Reason(StrEnum):
     SUPERSEDED = "Superseded"  # an older policy in the same namespace applies; this one has no effect
     # releasing for space (issue 14)
     DISK_PRESSURE = "DiskPressure"  # released: the node's root was above its high watermark
+    QUOTA_EXCEEDED = "QuotaExceeded"  # released: its namespace kept more than its SandboxPolicy's quota allows
+    QUOTA_UNRELIEVED = "QuotaUnrelieved"  # over quota, and only pinned or held sandboxes are left
     PRESSURE_UNRELIEVED = "PressureUnrelieved"  # above high, and only pinned or held sandboxes are left
 
 
@@ -174,6 +184,8 @@ M_DELETIONS_REQUESTED = "sandkeep_deletions_requested_total"  # counter {reason}
 M_EXPIRY_LAG = "sandkeep_expiry_lag_seconds"  # histogram: deadline -> delete request
 M_RECONCILE_ERRORS = "sandkeep_reconcile_errors_total"  # counter {component}
 M_PINS_ACTIVE = "sandkeep_pins_active"  # gauge
+M_EVENTS_DROPPED = "sandkeep_events_dropped_total"  # counter: Events not posted because the backlog was full
+M_QUOTA_UNRELIEVED = "sandkeep_quota_unrelieved"  # gauge {namespace}: 1 while over quota with nothing releasable
 M_LEADER = "sandkeep_controller_leader"  # gauge 1 on the acting replica
 # agent (every series carries {node})
 M_AGENT_SANDBOXES = "sandkeep_agent_sandboxes"  # gauge {node, phase}
@@ -185,6 +197,7 @@ M_DELETIONS = "sandkeep_deletions_total"  # counter {node, reason}
 M_DELETION_FAILURES = "sandkeep_deletion_failures_total"  # counter {node, reason}
 M_DELETION_DURATION = "sandkeep_deletion_duration_seconds"  # histogram {node}
 M_SCAN_DURATION = "sandkeep_scan_duration_seconds"  # histogram {node}
+M_INUSE_SCANS = "sandkeep_inuse_scans_total"  # counter {node}: passes over /proc answering "in use?"
 M_IN_USE_HOLDS = "sandkeep_in_use_holds"  # gauge {node}
 M_INVALID_ENTRIES = "sandkeep_invalid_entries"  # gauge {node, reason}
 M_ROOT_SIZE = "sandkeep_root_filesystem_size_bytes"  # gauge {node}

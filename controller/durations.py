@@ -12,16 +12,17 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-_UNITS = dict(
-    w=timedelta(weeks=1), d=timedelta(days=1), h=timedelta(hours=1), m=timedelta(minutes=1), s=timedelta(seconds=1)
-)
+# Seconds per unit, summed as int: a timedelta sum overflows at 999999999w before it can be compared.
+_UNITS = dict(w=604800, d=86400, h=3600, m=60, s=1)
 # [0-9], not \d: `\d` also matches `３` or `٣`, which int() reads and the CRD's pattern refuses.
 _DURATION = re.compile(r"(?:([0-9]+)w)?(?:([0-9]+)d)?(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 # A bound well inside datetime's range, so `now + duration` can never overflow.
 MAX_DURATION = timedelta(days=100 * 365)
-# RFC 3339 date-time: a 'T' (or space), seconds present, optional fraction, and an explicit zone.
+# RFC 3339 date-time: a 'T' (or space), seconds present, optional fraction, and an explicit zone whose
+# offset is 00:00 to 23:59 (Python reads `+00:99` as +01:39; RFC 3339 and the chart's pin policy refuse it).
 _INSTANT = re.compile(
-    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?(?:[Zz]|[+-][0-9]{2}:[0-9]{2})"
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?"
+    r"(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 )
 _SPACE = " \t\r\n"  # what is trimmed around input: ASCII whitespace only, like the digits
 # The instants sandkeep accepts: anything outside is a typo or an attack, never a real job's time, and
@@ -49,15 +50,15 @@ def parse_duration(text: object) -> timedelta | Invalid:
     match = _DURATION.fullmatch(raw.lower())
     if not raw or not match or not any(match.groups()):
         return Invalid(raw, "not a duration; use a number with a unit: 90m, 72h, 3d, 2w (or 1h30m)")
-    total = timedelta(0)
+    seconds = 0
     for amount, unit in zip(match.groups(), "wdhms", strict=True):
         if amount is not None:
             if len(amount) > 9:
                 return Invalid(raw, f"too large; at most {MAX_DURATION.days}d")
-            total += int(amount) * _UNITS[unit]
-    if total > MAX_DURATION:
+            seconds += int(amount) * _UNITS[unit]
+    if seconds > MAX_DURATION.total_seconds():
         return Invalid(raw, f"too large; at most {MAX_DURATION.days}d")
-    return total
+    return timedelta(seconds=seconds)
 
 
 def parse_instant(text: object) -> datetime | Invalid:

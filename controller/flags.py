@@ -15,6 +15,7 @@ from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings
 
 from controller.durations import Invalid, parse_duration
+from controller.sizes import parse_size
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -32,6 +33,17 @@ def _duration(value: Any) -> timedelta:
 # type for every component's settings (controller, agent, sweep) instead of a validator per class. A bad
 # value stops the process at start, naming it.
 HumanDuration = Annotated[timedelta, BeforeValidator(_duration), Field(json_schema_extra={"format": "duration"})]
+
+
+def _size(value: Any) -> int:
+    parsed = parse_size(value)
+    if isinstance(parsed, Invalid):
+        raise ValueError(str(parsed))
+    return parsed
+
+
+# A byte count written the Kubernetes way (`50Gi`, `500Mi`, `2T` or plain bytes), from the env or a flag.
+HumanSize = Annotated[int, BeforeValidator(_size)]
 
 
 def settings_from(cls: type[S], args: argparse.Namespace) -> S:

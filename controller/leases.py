@@ -23,7 +23,7 @@ from controller import contracts as c
 from controller import logs
 from controller.durations import instant_or_none
 from controller.kube import Kube, KubeError, micro_time, now_utc
-from controller.models import bounded_name, label_value
+from controller.models import NAME_MAX, label_value
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +257,11 @@ class LeaderElector:
 
 # --- the agent's per-node heartbeat ----------------------------------------------------------------------
 def heartbeat_name(node: str) -> str:
-    """`sandkeep-agent-<node>`, or with a hash where a 253-character node name would not fit."""
-    return bounded_name(c.AGENT_LEASE_PREFIX, node)
+    """`sandkeep-agent-<node>`; for a node name over 238 characters, which the prefix would take past the
+    253 of an object name, the node name itself. Not a hash: the chart's node-scope admission policy must
+    compute the very name in CEL, which has none, to let each agent write only its own node's Lease."""
+    prefixed = c.AGENT_LEASE_PREFIX + node
+    return prefixed if len(prefixed) <= NAME_MAX else node
 
 
 def heartbeat_meta(node: str) -> dict[str, Any]:
@@ -268,6 +271,14 @@ def heartbeat_meta(node: str) -> dict[str, Any]:
         "labels": {c.LABEL_NODE: label_value(node), c.LABEL_MANAGED_BY: c.MANAGED_BY},
         "annotations": {c.LABEL_NODE: node},
     }
+
+
+def _with_meta(metadata: dict[str, Any], node: str) -> dict[str, Any]:
+    """`metadata` with the heartbeat's labels and node annotation put back: a Lease written before the
+    annotation existed gets it at its next renewal (the node-scope policy admits only one that names
+    the agent's node)."""
+    wanted = heartbeat_meta(node)
+    return metadata | {key: (metadata.get(key) or {}) | wanted[key] for key in ("labels", "annotations")}
 
 
 def renew_heartbeat(kube: Kube, namespace: str, node: str, identity: str, duration_s: int = 60) -> None:
@@ -286,7 +297,7 @@ def renew_heartbeat(kube: Kube, namespace: str, node: str, identity: str, durati
                 kube.request("POST", lease_path(namespace), body=_new_lease(heartbeat_meta(node), spec))
             else:
                 spec["acquireTime"] = micro_time(current.acquire_time or now)
-                body = dict(current.raw) | {"spec": spec}
+                body = dict(current.raw) | {"spec": spec, "metadata": _with_meta(current.raw["metadata"], node)}
                 kube.request("PUT", lease_path(namespace, heartbeat_name(node)), body=body)
             return
         except KubeError as err:
@@ -301,10 +312,10 @@ def agent_heartbeats(kube: Kube, namespace: str) -> dict[str, LeaseState]:
     result: dict[str, LeaseState] = {}
     for raw in items:
         name = raw["metadata"]["name"]
-        if not name.startswith(c.AGENT_LEASE_PREFIX):
-            continue
-        node = (raw["metadata"].get("annotations") or {}).get(c.LABEL_NODE) or name.removeprefix(c.AGENT_LEASE_PREFIX)
-        if heartbeat_name(node) == name:  # a hashed name maps back only through the node it was made from
+        node = (raw["metadata"].get("annotations") or {}).get(c.LABEL_NODE)
+        if node is None and name.startswith(c.AGENT_LEASE_PREFIX):
+            node = name.removeprefix(c.AGENT_LEASE_PREFIX)  # written before the annotation was
+        if node is not None and heartbeat_name(node) == name:  # a Lease maps back only through its own node
             result[node] = _state(raw)
     return result
 

@@ -52,7 +52,10 @@ class ControllerMetrics:
         _standard(r)
         self.sandboxes = Gauge(c.M_SANDBOXES, "RetainedSandboxes by phase and node.", ["phase", "node"], registry=r)
         self.deletions_requested = Counter(
-            c.M_DELETIONS_REQUESTED, "DELETE requests issued for expired sandboxes, by reason.", ["reason"], registry=r
+            c.M_DELETIONS_REQUESTED,
+            "DELETE requests issued for expired sandboxes and for quotas (QuotaExceeded), by reason.",
+            ["reason"],
+            registry=r,
         )
         self.expiry_lag = Histogram(
             c.M_EXPIRY_LAG, "Seconds from a sandbox's deadline to its delete request.", buckets=LAG_BUCKETS, registry=r
@@ -62,6 +65,15 @@ class ControllerMetrics:
         )
         self.pins_active = Gauge(c.M_PINS_ACTIVE, "Sandboxes with a valid, unexpired pin.", registry=r)
         self.leader = Gauge(c.M_LEADER, "1 while this replica holds the leader lease and acts.", registry=r)
+        self.events_dropped = Counter(
+            c.M_EVENTS_DROPPED, "Events not posted because the backlog of unsent Events was full.", registry=r
+        )
+        self.quota_unrelieved = Gauge(
+            c.M_QUOTA_UNRELIEVED,
+            "1 while a namespace is over its SandboxPolicy's quota with only pinned or held sandboxes left.",
+            ["namespace"],
+            registry=r,
+        )
 
 
 class AgentMetrics:
@@ -87,6 +99,7 @@ class AgentMetrics:
         self.deletion_failures = counter(c.M_DELETION_FAILURES, "Deletion attempts that failed, by reason.", by_reason)
         self.deletion_duration = histogram(c.M_DELETION_DURATION, "Seconds to delete one tombstone.", node_)
         self.scan_duration = histogram(c.M_SCAN_DURATION, "Seconds for one scan of the root (without sizes).", node_)
+        self.inuse_scans = counter(c.M_INUSE_SCANS, "Passes over /proc answering whether sandboxes are in use.", node_)
         self.in_use_holds = gauge(c.M_IN_USE_HOLDS, "Sandboxes held because something uses them.", node_)
         self.invalid_entries = gauge(c.M_INVALID_ENTRIES, "Root entries that are not valid sandboxes.", by_reason)
         self.root_size = gauge(c.M_ROOT_SIZE, "Size of the filesystem holding the root.", node_)

@@ -11,17 +11,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
-from controller.contracts import DeadlineSource, Phase, Reason
+from controller.contracts import DeadlineSource, Phase, Reason, ReleasePriority
 from controller.durations import Invalid, format_duration, format_instant, parse_instant, shift
 
 
 @dataclass(frozen=True)
+class Quota:
+    """What one namespace may keep retained, summed over every node; None is no limit."""
+
+    max_bytes: int | None = None
+    max_count: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.max_bytes is not None or self.max_count is not None
+
+    def within(self, ceiling: Quota) -> Quota:
+        """This quota held under `ceiling` (no limit is above any ceiling)."""
+        return Quota(_lower(self.max_bytes, ceiling.max_bytes), _lower(self.max_count, ceiling.max_count))
+
+
+def _lower(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+@dataclass(frozen=True)
 class Policy:
-    """How long sandboxes are kept. `retention == 0` is retention off: every unpinned sandbox expires."""
+    """How long sandboxes are kept. `retention == 0` is retention off: every unpinned sandbox expires.
+
+    `quota` bounds the namespace's sandboxes; `release_priority` orders them against other namespaces'
+    when a node releases for disk pressure (First go before Normal, Last after). Neither exempts a
+    sandbox from anything: only a pin or a holder does.
+    """
 
     retention: timedelta
     max_pin: timedelta
     dry_run: bool = False
+    quota: Quota = Quota()
+    release_priority: ReleasePriority = ReleasePriority.NORMAL
 
 
 @dataclass(frozen=True)
@@ -121,6 +148,7 @@ class Ceiling:
 
     retention: timedelta
     max_pin: timedelta
+    quota: Quota = Quota()
 
 
 def effective_policy(
@@ -133,10 +161,12 @@ def effective_policy(
     chosen = namespace or default
     reasons: tuple[Reason, ...] = ()
     retention, max_pin = chosen.retention, chosen.max_pin
-    if retention > ceiling.retention or max_pin > ceiling.max_pin:
+    quota = chosen.quota.within(ceiling.quota)
+    if retention > ceiling.retention or max_pin > ceiling.max_pin or quota != chosen.quota:
         reasons = (Reason.POLICY_CEILING,)
         retention, max_pin = min(retention, ceiling.retention), min(max_pin, ceiling.max_pin)
-    return Policy(retention, max_pin, default.dry_run or chosen.dry_run), reasons
+    dry_run = default.dry_run or chosen.dry_run
+    return Policy(retention, max_pin, dry_run, quota, chosen.release_priority), reasons
 
 
 # --- The phase of a sandbox (the controller's; the agent writes a phase only while deleting: Deleting, Held, Stuck)

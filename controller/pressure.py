@@ -95,6 +95,11 @@ def _age(cand: Candidate) -> tuple[int, float, Key]:
     return cand.priority, when, cand.key
 
 
+def oldest_first(sandboxes: Iterable[Candidate]) -> list[Candidate]:
+    """The order sandboxes are released in: lowest priority first, then oldest deadline (none: oldest)."""
+    return sorted(sandboxes, key=_age)
+
+
 def choose(disk: Disk, marks: Watermarks, sandboxes: Iterable[Candidate]) -> Plan:
     """What to release now: nothing below `high`; above it, the oldest releasable ones (lowest priority
     first, then oldest deadline) until the projected usage is under `low`, stopping at the first that gets
@@ -105,7 +110,7 @@ def choose(disk: Disk, marks: Watermarks, sandboxes: Iterable[Candidate]) -> Pla
     every = list(sandboxes)
     used = disk.used - sum(c.size or 0 for c in every if c.deleting and not c.held)
     chosen: list[Key] = []
-    releasable = sorted((c for c in every if not (c.pinned or c.held or c.deleting) and c.size is not None), key=_age)
+    releasable = oldest_first(c for c in every if not (c.pinned or c.held or c.deleting) and c.size is not None)
     for cand in releasable:
         if _under(used, disk, marks):
             break

@@ -24,7 +24,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -39,6 +39,7 @@ log = logging.getLogger("sandkeep.reaper")
 
 Key = tuple[str, str]
 InUse = Callable[[Path], Usage]
+InUseMany = Callable[[Mapping[int, Path]], Mapping[int, Usage]]  # one /proc pass answering for many
 Hook = Callable[[Key, Tombstone | None], None]
 Clock = Callable[[], datetime]
 
@@ -192,6 +193,20 @@ class WouldDelete:
 Outcome = Deleted | Held | Restored | Stuck | Refused | WouldDelete
 
 
+@dataclass(frozen=True)
+class Renamed:
+    """Renamed aside, not yet read back and deleted: what `prepare` hands to `finish`."""
+
+    target: Target
+    tomb: Tombstone
+
+
+def _hold(usage: Usage) -> Held | None:
+    if usage.holds:
+        return Held(usage.reason or (Reason.IN_USE if usage.in_use else Reason.IN_USE_UNKNOWN), usage=usage)
+    return None
+
+
 @dataclass
 class StuckInfo:
     """A tombstone that failed to delete: since when (monotonic), the last error, and whose it is."""
@@ -265,6 +280,8 @@ class Reaper:
 
     root: Root
     in_use: InUse
+    in_use_many: InUseMany | None = None  # None: `in_use` asked for each in turn
+    fresh_for: float = 1.0  # seconds an in-use answer stays fresh enough to rename on (then asked again)
     stuck_after: timedelta = timedelta(minutes=10)  # a younger tombstone of a live process is in progress
     orphan_timeout: timedelta = timedelta(seconds=10)
     dry_run: bool = False
@@ -291,21 +308,57 @@ class Reaper:
     # --- a sandbox -------------------------------------------------------------------------------
 
     def reap(self, target: Target) -> Outcome:
-        """Take `target` from its directory to gone, or say why not. The caller checked it should go.
+        """Take `target` from its directory to gone, or say why not. The caller checked it should go."""
+        step = self.prepare([target])[0]
+        return self.finish(step) if isinstance(step, Renamed) else step
 
-        The looks before the rename are taken in `next_step`'s order, each at most once; the first that
-        finds a reason to stop is the outcome, and only when every one found nothing does it rename.
+    def prepare(self, targets: Sequence[Target]) -> list[Held | Refused | Renamed]:
+        """For each target, the looks before its rename, then the rename; many targets share the in-use look.
+
+        The looks are taken in `next_step`'s order, each at most once per target, and the first that finds
+        a reason to stop is that target's outcome. The first looks (directory, run, orphans) are taken for
+        every target in turn; then one /proc pass answers in use for all of them, and each target is read
+        fresh and renamed right after it: an answer older than `fresh_for` seconds is asked again (one
+        pass for all the targets left), so a wave of a thousand deletions costs a few /proc passes, not a
+        thousand, and no rename rests on an old answer. Renamed ones are finished by `finish`.
         """
-        key = target.key
-        path = self.root.sandbox_path(*key)
-        found: dict[Look, Stop | None] = {}
-        while True:
-            step = next_step(found)
+        paths = [self.root.sandbox_path(*t.key) for t in targets]
+        found: list[dict[Look, Stop | None]] = [{} for _ in targets]
+        out: list[Held | Refused | Renamed | None] = [None] * len(targets)
+
+        def stopped(i: int) -> bool:
+            step = next_step(found[i])
             if isinstance(step, Held | Refused):
-                return step
-            if isinstance(step, Go):
-                break
-            found[step] = self._look(step, target, path)
+                out[i] = step
+            return out[i] is not None
+
+        for look in ORDER[: ORDER.index(Look.IN_USE)]:
+            for i, target in enumerate(targets):
+                if not stopped(i) and next_step(found[i]) is look:
+                    found[i][look] = self._look(look, target, paths[i])
+        pending = [i for i in range(len(targets)) if not stopped(i)]
+        while pending:
+            asked = time.monotonic()
+            usage = self._check_in_use({i: paths[i] for i in pending})
+            left = []
+            for n, i in enumerate(pending):
+                if n and time.monotonic() - asked > self.fresh_for:  # the first is always fresh: progress
+                    left = pending[n:]  # their answer is no longer fresh enough to rename on: ask again
+                    break
+                found[i][Look.IN_USE] = usage[i]
+                if stopped(i):
+                    continue
+                found[i][Look.RUN_AGAIN] = self._look(Look.RUN_AGAIN, targets[i], paths[i])
+                if not stopped(i):
+                    assert next_step(found[i]) is RENAME
+                    out[i] = self._rename(targets[i])
+            pending = left
+        done = [step for step in out if step is not None]
+        assert len(done) == len(targets)  # every target stopped or renamed: one outcome each, in order
+        return done
+
+    def _rename(self, target: Target) -> Renamed | Held:
+        key = target.key
         self._hook(self.hooks.before_rename, key, None)
         try:
             tomb = self.root.tombstone(*key, id=target.id, now=self.clock())
@@ -313,7 +366,12 @@ class Reaper:
             return Held(err.reason, errno=err.errno, error=str(err))
         logs.say(log, "tombstoned", reason=Reason.TOMBSTONED, object="/".join(key), tombstone=tomb.name)
         self._hook(self.hooks.after_rename, key, tomb)
-        return self._read_back_and_delete(key, target.claim, tomb, target.cause)
+        return Renamed(target, tomb)
+
+    def finish(self, renamed: Renamed) -> Outcome:
+        """The last step of a reap: read the run back through its tombstone, then delete the tombstone."""
+        target = renamed.target
+        return self._read_back_and_delete(target.key, target.claim, renamed.tomb, target.cause)
 
     def _look(self, look: Look, target: Target, path: Path) -> Stop | None:
         """Take one look; None when it found no reason to stop."""
@@ -327,8 +385,6 @@ class Reaper:
             return None if is_dir else Refused(Reason.LOST)  # a link or a file is never renamed: only reported
         if look is Look.ORPHANS:
             return self._reap_orphans(target.key, path)
-        if look is Look.IN_USE:
-            return self._check_in_use(path)
         if look is Look.RUN_AGAIN:  # a re-retain or a pin may have landed during the checks
             self._hook(self.hooks.after_check, target.key, None)
         same = target.claim.matches(self.root.read(*target.key))
@@ -347,15 +403,13 @@ class Reaper:
             )
         return Held(Reason.ORPHAN_SURVIVOR, survivors=reaped.survivors) if reaped.survivors else None
 
-    def _check_in_use(self, path: Path) -> Held | None:
-        """Asked fresh right before the rename: in use, or unknown (a failed check too), holds."""
+    def _check_in_use(self, paths: Mapping[int, Path]) -> dict[int, Held | None]:
+        """Asked fresh right before the renames: in use, or unknown (a failed check too), holds."""
         try:
-            usage = self.in_use(path)
+            answers = self.in_use_many(paths) if self.in_use_many else {i: self.in_use(p) for i, p in paths.items()}
         except Exception as err:
-            return Held(Reason.IN_USE_UNKNOWN, error=str(err)[:300])
-        if usage.holds:
-            return Held(usage.reason or (Reason.IN_USE if usage.in_use else Reason.IN_USE_UNKNOWN), usage=usage)
-        return None
+            return {i: Held(Reason.IN_USE_UNKNOWN, error=str(err)[:300]) for i in paths}
+        return {i: _hold(answers[i]) for i in paths}
 
     # --- a tombstone -----------------------------------------------------------------------------
 

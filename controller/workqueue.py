@@ -9,6 +9,7 @@ Used by the controller and the agent alike; they hold one, they do not contain o
 - `add_after(key, seconds)` queues it later; the earliest pending request for a key wins. One timer
   callback for the earliest due key (no task per sleep: kopf's shutdown waits 5 s for every task it
   did not start).
+- `get()` waits for the next key; `get_ready(limit)` takes more that are ready now, for a batch.
 - `add_rate_limited(key)` is `add_after` with per-key exponential backoff (base, 2x base, ... up to
   max); `forget(key)` resets it once the key succeeds; `drop(key)` also cancels its pending
   `add_after` (the object is gone), so the queue's memory follows the live keys.
@@ -98,6 +99,19 @@ class WorkQueue(Generic[K]):
             del self._queued[key]
             self._active.add(key)
             return key
+
+    def get_ready(self, limit: int) -> list[K]:
+        """Up to `limit` more keys that are ready now, without waiting: a worker that handles a batch at
+        once (the agent's one /proc pass for a wave of deletions) takes them together. `done` each one."""
+        out: list[K] = []
+        while len(out) < limit and not self._ready.empty():
+            _priority, _seq, key = self._ready.get_nowait()
+            if key not in self._queued or key in self._active:
+                continue
+            del self._queued[key]
+            self._active.add(key)
+            out.append(key)
+        return out
 
     def done(self, key: K) -> None:
         self._active.discard(key)

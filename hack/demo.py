@@ -5,11 +5,13 @@ two Node objects, and runs the controller and one agent per simulated node (each
 directory) as real `sandkeep` processes. Then it retains real job workspaces with `sandkeep retain`, pins
 one with `kubectl annotate`, keeps one in use with a live process, leaves an orphan command in one and
 SIGKILLs its recorder (the orphans do not hold it: they are killed when it expires), makes one
-undeletable with `chattr +i`, and shows what sandkeep does about each.
+undeletable with `chattr +i`, and shows what sandkeep does about each. Last, a third node whose disk is a
+small tmpfs fills past its high watermark and its agent releases the oldest unpinned runs, the pinned one
+surviving.
 
 Every step checks its expected outcome with a timeout; the demo exits 1 (saying which step and why) if
 one does not happen. Every process and directory it created is removed on exit, on Ctrl-C and on SIGTERM.
-Needs root (chattr +i) and the built tools (`make tools`).
+Needs root (chattr +i, mounting the tmpfs) and the built tools (`make tools`).
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ class Demo:
     immutable: list[Path] = field(default_factory=list)
     window: str = WINDOW
     recorded: str = RECORDED
+    agent_args: list[str] = field(default_factory=list)  # what every agent gets: kubeconfig, namespace, timing
+    mounts: list[Path] = field(default_factory=list)  # unmounted at the end
 
     # --- narration ---------------------------------------------------------------------------------------
     def elapsed(self) -> str:
@@ -226,6 +230,18 @@ class Demo:
         with urllib.request.urlopen(url, timeout=5) as response:
             text: str = response.read().decode()
         return text
+
+    def agent_metrics(self, node: str) -> None:
+        """Wait until the agent on `node` serves metrics, and remember its port."""
+        found = self.wait(
+            f"the agent on {node} to serve metrics", lambda: re.search(r"metrics_port=(\d+)", self.agent_log(node))
+        )
+        self.metrics_ports[node] = int(found.group(1))
+
+    def objects(self, namespace: str) -> dict[str, dict[str, Any]]:
+        """The namespace's RetainedSandboxes by name."""
+        out = self.cluster.kubectl("get", "rsb", "-n", namespace, "-o", "json")
+        return {o["metadata"]["name"]: o for o in json.loads(out.stdout)["items"]}
 
     def agent_log(self, node: str) -> str:
         proc = next(p for p in self.procs if p.name == f"agent {node}")
@@ -374,6 +390,10 @@ def start_components(demo: Demo) -> None:
     controller_args = [*demo.sandkeep, "controller", *common, "--lease-duration=5"]
     controller = demo.start("controller", controller_args, logs / "controller.log")
     timing = ["--scan-interval=1s", "--stuck-after=3s", "--orphan-timeout=3s"]
+    demo.agent_args = [*common, *timing]
+    # Their roots share this machine's disk, however full it is: releasing for space is off for them
+    # (the disk-pressure step runs a node of its own on a small filesystem).
+    timing = [*timing, "--pressure-high=100"]
     for node in NODES:
         root = demo.workdir / f"{node}-root"
         demo.roots[node] = root
@@ -384,12 +404,8 @@ def start_components(demo: Demo) -> None:
     assert controller_log is not None
     demo.wait("the controller to take the leader Lease", lambda: "leader_elected" in controller_log.read_text())
 
-    def metrics_port(node: str) -> re.Match[str] | None:
-        return re.search(r"metrics_port=(\d+)", demo.agent_log(node))
-
     for node in NODES:
-        found = demo.wait(f"the agent on {node} to serve metrics", functools.partial(metrics_port, node))
-        demo.metrics_ports[node] = int(found.group(1))
+        demo.agent_metrics(node)
         demo.wait(
             f"the agent on {node} to send its first heartbeat",
             lambda n=node: demo.kubectl(  # type: ignore[misc]
@@ -715,10 +731,98 @@ def finale(demo: Demo) -> None:
     print("    orphans reaped     : agent-run-18's, at its deadline, right before it was deleted")
     print(f"    deleted            : {len(deleted)} ({', '.join(s.name for s in deleted)})")
     print("    stuck, then fixed  : 1 (build-1044: immutable file, recovered after chattr -i)")
+    print(f"    released for space : 2 on {PRESSURE_NODE} (run-1, run-3: oldest unpinned; pinned run-2 kept)")
     print(f"    bytes freed        : {freed} ({freed / 1024 / 1024:.1f} MiB, as measured by the agents)")
     remaining = {s.name for s in demo.sandboxes.values() if not s.deleted}
     if remaining != {"build-1043"}:
         raise DemoFailed(f"only the pinned build-1043 should remain, but {sorted(remaining)} do")
+
+
+PRESSURE_NODE = "node-c"
+PRESSURE_NAMESPACE = "ci-runs"
+PRESSURE_DISK = 64  # MiB: a tmpfs standing in for a node's disk
+PRESSURE_RUN = 8  # MiB per retained run
+PRESSURE_SCRATCH = 20  # MiB another workload writes to the same disk
+PRESSURE_HIGH, PRESSURE_LOW = 75, 60  # percent used: above high, release until the projection is under low
+
+
+def disk_pressure(demo: Demo) -> None:
+    demo.step(
+        f"A node's disk fills: sandkeep frees it before the kubelet evicts Pods ({PRESSURE_NODE})",
+        f"A third node whose disk is a {PRESSURE_DISK} MiB tmpfs keeps four CI runs of {PRESSURE_RUN} MiB in "
+        f"namespace {PRESSURE_NAMESPACE} (the cluster's 72h window: none expires), one of them pinned for a week. Then "
+        f"another workload writes {PRESSURE_SCRATCH} MiB to the same disk. Above its high watermark "
+        f"({PRESSURE_HIGH}% used here; 85% by default, below the kubelet's eviction at 90%) the agent releases "
+        f"the oldest unpinned, unheld runs until the disk is projected under its low watermark ({PRESSURE_LOW}%).",
+    )
+    disk = demo.workdir / f"{PRESSURE_NODE}-disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={PRESSURE_DISK}m,mode=0700", "tmpfs", str(disk)], check=True)
+    demo.mounts.append(disk)
+    root = disk / "sandkeep"
+    demo.cluster.create_node(PRESSURE_NODE, ready=True)
+    demo.kubectl("create", "namespace", PRESSURE_NAMESPACE)
+    marks = [f"--pressure-high={PRESSURE_HIGH}", f"--pressure-low={PRESSURE_LOW}"]
+    args = [*demo.sandkeep, "agent", f"--node={PRESSURE_NODE}", f"--root={root}", *demo.agent_args, *marks]
+    args += [f"--ignore-pid={pid}" for pid in uninspectable_pids()]
+    demo.start(f"agent {PRESSURE_NODE}", args, demo.workdir / "logs" / f"agent-{PRESSURE_NODE}.log")
+    demo.agent_metrics(PRESSURE_NODE)
+    runs = ["run-1", "run-2", "run-3", "run-4"]  # oldest first
+    jobs = disk / "jobs"  # on the node's disk: sandkeep retains by rename, never by copy
+    for age, name in zip((4, 3, 2, 1), runs, strict=True):
+        src = jobs / name
+        src.mkdir(parents=True)
+        (src / "cache.bin").write_bytes(os.urandom(PRESSURE_RUN << 20))
+        created = (now_utc() - timedelta(hours=age)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        where = [f"--root={root}", f"--namespace={PRESSURE_NAMESPACE}", f"--name={name}", f"--node={PRESSURE_NODE}"]
+        demo.run_sandkeep("retain", *where, f"--created-at={created}", str(src), show=False)
+
+    def runs_now() -> dict[str, dict[str, Any]]:
+        return demo.objects(PRESSURE_NAMESPACE)
+
+    def measured() -> bool:
+        objs = runs_now()
+        return len(objs) == len(runs) and all((o.get("status") or {}).get("sizeBytes") for o in objs.values())
+
+    def pinned() -> bool:
+        return (runs_now().get("run-2") or {}).get("status", {}).get("phase") == c.Phase.PINNED
+
+    demo.wait(f"the four runs on {PRESSURE_NODE} to be adopted and measured", measured)
+    demo.kubectl("annotate", "rsb/run-2", "-n", PRESSURE_NAMESPACE, f"{c.ANN_PIN_FOR}=7d", show=True)
+    demo.wait("run-2 to be Pinned", pinned)
+    demo.kubectl("get", "rsb", "-n", PRESSURE_NAMESPACE, show=True)
+    demo.show("df", _df(disk), command=False)
+    scratch = disk / "scratch"
+    scratch.mkdir()
+    (scratch / "layer.tar").write_bytes(os.urandom(PRESSURE_SCRATCH << 20))
+    demo.say(f"another workload wrote {PRESSURE_SCRATCH} MiB to the same disk:")
+    demo.show("df", _df(disk), command=False)
+    expected = {"run-2", "run-4"}
+
+    def on_disk() -> set[str]:
+        return {p.name for p in (root / PRESSURE_NAMESPACE).iterdir()}
+
+    demo.wait(
+        "the oldest unpinned runs (run-1, run-3) to be released and deleted, the pinned run-2 kept",
+        lambda: set(runs_now()) == expected and on_disk() == expected,
+        timeout=60,
+    )
+    demo.kubectl("get", "rsb", "-n", PRESSURE_NAMESPACE, show=True)
+    demo.show("df", _df(disk), command=False)
+    selector = ["--field-selector", f"reason={c.Reason.DISK_PRESSURE}"]
+    events = demo.kubectl("get", "events", "-n", PRESSURE_NAMESPACE, *selector, "-o", "json")
+    words = [f"{e['involvedObject']['name']}: {e['message']}" for e in json.loads(events)["items"]]
+    demo.show("Events with reason DiskPressure", "\n".join(words), command=False)
+    releases = metric_value(demo.metrics(PRESSURE_NODE).splitlines(), c.M_PRESSURE_RELEASES)
+    if releases != 2:
+        raise DemoFailed(f"{c.M_PRESSURE_RELEASES} should count 2 releases, it says {releases}")
+    demo.ok(f"run-1 and run-3 released ({c.M_PRESSURE_RELEASES} = 2); pinned run-2 and the newest run-4 kept")
+
+
+def _df(path: Path) -> str:
+    vfs = os.statvfs(path)
+    size, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+    return f"{path.name}: {(size - free) >> 20} MiB used of {size >> 20} MiB ({100 * (size - free) / size:.0f}%)"
 
 
 STORY: tuple[Sandbox, ...] = (
@@ -748,6 +852,7 @@ def play(demo: Demo) -> None:
     stuck(demo)
     recover(demo)
     release(demo, sleeper)
+    disk_pressure(demo)
     finale(demo)
 
 
@@ -773,6 +878,8 @@ def cleanup(demo: Demo) -> None:
     for root in demo.roots.values():
         if root.exists():
             subprocess.run(["chattr", "-R", "-i", str(root)], capture_output=True, check=False)
+    for mount in reversed(demo.mounts):
+        subprocess.run(["umount", str(mount)], capture_output=True, check=False)
 
 
 def print_logs(demo: Demo) -> None:

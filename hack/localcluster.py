@@ -606,10 +606,13 @@ class LocalCluster:
         Node authorizer all look the Node up. Ready is written through the status subresource, as a
         kubelet would; nothing keeps it fresh, and nothing marks it NotReady either.
         """
+        # A node name may run to 253 characters, a label value to 63: the hostname label gets the
+        # name's first DNS label, as a kubelet on a host named that way would set it.
+        hostname = name.split(".")[0][:63].rstrip("-")
         node = {
             "apiVersion": "v1",
             "kind": "Node",
-            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": hostname, **(labels or {})}},
         }
         self.kubectl("create", "-f", "-", input=json.dumps(node))
         if ready:

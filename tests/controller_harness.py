@@ -1,6 +1,8 @@
 """Test helpers for the CRDs and the controller against the real local control plane.
 
 - `install_crds(cluster)`: apply `crds/` and wait until the API server serves them (idempotent).
+- `render_templates(...)`: some of the chart's templates, rendered by the real helm for one release.
+- `only_in(namespace)`: the chart value that binds the pin admission policy to that namespace alone.
 - `Controller`: a real `sandkeep controller` subprocess (stopped by pid), its log and metrics.
 - `sandbox(...)`, `events_for(...)`, `wait_for(...)`: small builders and a polling wait.
 """
@@ -20,12 +22,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
+from localcluster import kube_version, tools_bin
+
 from controller import contracts as c
 from controller.durations import format_instant
 from controller.kube import Kube, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 CRDS = REPO / "crds"
+CHART = REPO / "charts" / "sandkeep"
 T = TypeVar("T")
 
 
@@ -34,6 +40,20 @@ def install_crds(cluster: Any) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
     crds = (f"crd/{c.SANDBOX_PLURAL}.{c.GROUP}", f"crd/{c.POLICY_PLURAL}.{c.GROUP}")
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
+
+
+def render_templates(release: str, namespace: str, templates: tuple[str, ...], *values: str) -> list[dict[str, Any]]:
+    """The objects of some of the chart's templates (`helm template --show-only`) for `release` in `namespace`."""
+    args = [str(tools_bin() / "helm"), "template", release, str(CHART), f"--namespace={namespace}"]
+    args += [f"--kube-version={kube_version()}", *(f"--show-only=templates/{t}" for t in templates), *values]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def only_in(namespace: str) -> str:
+    """`--set` binding the chart's pin policy to one namespace: the test cluster is shared, and other tests
+    write malformed pins on purpose to see the controller's own checks."""
+    return f"--set=admission.namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name={namespace}"
 
 
 def kube_for(cluster: Any) -> Kube:

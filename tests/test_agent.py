@@ -29,7 +29,8 @@ from controller_harness import Controller, install_crds
 
 from controller import agent as agent_mod
 from controller import contracts as c
-from controller import kube, metrics
+from controller import kube, metrics, watching
+from controller.agent import watch as agent_watch
 from controller.inuse import uninspectable_pids
 from controller.sizes import human_size
 from controller.store import Root
@@ -98,6 +99,7 @@ class AgentProcess:
         env: dict[str, str] | None = None,
         kubeconfig: Path | None = None,
         extra: list[str] | None = None,
+        wrap: list[str] | None = None,
     ):
         flags = {
             "--node": node.name,
@@ -114,7 +116,8 @@ class AgentProcess:
             "--pressure-high": "100",
             "--pressure-low": "99",
         }
-        args = [sys.executable, "-m", "controller.cli", "agent", *(part for kv in flags.items() for part in kv)]
+        cli = [*(wrap or []), sys.executable, "-m", "controller.cli"]  # wrap: e.g. strace, to record its calls
+        args = [*cli, "agent", *(part for kv in flags.items() for part in kv)]
         for pid in IGNORE:
             args += ["--ignore-pid", str(pid)]
         args += extra or []  # a flag given again wins (argparse keeps the last)
@@ -810,6 +813,26 @@ def test_a_mount_inside_a_sandbox_holds_deletion_and_its_files_survive(cluster, 
     assert (other_fs / "data").read_text() == "not the sandbox's"
 
 
+def test_sigterm_stops_the_agent_cleanly_once_its_watch_runs(cluster, namespace, nodes, agents):
+    # kopf takes SIGTERM over once its watch runs; the agent must still stop on it, not linger until a
+    # SIGKILL (the kubelet's grace period) while its watch is gone.
+    n1, _ = nodes
+    make_object(cluster, namespace, "seen", n1.name)
+    agent = agents(n1)
+    agent.metrics_port()
+    wait_for(lambda: "Initial authentication has finished" in agent.log(), what="kopf's watch started")
+    wait_for(
+        lambda: (
+            get(cluster, namespace, "seen")
+            and c.FINALIZER in get(cluster, namespace, "seen")["metadata"].get("finalizers", [])
+        ),
+        what="the object seen",
+    )
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(timeout=30) == 0, agent.log()[-3000:]
+    assert "agent_stopped" in agent.log()
+
+
 def test_a_second_agent_on_the_same_root_waits_for_the_lock(cluster, namespace, nodes, agents):
     n1, _ = nodes
     first = agents(n1)
@@ -822,19 +845,33 @@ def test_a_second_agent_on_the_same_root_waits_for_the_lock(cluster, namespace, 
     assert "root_lock_acquired" in second.log()
 
 
-def test_a_watch_resumed_from_a_compacted_resource_version_lists_again(cluster, namespace, nodes):
-    # A watch that resumes from a resourceVersion the server no longer has (410 Gone, after etcd
-    # compaction or a long disconnect) must not stop or loop: the agent lists its node's objects again.
+def test_the_agents_watch_gets_only_its_nodes_objects_from_the_api_server(cluster, namespace, nodes):
+    # The agent's kopf watch carries the field selector spec.nodeName=<node>: the API server filters, so
+    # other nodes' objects never cross the wire (the handler here has no client-side filter of its own).
     n1, n2 = nodes
     make_object(cluster, namespace, "mine", n1.name)
     make_object(cluster, namespace, "theirs", n2.name)
     client = kube.Kube(kube.load_config(str(cluster.kubeconfig)), component="test-watch")
-    seen: list[tuple[str, Any]] = []
-    watcher = agent_mod.Watcher(client, n1.name, lambda kind, payload: seen.append((kind, payload)), "1")
-    watcher.start()
+    seen: list[tuple[str | None, str]] = []
+
+    async def record(event_type: str | None, obj: dict[str, Any]) -> None:
+        if obj["metadata"]["namespace"] == namespace:
+            seen.append((event_type, obj["metadata"]["name"]))
+
+    async def watch_until_later_create() -> None:
+        stop = asyncio.Event()
+        operator = watching.run(agent_watch.registry(client, record), agent_watch.settings(n1.name), stop=stop)
+        while (None, "mine") not in seen:  # kopf's initial listing
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(make_object, cluster, namespace, "theirs-later", n2.name)
+        await asyncio.to_thread(make_object, cluster, namespace, "mine-later", n1.name)
+        while ("ADDED", "mine-later") not in seen:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(operator, timeout=20)
+
     try:
-        resets = wait_for(lambda: [p for kind, p in seen if kind == "reset"], what="a re-list after 410 Gone")
+        asyncio.run(asyncio.wait_for(watch_until_later_create(), timeout=60))
     finally:
-        watcher.stopping.set()
-    names = {o["metadata"]["name"] for o in resets[0] if o["metadata"]["namespace"] == namespace}
-    assert names == {"mine"}  # the re-list still carries the server-side field selector
+        client.close()
+    assert {name for _, name in seen} == {"mine", "mine-later"}

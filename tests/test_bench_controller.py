@@ -26,5 +26,6 @@ def test_controller_scale_benchmark_runs_small(cluster: LocalCluster) -> None:
     assert result.returncode == 0, out + result.stderr
     assert "time to reconcile all 60:" in out, out
     assert "steady-state API writes per hour (sandboxes, policies, events): 0 " in out, out
-    assert "deleted 60/60" in out, out
+    assert "deleted 60/60 due (2 of 2 namespaces)" in out, out
+    assert "rss_per_object_kib" in out and "requests APPLY" in out, out
     assert "controller peak RSS:" in out, out

@@ -9,6 +9,7 @@ rules and the dashboard are checked against the names the code's registries expo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -21,12 +22,14 @@ from typing import Any
 
 import pytest
 import yaml
-from controller_harness import wait_for
+from controller_harness import only_in, wait_for
 from localcluster import LocalCluster, kube_version
 
 from controller import contracts as c
 from controller import logs
+from controller.durations import MAX_DURATION, MAX_INSTANT, MIN_INSTANT, format_instant
 from controller.metrics import series_names
+from controller.models import NAME_MAX
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "sandkeep"
@@ -177,6 +180,7 @@ def test_defaults_render_every_component(tools: Path) -> None:
         "ClusterRole/sk-sandkeep-view",
         "ClusterRoleBinding/sk-sandkeep-agent",
         "ClusterRoleBinding/sk-sandkeep-controller",
+        "ConfigMap/sk-sandkeep-agent-seccomp",
         "DaemonSet/sk-sandkeep-agent",
         "Deployment/sk-sandkeep-controller",
         "PodDisruptionBudget/sk-sandkeep-controller",
@@ -190,7 +194,9 @@ def test_defaults_render_every_component(tools: Path) -> None:
         "ServiceAccount/sk-sandkeep-agent",
         "ServiceAccount/sk-sandkeep-controller",
         "ValidatingAdmissionPolicy/sk-sandkeep-agent-node-scope",
+        "ValidatingAdmissionPolicy/sk-sandkeep-pins",
         "ValidatingAdmissionPolicyBinding/sk-sandkeep-agent-node-scope",
+        "ValidatingAdmissionPolicyBinding/sk-sandkeep-pins",
     ]
     deployment = find(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 2
@@ -423,6 +429,35 @@ def test_agent_drops_every_capability_and_adds_back_only_four_each_justified(too
         assert re.search(rf"\b{cap} [a-z]", doc), f"capability {cap} has no sentence saying why"
 
 
+def test_the_agent_runs_under_the_charts_seccomp_profile_installed_by_its_init_container(tools: Path) -> None:
+    docs = objects(render(tools, "--set=agent.seccomp.kubeletRootDir=/data/kubelet/"))
+    pod = find(docs, "DaemonSet")["spec"]["template"]
+    profile = (CHART / "files" / "agent-seccomp.json").read_text()
+    assert find(docs, "ConfigMap", "-agent-seccomp")["data"] == {"sk-sandkeep-agent.json": profile}
+    agent, init = pod["spec"]["containers"][0], pod["spec"]["initContainers"][0]
+    assert agent["securityContext"]["seccompProfile"] == {
+        "type": "Localhost",
+        "localhostProfile": "sandkeep/sk-sandkeep-agent.json",
+    }
+    assert "sandkeep/sk-sandkeep-agent.json.tmp /host-seccomp/sandkeep/sk-sandkeep-agent.json" in init["command"][2]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["kubelet-seccomp"]["hostPath"] == {"path": "/data/kubelet/seccomp", "type": "DirectoryOrCreate"}
+    assert {m["name"] for m in init["volumeMounts"]} == {"seccomp-profile", "kubelet-seccomp"}
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert "kubelet-seccomp" not in {m["name"] for m in agent["volumeMounts"]}, "the agent cannot rewrite its profile"
+    # a new profile rolls the agents, each new Pod installing it before its agent starts
+    assert pod["metadata"]["annotations"]["checksum/seccomp"] == hashlib.sha256(profile.encode()).hexdigest()
+
+
+def test_without_the_seccomp_profile_the_agent_keeps_the_runtime_default(tools: Path) -> None:
+    docs = objects(render(tools, "--set=agent.seccomp.enabled=false", "--set=agent.podAnnotations.team=ci"))
+    pod = find(docs, "DaemonSet")["spec"]["template"]
+    assert not [d for d in docs if d["kind"] == "ConfigMap"] and "initContainers" not in pod["spec"]
+    assert "seccompProfile" not in pod["spec"]["containers"][0]["securityContext"]
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["metadata"]["annotations"] == {"team": "ci"}
+
+
 def test_controller_runs_as_non_root_without_capabilities(tools: Path) -> None:
     pod = find(objects(render(tools)), "Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
@@ -620,11 +655,41 @@ def test_agent_role_cannot_delete_read_secrets_or_grant(tools: Path) -> None:
 
 
 def test_agent_node_scope_policy_uses_the_contracts_lease_prefix(tools: Path) -> None:
-    policy = find(objects(render(tools)), "ValidatingAdmissionPolicy")
-    lease_rule = next(v["expression"] for v in policy["spec"]["validations"] if "coordination" in v["expression"])
-    assert f"'{c.AGENT_LEASE_PREFIX}' + variables.node" in lease_rule
+    policy = find(objects(render(tools)), "ValidatingAdmissionPolicy", "-agent-node-scope")
+    lease = next(v["expression"] for v in policy["spec"]["variables"] if v["name"] == "lease")
+    # leases.heartbeat_name, as CEL (tests/test_rbac.py shows both on the API server with a 253-char node)
+    prefixed = f"'{c.AGENT_LEASE_PREFIX}' + variables.node"
+    assert lease == f"size({prefixed}) <= {NAME_MAX} ? {prefixed} : variables.node"
+    node_rule = next(v["expression"] for v in policy["spec"]["validations"] if "leaseNode" in v["expression"])
+    assert f"annotations[?'{c.LABEL_NODE}']" in node_rule
     agent = "system:serviceaccount:sandkeep:sk-sandkeep-agent"
     assert policy["spec"]["matchConditions"][0]["expression"] == f'request.userInfo.username == "{agent}"'
+
+
+def test_pin_policy_reads_the_contracts_keys_and_bounds_and_spares_the_charts_serviceaccounts(tools: Path) -> None:
+    # tests/test_admission.py proves the CEL against durations.py on the API server; this ties the names.
+    values = ("--set=controller.serviceAccount.name=ctl", "--set=agent.serviceAccount.name=agt")
+    policy = find(objects(render(tools, *values)), "ValidatingAdmissionPolicy", "-pins")
+    expressions = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert expressions["changed"].startswith(f"['{c.ANN_PIN_UNTIL}', '{c.ANN_PIN_FOR}']")
+    latest = format_instant(MAX_INSTANT).replace("Z", ".000000999Z")  # Python keeps microseconds only
+    assert f"timestamp('{format_instant(MIN_INSTANT)}')" in expressions["instantInRange"]
+    assert f"timestamp('{latest}')" in expressions["instantInRange"]
+    too_large = next(v for v in policy["spec"]["validations"] if "too large" in v["messageExpression"])
+    assert f"<= {int(MAX_DURATION.total_seconds())})" in too_large["expression"]
+    assert f"at most {MAX_DURATION.days}d" in too_large["messageExpression"]
+    users = '["system:serviceaccount:sandkeep:ctl","system:serviceaccount:sandkeep:agt"]'
+    assert policy["spec"]["matchConditions"][0]["expression"] == f"!(request.userInfo.username in {users})"
+
+
+def test_pin_policy_turns_off_and_binds_only_the_namespaces_asked(tools: Path) -> None:
+    assert not [
+        d for d in objects(render(tools, "--set=admission.pinPolicy=false")) if d["metadata"]["name"].endswith("-pins")
+    ]
+    assert "matchResources" not in find(objects(render(tools)), "ValidatingAdmissionPolicyBinding", "-pins")["spec"]
+    binding = find(objects(render(tools, only_in("team-a"))), "ValidatingAdmissionPolicyBinding", "-pins")
+    selector = {"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}
+    assert binding["spec"]["matchResources"] == {"namespaceSelector": selector}
 
 
 def test_aggregated_roles_carry_the_aggregation_labels(tools: Path) -> None:
@@ -694,7 +759,14 @@ def test_helm_install_creates_every_object(
 ) -> None:
     release = f"sk-{secrets.token_hex(3)}"
     install = helm(
-        tools, "install", release, str(CHART), f"--namespace={namespace}", *EVERYTHING_ON, kubeconfig=cluster.kubeconfig
+        tools,
+        "install",
+        release,
+        str(CHART),
+        f"--namespace={namespace}",
+        *EVERYTHING_ON,
+        only_in(namespace),  # the pin policy too, but not over the other tests' namespaces
+        kubeconfig=cluster.kubeconfig,
     )
     try:
         assert "STATUS: deployed" in install.stdout
@@ -758,7 +830,16 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
             cluster.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
             release = f"pods-{secrets.token_hex(3)}"
             pool = f"--set=agent.nodeSelector.sandkeep\\.io/test-pool={wanted}"
-            helm(tools, "install", release, str(CHART), f"--namespace={ns}", pool, kubeconfig=cluster.kubeconfig)
+            helm(
+                tools,
+                "install",
+                release,
+                str(CHART),
+                f"--namespace={ns}",
+                pool,
+                only_in(ns),
+                kubeconfig=cluster.kubeconfig,
+            )
             releases.append((release, ns))
         for level, ns in levels.items():
             wait_for(f"two controller Pods under {level}", lambda n=ns: len(_pods(cluster, n, "controller")) == 2, 60)

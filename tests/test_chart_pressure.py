@@ -1,9 +1,12 @@
-"""The chart's disk-pressure values (`pressure.high`, `pressure.low`, `pressure.minFreeBytes`): rendered into
-the agent's flags, which the agent's own settings accept, and bad values refused with a clear message."""
+"""The chart's values for releasing space: disk pressure (`pressure.high`, `pressure.low`,
+`pressure.minFreeBytes`) rendered into the agent's flags, quotas (`settings.quota`, `settings.quotaCeiling`)
+into the controller's environment; each read by that component's own settings, and bad values refused with
+a clear message."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,9 @@ from localcluster import kube_version
 from test_chart import CHART, find, helm, objects, render
 
 from controller import agent
+from controller import controller as controller_mod
+from controller.controller import ControllerSettings
+from controller.policy import Quota
 
 
 def agent_settings(manifest: str) -> agent.AgentSettings:
@@ -52,3 +58,61 @@ def test_values_reach_the_agent_as_given(tools: Path) -> None:
 def test_bad_pressure_values_are_refused(tools: Path, value: str, words: str) -> None:
     result = helm(tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}", value, check=False)
     assert result.returncode != 0 and words in result.stderr, result.stderr
+
+
+# --- quotas (the controller's settings) ----------------------------------------------------------------
+def controller_settings(manifest: str) -> ControllerSettings:
+    """The rendered Deployment's SANDKEEP_* environment, read by the controller's own settings."""
+    container = find(objects(manifest), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith("SANDKEEP_")]:
+            patch.delenv(name)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return ControllerSettings()
+
+
+def test_quotas_are_off_by_default_and_reach_the_controller_as_given(tools: Path) -> None:
+    assert controller_settings(render(tools)).policy().quota == Quota()
+    settings = controller_settings(
+        render(
+            tools,
+            "--set=settings.quota.maxBytes=50Gi",
+            "--set=settings.quota.maxCount=0",
+            "--set=settings.quotaCeiling.maxBytes=1099511627776",
+            "--set=settings.quotaCeiling.maxCount=500",
+        )
+    )
+    assert settings.policy().quota == Quota(max_bytes=50 << 30, max_count=0)
+    assert settings.ceiling().quota == Quota(max_bytes=1 << 40, max_count=500)
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("--set=settings.quota.maxBytes=1.5G", "/settings/quota/maxBytes"),
+        ("--set=settings.quota.maxCount=-1", "/settings/quota/maxCount"),
+        ("--set=settings.quotaCeiling.maxBytes=-5", "/settings/quotaCeiling/maxBytes"),
+        ("--set=settings.quota.maxSize=5", "maxSize"),
+    ],
+)
+def test_bad_quota_values_are_refused(tools: Path, value: str, words: str) -> None:
+    result = helm(tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}", value, check=False)
+    assert result.returncode != 0 and words in result.stderr, result.stderr
+
+
+def test_the_client_rate_limits_reach_both_components(tools: Path) -> None:
+    manifest = render(tools, "--set-json=agent.kubeApi.qps=7.5", "--set=controller.kubeApi.burst=300")
+    parser = argparse.ArgumentParser()
+    agent.add_arguments("agent", parser)
+    args = find(objects(manifest), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    own = [a for a in args[args.index("agent") + 1 :] if a.startswith("--kube-")]
+    settings = agent.settings_from(parser.parse_args(own))
+    assert (settings.kube_qps, settings.kube_burst) == (7.5, 40)
+    parser = argparse.ArgumentParser()
+    controller_mod.add_arguments("controller", parser)
+    args = find(objects(manifest), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    own = [a for a in args[args.index("controller") + 1 :] if a.startswith("--kube-")]
+    ctl = controller_mod.settings_from(parser.parse_args(own))
+    assert (ctl.kube_qps, ctl.kube_burst) == (100, 300)

@@ -7,6 +7,7 @@ few seconds. No agent runs here, so no finalizer is on the objects and a DELETE 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import threading
@@ -307,21 +308,22 @@ def test_a_shortened_policy_applies_to_existing_sandboxes(
     kube: Kube, cluster: LocalCluster, namespace: str, start: Any
 ) -> None:
     start("--retention=1h")
-    kube.create_sandbox(namespace, sandbox("old", created=-timedelta(seconds=20)))
+    # 30 s between the apply and the new deadline: a loaded machine must still show the new deadline first.
+    kube.create_sandbox(namespace, sandbox("old", created=-timedelta(seconds=30)))
     first = wait_for("status", lambda: status_of(kube, namespace, "old").get("deadline"))
     policy = {
         "apiVersion": c.API_VERSION,
         "kind": c.POLICY_KIND,
         "metadata": {"name": "short", "namespace": namespace},
-        "spec": {"retention": "25s"},
+        "spec": {"retention": "60s"},
     }
     cluster.apply(policy)
     moved = wait_for(
         "the new deadline", lambda: (d := status_of(kube, namespace, "old").get("deadline")) != first and d
     )
     created = parse_instant(get(kube, namespace, "old")["spec"]["createdAt"])  # type: ignore[index]
-    assert moved == format_instant(created + timedelta(seconds=25))  # type: ignore[operator]
-    wait_for("the sandbox to be deleted under the new window", lambda: gone(kube, namespace, "old"), timeout=20)
+    assert moved == format_instant(created + timedelta(seconds=60))  # type: ignore[operator]
+    wait_for("the sandbox to be deleted under the new window", lambda: gone(kube, namespace, "old"), timeout=60)
 
 
 def test_a_second_policy_is_superseded_and_the_oldest_applies(
@@ -580,3 +582,32 @@ def test_an_expired_sandbox_the_agent_sees_in_use_is_held_until_released(
     assert not gone(kube, namespace, "busy")
     kube.apply_status(obj, {"inUse": False}, AGENT_MANAGER)
     wait_for("the released sandbox to be deleted", lambda: gone(kube, namespace, "busy"))
+
+
+def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:
+    # A mass expiry against a slow API server: Events wait in a backlog of at most EVENTS_BACKLOG; past it
+    # a new Event is dropped and counted, so memory does not grow with the wave (client-go bounds its own).
+    from kubernetes import client as k8s
+
+    from controller.controller import EVENTS_BACKLOG, ControllerSettings, Reconciler
+    from controller.metrics import ControllerMetrics
+
+    answered = threading.Event()
+
+    class SlowServer(Kube):
+        def post_event(self, *_args: Any, **_kwargs: Any) -> None:
+            answered.wait(30)
+
+    rec = Reconciler(SlowServer(k8s.Configuration()), ControllerSettings(), ControllerMetrics())
+    obj = _obj()
+
+    async def wave() -> None:
+        for _ in range(EVENTS_BACKLOG + 250):
+            rec._post(obj, c.Reason.EXPIRED, "expired", "Normal")
+        assert len(rec._background) == EVENTS_BACKLOG
+        answered.set()
+        while rec._background:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(wave())
+    assert rec.metrics.events_dropped._value.get() == 250

@@ -15,10 +15,13 @@ from typing import Any
 import pytest
 import yaml
 from controller_harness import CRDS, install_crds, instant
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from localcluster import KubectlError, LocalCluster
 
 from controller import contracts as c
-from controller.sizes import human_size
+from controller.durations import Invalid
+from controller.sizes import human_size, parse_size
 
 
 def crd(name: str) -> dict[str, Any]:
@@ -68,7 +71,9 @@ def test_policy_crd_names_match_contracts() -> None:
     assert (names["kind"], names["plural"], names["singular"]) == (c.POLICY_KIND, c.POLICY_PLURAL, c.POLICY_SINGULAR)
     assert names["shortNames"] == [c.POLICY_SHORT]
     assert names["categories"] == [c.CATEGORY]
-    assert set(version_schema(doc)["properties"]["spec"]["properties"]) == {"retention", "maxPin", "dryRun"}
+    spec = version_schema(doc)["properties"]["spec"]["properties"]
+    assert set(spec) == {"retention", "maxPin", "dryRun", "quota", "releasePriority"}
+    assert spec["releasePriority"]["enum"] == [p.value for p in c.ReleasePriority]
 
 
 def _fields(schema: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -114,6 +119,7 @@ def test_status_enums_are_the_contracts_enums() -> None:
     status = version_schema(crd(c.SANDBOX_PLURAL))["properties"]["status"]["properties"]
     assert status["phase"]["enum"] == [p.value for p in c.Phase]
     assert status["deadlineSource"]["enum"] == [s.value for s in c.DeadlineSource]
+    assert status["releasePriority"]["enum"] == [p.value for p in c.ReleasePriority]
     reason_pattern = status["conditions"]["items"]["properties"]["reason"]["pattern"]
     assert all(re.match(reason_pattern, r.value) for r in c.Reason)
 
@@ -192,6 +198,35 @@ def test_a_policy_with_an_unreadable_retention_is_refused(crds: LocalCluster, na
     words = refusal(crds, namespace, {"metadata": {"name": "p"}, "spec": {"retention": "3 days"}}, c.POLICY_KIND)
     assert "spec.retention" in words
     create(crds, namespace, {"metadata": {"name": "p"}, "spec": {"retention": "3d", "maxPin": "2w"}}, c.POLICY_KIND)
+
+
+def test_a_policy_quota_and_release_priority_outside_the_schema_are_refused(crds: LocalCluster, namespace: str) -> None:
+    def policy(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "spec": spec}
+
+    assert "spec.quota.maxBytes" in refusal(
+        crds, namespace, policy("a", {"quota": {"maxBytes": "1.5G"}}), c.POLICY_KIND
+    )
+    assert "spec.quota.maxCount" in refusal(crds, namespace, policy("b", {"quota": {"maxCount": -1}}), c.POLICY_KIND)
+    words = refusal(crds, namespace, policy("c", {"releasePriority": "Never"}), c.POLICY_KIND)
+    assert "spec.releasePriority" in words and "First" in words
+    create(crds, namespace, policy("d", {"quota": {"maxBytes": "50Gi", "maxCount": 10}}), c.POLICY_KIND)
+    create(crds, namespace, policy("e", {"quota": {"maxBytes": 1000}, "releasePriority": "Last"}), c.POLICY_KIND)
+
+
+@given(st.text(alphabet="0123456789kKMGTPEi.e+- ", max_size=24))
+@settings(max_examples=300, deadline=None)
+def test_the_quota_size_pattern_accepts_exactly_what_parse_size_reads(text: str) -> None:
+    # The schema's pattern refuses at `kubectl apply` what the controller could not read; the two must agree
+    # (beyond the pattern, only a number too large for int64 is the controller's alone to refuse).
+    schema = version_schema(crd(c.POLICY_PLURAL))["properties"]["spec"]["properties"]["quota"]["properties"]
+    pattern = schema["maxBytes"]["pattern"]
+    by_schema = re.fullmatch(pattern.strip("^$"), text) is not None and len(text) <= schema["maxBytes"]["maxLength"]
+    parsed = parse_size(text)
+    if by_schema:
+        assert not isinstance(parsed, Invalid) or "too large" in parsed.why
+    else:
+        assert isinstance(parsed, Invalid) or text != text.strip()
 
 
 def test_crd_files_are_the_ones_installed(crds: LocalCluster) -> None:

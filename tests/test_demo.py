@@ -29,6 +29,7 @@ KEY_LINES = (
     "build-1044 deleted; no stuck tombstone left on node-b",
     "agent-run-17 deleted",
     "killed, then agent-run-18 deleted",
+    "run-1 and run-3 released (sandkeep_pressure_releases_total = 2); pinned run-2 and the newest run-4 kept",
     "bytes freed",
     "Demo complete: every step did what it should.",
 )
@@ -67,5 +68,7 @@ def test_make_demo_plays_every_step_and_cleans_up(tools: Path, tmp_path: Path) -
     assert result.returncode == 0, output
     missing = [line for line in KEY_LINES if line not in result.stdout]
     assert not missing, f"lines missing from the demo's output: {missing}\n{output}"
+    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(tmp_path) in line]
+    assert mounts == [], "the demo left mounts behind"
     assert list(tmp_path.iterdir()) == [], "the demo left files behind"
     assert _processes_under(tmp_path) == [], "the demo left processes behind"

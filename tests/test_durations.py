@@ -60,6 +60,18 @@ def test_parse_duration_never_raises(text: str) -> None:
     assert isinstance(result, Invalid) or timedelta(0) <= result <= MAX_DURATION
 
 
+@given(st.lists(st.tuples(st.integers(0, 10**10), st.sampled_from("wdhmsWDHMS")), min_size=1, max_size=5))
+def test_parse_duration_never_raises_on_any_amount_of_any_unit(parts: list[tuple[int, str]]) -> None:
+    # `999999999w` raised OverflowError (a timedelta of more than 999999999 days) instead of "too large".
+    result = parse_duration("".join(f"{amount}{unit}" for amount, unit in parts))
+    assert isinstance(result, Invalid) or timedelta(0) <= result <= MAX_DURATION
+
+
+def test_nine_digits_of_weeks_are_too_large_not_an_overflow() -> None:
+    result = parse_duration("999999999w")
+    assert isinstance(result, Invalid) and result.why == f"too large; at most {MAX_DURATION.days}d"
+
+
 @given(st.integers(min_value=0, max_value=MAX_DURATION.days * 86400))
 def test_a_formatted_whole_duration_of_one_unit_parses_back(seconds: int) -> None:
     # format_duration keeps the two largest units: exact whenever the duration has at most two.
@@ -93,6 +105,13 @@ def test_bad_instants_are_invalid_and_say_what_is_expected(text: object) -> None
     result = parse_instant(text)
     assert isinstance(result, Invalid)
     assert "RFC 3339" in result.why or "not a real date" in result.why
+
+
+@pytest.mark.parametrize("zone", ["+00:60", "+00:99", "-12:75", "+24:00", "-99:00"])
+def test_a_zone_offset_past_23_59_is_not_rfc3339(zone: str) -> None:
+    # Python read `+00:99` as +01:39; RFC 3339 (and the chart's pin policy) allow 00-23 and 00-59 only.
+    assert isinstance(parse_instant(f"2026-12-01T10:00:00{zone}"), Invalid)
+    assert parse_instant("2026-12-01T10:00:00+23:59") == datetime(2026, 11, 30, 10, 1, tzinfo=UTC)
 
 
 @given(st.text(max_size=40))

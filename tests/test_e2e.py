@@ -126,6 +126,70 @@ def test_the_charts_pods_run_ready_from_the_built_image(bed: Bed) -> None:
     )
 
 
+# Run in the agent's container and, as a control, in a Pod with the same capability under the runtime's
+# default profile: ptrace (PTRACE_SEIZE, which never stops the tracee) and process_vm_readv of its own
+# child, and the open files of a process of another user (a controller, uid 65532), which takes the
+# kernel's ptrace *access check* that CAP_SYS_PTRACE passes. Prints the errno of each call (0: it worked).
+# What the profile cannot refuse (the chart README says so): that same access check also opens another
+# user's /proc/<pid>/mem and, through /proc/1/root, the node's own files.
+PTRACE_PROBE = r"""
+import ctypes, json, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+def errno_of(result):
+    return 0 if result != -1 else ctypes.get_errno()
+def uid(pid):
+    return next(int(l.split()[1]) for l in open(f"/proc/{pid}/status") if l.startswith("Uid:"))
+class Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+child = subprocess.Popen(["sleep", "60"])
+start = int(open(f"/proc/{child.pid}/maps").readline().split("-")[0], 16)
+buf = ctypes.create_string_buffer(8)
+local, remote = Iovec(ctypes.cast(buf, ctypes.c_void_p), 8), Iovec(start, 8)
+other = next(p for p in os.listdir("/proc") if p.isdigit() and uid(p) == 65532)
+print(json.dumps({
+    "ptrace": errno_of(libc.ptrace(0x4206, child.pid, 0, 0)),
+    "process_vm_readv": errno_of(libc.process_vm_readv(child.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)),
+    "fds_of_another_user": len(os.listdir(f"/proc/{other}/fd")),
+    "memory_of_another_user": len(os.pread(os.open(f"/proc/{other}/mem", os.O_RDONLY), 8, int(
+        open(f"/proc/{other}/maps").readline().split("-")[0], 16))),
+    "node_files": os.path.isdir("/proc/1/root/var/lib/kubelet"),
+}))
+child.kill()
+"""
+
+
+def test_the_agent_runs_under_its_seccomp_profile_which_refuses_ptrace_but_not_reading_proc(bed: Bed) -> None:
+    agent = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"][0]
+    profile = agent["spec"]["containers"][0]["securityContext"]["seccompProfile"]
+    assert profile == {"type": "Localhost", "localhostProfile": "sandkeep/sandkeep-agent.json"}
+    # On the node, outside any container: the agent's own process is filtered (mode 2) with no new privileges.
+    script = (
+        "for p in /proc/[0-9]*; do [ $p = /proc/$$ ] && continue; case \"$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)\" in "
+        f"*' agent --node='*'--root={bed.root} '*) grep -E '^(Seccomp|NoNewPrivs):' $p/status;; esac; done"
+    )
+    status = bed.on_node(script).stdout.split()
+    say(f"the agent's process on the node: {' '.join(status)}")
+    assert status == ["NoNewPrivs:", "1", "Seccomp:", "2"], status
+    exec_probe = ("exec", "-n", SYSTEM_NS, agent["metadata"]["name"], "-c", "agent", "--", "python", "-c")
+    inside = json.loads(bed.kubectl(*exec_probe, PTRACE_PROBE).stdout)
+    say(f"inside the agent's container: {inside}")
+    assert inside["ptrace"] == inside["process_vm_readv"] == 1, "EPERM from the profile"
+    assert inside["fds_of_another_user"] > 0, "the agent still reads other users' /proc/<pid>/fd"
+    assert inside["memory_of_another_user"] == 8 and inside["node_files"], "what the chart README says remains"
+    # The same calls in a Pod with the same capability under the runtime's default profile: they work.
+    control = pod_spec(bed, "")
+    control["containers"][0] |= {
+        "command": ["python", "-c", PTRACE_PROBE],
+        "securityContext": {"runAsUser": 0, "capabilities": {"add": ["SYS_PTRACE"]}},
+    }
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ptrace-control", "namespace": NS}}
+    bed.kubectl("apply", "-f", "-", input=json.dumps(pod | {"spec": control | {"hostPID": True}}))
+    bed.kubectl("wait", "-n", NS, "pod/ptrace-control", "--for=jsonpath={.status.phase}=Succeeded", "--timeout=90s")
+    outside = json.loads(bed.kubectl("logs", "-n", NS, "ptrace-control").stdout)
+    say(f"in a Pod with SYS_PTRACE under RuntimeDefault: {outside}")
+    assert outside["ptrace"] == outside["process_vm_readv"] == 0 and outside["fds_of_another_user"] > 0
+
+
 def test_a_jobs_workspace_is_retained_on_the_node_and_adopted(bed: Bed) -> None:
     path = retain_job(bed, "run-1", "1h")
     obj = eventually(lambda: (o := rsb(bed, "run-1")) and o.get("status", {}).get("sizeBytes") and o, "adoption")

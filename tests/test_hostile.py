@@ -31,12 +31,11 @@ from controller import contracts as c
 from controller import fsdelete
 from controller.durations import format_instant
 from controller.kube import Kube
-from controller.leases import agent_heartbeats, heartbeat_name, read_lease, renew_heartbeat
+from controller.leases import agent_heartbeats, heartbeat_name, lease_path, read_lease, renew_heartbeat
 from controller.models import (
     LABEL_VALUE_MAX,
     NAME_MAX,
     Manifest,
-    bounded_name,
     is_namespace_name,
     is_object_name,
     label_value,
@@ -143,10 +142,20 @@ def test_a_label_value_made_from_any_name_is_a_valid_bounded_label_value(name: s
 def test_two_names_never_share_a_label_value_or_a_heartbeat_name(a: str, b: str) -> None:
     if a != b:
         assert label_value(a) != label_value(b)
-        assert heartbeat_name(a) != heartbeat_name(b)
+        # The one pair a hash-free name scheme must let collide (the Lease's node annotation then says whose
+        # it is, tests/test_rbac.py): X and a node named sandkeep-agent-X of more than 238 characters.
+        if c.AGENT_LEASE_PREFIX + a != b and c.AGENT_LEASE_PREFIX + b != a:
+            assert heartbeat_name(a) != heartbeat_name(b)
     for name in (a, b):
-        lease = bounded_name(c.AGENT_LEASE_PREFIX, name)
+        lease = heartbeat_name(name)
         assert len(lease) <= NAME_MAX and _SUBDOMAIN.fullmatch(lease)
+
+
+def test_the_heartbeat_of_a_node_too_long_for_the_prefix_is_named_after_the_node() -> None:
+    fits = "n" * (NAME_MAX - len(c.AGENT_LEASE_PREFIX))
+    assert heartbeat_name(fits) == c.AGENT_LEASE_PREFIX + fits
+    assert heartbeat_name(fits + "n") == fits + "n"
+    assert heartbeat_name("sandkeep-agent-x") == "sandkeep-agent-sandkeep-agent-x"
 
 
 def test_the_longest_node_name_has_a_heartbeat_the_api_server_accepts(kube: Kube, namespace: str) -> None:
@@ -172,6 +181,28 @@ def test_a_forged_node_annotation_on_a_heartbeat_is_not_believed(kube: Kube, nam
         "PUT", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{heartbeat_name('node-b')}", body=body
     )
     assert set(agent_heartbeats(kube, namespace)) == set()
+
+
+def _bare_lease(kube: Kube, namespace: str, name: str) -> None:
+    """A Lease as someone other than sandkeep's agent (or an agent older than the node annotation) wrote it."""
+    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name}}
+    kube.request("POST", lease_path(namespace), body=body | {"spec": {"holderIdentity": "someone"}})
+
+
+def test_a_long_lease_without_the_node_annotation_is_not_taken_for_a_heartbeat(kube: Kube, namespace: str) -> None:
+    _bare_lease(kube, namespace, longest_name("l"))  # named as a 253-char node's heartbeat would be
+    assert agent_heartbeats(kube, namespace) == {}
+
+
+def test_a_heartbeat_written_before_the_node_annotation_gets_it_at_its_next_renewal(kube: Kube, namespace: str) -> None:
+    # The chart's node-scope policy admits an agent's Lease only when the annotation names its node.
+    _bare_lease(kube, namespace, heartbeat_name("node-old"))
+    assert set(agent_heartbeats(kube, namespace)) == {"node-old"}
+    renew_heartbeat(kube, namespace, "node-old", "agent-1")
+    lease = read_lease(kube, namespace, heartbeat_name("node-old"))
+    assert lease is not None and lease.holder == "agent-1"
+    assert lease.raw["metadata"]["annotations"] == {c.LABEL_NODE: "node-old"}
+    assert lease.raw["metadata"]["labels"] == {c.LABEL_NODE: "node-old", c.LABEL_MANAGED_BY: c.MANAGED_BY}
 
 
 @pytest.fixture

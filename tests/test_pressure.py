@@ -7,9 +7,10 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.agent.decide import age_of, candidate, pinned_for_pressure, release_refusal
+from controller.agent.decide import age_of, candidate, release_refusal
 from controller.contracts import ANN_PIN_FOR, ANN_PIN_UNTIL
 from controller.inuse import Usage
+from controller.kube import pin_holds
 from controller.pressure import Candidate, Disk, Watermarks, choose
 
 GiB = 1 << 30
@@ -183,13 +184,13 @@ def obj(annotations: dict[str, str] | None = None, status: dict[str, object] | N
 
 
 def test_any_pin_not_plainly_over_keeps_a_sandbox_from_release():
-    assert not pinned_for_pressure(obj(), NOW)
-    assert pinned_for_pressure(obj({ANN_PIN_UNTIL: "2099-01-01T00:00:00Z"}), NOW)
-    assert pinned_for_pressure(obj({ANN_PIN_UNTIL: "next tuesday"}), NOW)  # unparseable: erring on keeping
-    assert pinned_for_pressure(obj({ANN_PIN_FOR: "2h"}), NOW)  # not yet settled by the controller
-    assert pinned_for_pressure(obj(status={"phase": "Pinned"}), NOW)
-    assert pinned_for_pressure(obj(status={"pinnedUntil": "2026-06-02T00:00:00Z"}), NOW)
-    assert not pinned_for_pressure(obj({ANN_PIN_UNTIL: "2026-05-01T00:00:00Z"}), NOW)  # lapsed
+    assert not pin_holds(obj(), NOW)
+    assert pin_holds(obj({ANN_PIN_UNTIL: "2099-01-01T00:00:00Z"}), NOW)
+    assert pin_holds(obj({ANN_PIN_UNTIL: "next tuesday"}), NOW)  # unparseable: erring on keeping
+    assert pin_holds(obj({ANN_PIN_FOR: "2h"}), NOW)  # not yet settled by the controller
+    assert pin_holds(obj(status={"phase": "Pinned"}), NOW)
+    assert pin_holds(obj(status={"pinnedUntil": "2026-06-02T00:00:00Z"}), NOW)
+    assert not pin_holds(obj({ANN_PIN_UNTIL: "2026-05-01T00:00:00Z"}), NOW)  # lapsed
 
 
 def test_the_age_is_the_controllers_deadline_else_the_recorded_one():
@@ -213,11 +214,8 @@ def test_a_fresh_read_refuses_a_release_that_is_no_longer_wanted():
     assert release_refusal(deleting, "u1", NOW) == "already being deleted"
 
 
-def test_choosing_among_10000_sandboxes_takes_milliseconds(capsys):
-    # The agent's whole choice per pass at the node-size target: building the candidates from cached
-    # objects (decide.candidate) and choosing. Printed for docs; bounded loosely so a slow CI box passes.
-    import time
-
+def test_the_choice_among_10000_sandboxes_releases_the_oldest_unpinned_unheld_ones():
+    # The node-size target; how long it takes is hack/bench/release.py's to print, not a test's to assert.
     objects = []
     for i in range(10_000):
         o = obj({ANN_PIN_UNTIL: "2099-01-01T00:00:00Z"} if i % 10 == 0 else {})
@@ -225,15 +223,9 @@ def test_choosing_among_10000_sandboxes_takes_milliseconds(capsys):
         o["spec"] = {**o["spec"], "retainUntil": (T0 + timedelta(minutes=i)).isoformat()}  # type: ignore[dict-item]
         objects.append(o)
     disk = Disk(size=1000 * GiB, available=50 * GiB)  # 95% used: 150 GiB to free, 0.1 GiB each
-    started = time.perf_counter()
     found = [candidate(o, GiB // 10, Usage(i % 7 == 0), NOW) for i, o in enumerate(objects)]
-    built = time.perf_counter()
     plan = choose(disk, MARKS, found)
-    done = time.perf_counter()
-    with capsys.disabled():
-        print(
-            f"\npressure: 10,000 sandboxes: candidates {1000 * (built - started):.0f} ms, "
-            f"choose {1000 * (done - built):.0f} ms, {len(plan.release)} released"
-        )
-    assert plan.relieved and len(plan.release) > 1000
-    assert done - started < 5.0
+    assert plan.relieved and len(plan.release) == (disk.used - 800 * GiB) // (GiB // 10) + 1  # just under low
+    chosen = {int(k[1][1:]) for k in plan.release}
+    assert not any(i % 10 == 0 or i % 7 == 0 for i in chosen)  # never a pinned or a held one
+    assert max(chosen) < min(set(range(10_000)) - chosen - {i for i in range(10_000) if i % 10 == 0 or i % 7 == 0})

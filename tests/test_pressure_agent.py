@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -203,7 +204,7 @@ def release_once(cluster: Any, namespace: str, node: Node, name: str, land: Call
     assert cached is not None
     agent.state.objects[(namespace, name)] = cached
     try:
-        return asyncio.run(agent.relief.release((namespace, name), "node usage"))
+        return asyncio.run(agent.relief.release([(namespace, name)], "node usage")) == 1
     finally:
         client.close()
 
@@ -240,3 +241,14 @@ def test_a_holder_arriving_after_the_fresh_read_wins(cluster, namespace, crd, tm
     assert release_once(cluster, namespace, node, "late-holder", lambda: None)  # the holder gone: released
     deleting = get(cluster, namespace, "late-holder")
     assert deleting is None or "deletionTimestamp" in deleting["metadata"]
+
+
+def test_the_release_benchmark_runs_small(tools: Path) -> None:
+    # hack/bench/release.py end to end at a small size: its own control plane, a real agent's release path.
+    script = Path(__file__).resolve().parent.parent / "hack" / "bench" / "release.py"
+    cmd = [sys.executable, str(script), "--sandboxes=60", "--releases=5"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "disk pressure (candidates+choose)" in result.stdout and "quota (choose)" in result.stdout
+    released = re.search(r"\((\d+) released\)", result.stdout)
+    assert released and int(released.group(1)) >= 5, result.stdout  # more if the shared disk filled meanwhile

@@ -31,22 +31,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from controller_harness import install_crds, wait_for
-from localcluster import LocalCluster, kube_version, tools_bin
+from controller_harness import install_crds, only_in, render_templates, wait_for
+from localcluster import LocalCluster
 
 from controller import contracts as c
 from controller.inuse import uninspectable_pids
+from controller.kube import Kube, KubeError, load_config
+from controller.leases import heartbeat_name, read_lease, renew_heartbeat
+from controller.models import NAME_MAX, bounded_name, label_value
 from controller.store import Root
 
 REPO = Path(__file__).resolve().parent.parent
-CHART = REPO / "charts" / "sandkeep"
 RBAC_TEMPLATES = (
     "serviceaccounts.yaml",
     "rbac-controller.yaml",
     "rbac-agent.yaml",
     "rbac-aggregate.yaml",
     "agent-node-scope.yaml",
+    "pin-admission.yaml",
 )
 CLUSTER_SCOPED = ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 STEP_TIMEOUT = 30.0
@@ -58,11 +60,9 @@ _NOT_RBAC = re.compile(r"because it is being terminated")
 
 # --- the chart's RBAC -----------------------------------------------------------------------------------
 def render_rbac(release: str, namespace: str) -> list[dict[str, Any]]:
-    """The chart's ServiceAccounts, (Cluster)Roles and bindings for `release` installed in `namespace`."""
-    args = [str(tools_bin() / "helm"), "template", release, str(CHART), f"--namespace={namespace}"]
-    args += [f"--kube-version={kube_version()}", *(f"--show-only=templates/{t}" for t in RBAC_TEMPLATES)]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    """The chart's ServiceAccounts, (Cluster)Roles, bindings and admission policies for `release` installed
+    in `namespace` (the pin policy bound to that namespace alone: the cluster is shared)."""
+    return render_templates(release, namespace, RBAC_TEMPLATES, only_in(namespace))
 
 
 def rule_verbs() -> list[Any]:
@@ -137,10 +137,11 @@ class Install:
     def agent_kubeconfig(self, node: str) -> Path:
         """A kubeconfig with the token a real agent pod on `node` gets: bound to a Pod of the DaemonSet's
         ServiceAccount scheduled there, so the API server records the node in it (no kubelet runs the Pod)."""
+        pod_name = bounded_name("agent-", node)  # a node name may already take all 253 characters
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": f"agent-{node}", "namespace": self.namespace},
+            "metadata": {"name": pod_name, "namespace": self.namespace},
             "spec": {
                 "nodeName": node,
                 "serviceAccountName": self.sa("agent"),
@@ -148,9 +149,9 @@ class Install:
             },
         }
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-        bound = ("--bound-object-kind=Pod", f"--bound-object-name=agent-{node}", "--duration=1h")
+        bound = ("--bound-object-kind=Pod", f"--bound-object-name={pod_name}", "--duration=1h")
         token = self.cluster.kubectl("create", "token", self.sa("agent"), "-n", self.namespace, *bound).stdout.strip()
-        return self.cluster.kubeconfig_for_token(token, self.dir / f"agent-{node}.kubeconfig")
+        return self.cluster.kubeconfig_for_token(token, self.dir / f"agent-{label_value(node)}.kubeconfig")
 
 
 @pytest.fixture
@@ -267,6 +268,10 @@ class Scenario:
                 retention=timedelta(hours=1),
                 node=self.node,
             )
+        # A manifest's pin as the agent finds it, malformed: adoption copies it as it is (the controller then
+        # reports it invalid), so the chart's pin policy must not refuse the agent's create for it.
+        manifest = root.path / self.ns / "keep" / "manifest.json"
+        manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"keepUntil": "next-tuesday"}))
         return root
 
     def start(self) -> None:
@@ -305,6 +310,10 @@ class Scenario:
         self.step(
             "the agent to adopt keep with its finalizer",
             lambda: c.FINALIZER in ((self.get("rsb", "keep") or {}).get("metadata", {}).get("finalizers") or []),
+        )
+        self.step(
+            "the manifest's pin copied as it is",
+            lambda: self._annotations("keep").get(c.ANN_PIN_UNTIL) == "next-tuesday",
         )
         self.step("the controller's status on keep", lambda: self._phase("keep") == "Retained")
         self.step("the agent's observed status on keep", lambda: "sizeBytes" in self._status("keep"))
@@ -357,8 +366,12 @@ class Scenario:
     def _phase(self, name: str) -> str | None:
         return self._status(name).get("phase")
 
+    def _annotations(self, name: str) -> dict[str, str]:
+        annotations: dict[str, str] = ((self.get("rsb", name) or {}).get("metadata") or {}).get("annotations") or {}
+        return annotations
+
     def _pinned(self, name: str) -> bool:
-        annotations = ((self.get("rsb", name) or {}).get("metadata") or {}).get("annotations") or {}
+        annotations = self._annotations(name)
         return c.ANN_PIN_UNTIL in annotations and c.ANN_PIN_FOR not in annotations
 
     def _holder(self, lease: str) -> str | None:
@@ -574,8 +587,8 @@ def test_an_agent_writes_only_its_own_nodes_sandboxes_and_heartbeat(
             "spec": {"nodeName": node, "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
         }
 
-    def lease(name: str) -> dict[str, Any]:
-        meta = {"name": name, "namespace": namespace}
+    def lease(name: str, node: str = mine) -> dict[str, Any]:
+        meta = {"name": name, "namespace": namespace, "annotations": {c.LABEL_NODE: node}}
         return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": {}}
 
     def create(obj: dict[str, Any], kubeconfig: Path | None = agent) -> subprocess.CompletedProcess[str]:
@@ -593,8 +606,79 @@ def test_an_agent_writes_only_its_own_nodes_sandboxes_and_heartbeat(
     for name in (f"{c.AGENT_LEASE_PREFIX}{other}", c.CONTROLLER_LEASE):
         refused = create(lease(name))
         assert refused.returncode != 0 and "may only write its own heartbeat Lease" in refused.stderr, name
+    # its own Lease's name, but saying it is another node's heartbeat: refused
+    own = f"{c.AGENT_LEASE_PREFIX}{mine}"
+    refused = create(lease(own, node=other))
+    assert f'sandkeep.io/node annotation names that node; {own} names "{other}"' in refused.stderr
     # a token not bound to a pod names no node: refused, however the object looks
     unbound = create(sandbox("unbound", mine), kubeconfig=inst.kubeconfig("agent"))
     assert unbound.returncode != 0 and "names no node" in unbound.stderr
     # the policy is about the agent only: others (here admin) still create sandboxes anywhere
     assert create(sandbox("admins", other), kubeconfig=None).returncode == 0
+
+
+def test_the_agent_of_a_node_with_a_253_character_name_keeps_its_own_heartbeat_and_no_other(
+    install: Callable[..., Install], cluster: LocalCluster, namespace: str, tmp_path: Path
+) -> None:
+    # `sandkeep-agent-` + a node name over 238 characters is no object name: that heartbeat is named after
+    # the node alone, a name the node-scope policy computes too (it used to admit only prefix + node).
+    inst = install()
+    part = secrets.token_hex(32)[:63]
+    node = ".".join([part, part[::-1], part, part[:61]])
+    assert len(node) == NAME_MAX and heartbeat_name(node) == node
+    cluster.create_node(node, ready=True)
+    agent = inst.agent_kubeconfig(node)
+    Root(tmp_path / "root")
+    args = ["agent", f"--node={node}", f"--root={tmp_path / 'root'}", f"--namespace={namespace}"]
+    args += [f"--kubeconfig={agent}", "--metrics-port=0", "--scan-interval=1s"]
+    process = Process("agent", [*args, *(f"--ignore-pid={pid}" for pid in uninspectable_pids())], tmp_path / "a.log")
+
+    def lease(name: str) -> dict[str, Any]:
+        found = cluster.kubectl("get", "lease", name, "-n", namespace, "-o", "json", check=False)
+        return json.loads(found.stdout) if found.returncode == 0 else {"metadata": {}, "spec": {}}
+
+    def renewed_with_report() -> bool:  # the create, a renewal (PUT) and the report (PATCH) all admitted
+        got = lease(node)
+        return c.ANN_ORPHAN_TOMBSTONES in (got["metadata"].get("annotations") or {}) and got["spec"].get(
+            "renewTime"
+        ) != got["spec"].get("acquireTime")
+
+    try:
+        wait_for("the agent's heartbeat, renewed, with its report", renewed_with_report, timeout=40)
+        assert lease(node)["metadata"]["annotations"][c.LABEL_NODE] == node
+        assert not _FORBIDDEN.search(process.log()), process.log()[-2000:]
+    finally:
+        process.stop()
+    # the name the chart used to admit (cut to fit), the hashed one leases.py used to make: both refused
+    for name in (f"{c.AGENT_LEASE_PREFIX}{node}"[:NAME_MAX], bounded_name(c.AGENT_LEASE_PREFIX, node)):
+        meta = {"name": name, "namespace": namespace, "annotations": {c.LABEL_NODE: node}}
+        body = json.dumps({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": {}})
+        refused = cluster.kubectl("create", "-f", "-", input=body, kubeconfig=agent, check=False).stderr
+        assert f"may only write its own heartbeat Lease {node}, not {name}" in refused, refused
+
+
+def test_two_nodes_sharing_a_heartbeat_name_cannot_renew_each_others(
+    install: Callable[..., Install], cluster: LocalCluster, namespace: str
+) -> None:
+    # The one collision of the name scheme: node X (238 characters or fewer) and a node named
+    # `sandkeep-agent-X`. The first heartbeat's node annotation says whose the Lease is.
+    inst = install()
+    short = f"{secrets.token_hex(3)}.{'s' * (NAME_MAX - len(c.AGENT_LEASE_PREFIX) - 7)}"
+    long = f"{c.AGENT_LEASE_PREFIX}{short}"
+    assert len(long) == NAME_MAX and heartbeat_name(short) == heartbeat_name(long) == long
+    clients = {}
+    for n in (short, long):
+        cluster.create_node(n, ready=True)
+        clients[n] = Kube(load_config(inst.agent_kubeconfig(n)), "sandkeep-test")
+    try:
+        renew_heartbeat(clients[short], namespace, short, "agent-short")
+        with pytest.raises(KubeError) as refused:
+            renew_heartbeat(clients[long], namespace, long, "agent-long")
+        assert refused.value.status == 403
+        assert f'sandkeep.io/node annotation names that node; {long} names "{short}"' in refused.value.message
+        renew_heartbeat(clients[short], namespace, short, "agent-short")  # still its own to renew
+        state = read_lease(clients[short], namespace, long)
+        assert state is not None and state.holder == "agent-short"
+    finally:
+        for client in clients.values():
+            client.close()

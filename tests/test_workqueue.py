@@ -135,3 +135,34 @@ def test_the_queue_is_busy_only_while_keys_are_queued_or_processed() -> None:
         return states
 
     assert run(body) == [False, False, True, True, False]
+
+
+def test_get_ready_takes_what_is_ready_now_in_order_never_an_active_key_and_never_waits() -> None:
+    async def body() -> tuple[str, list[str], list[str], list[str]]:
+        q: WorkQueue[str] = WorkQueue()
+        for key in ("a", "b", "c", "d"):
+            q.add(key)
+        q.add("c", priority=0)  # raised: its old entry is stale and must not come out twice
+        first = await q.get()
+        q.add(first)  # queued again while active: not handed out until done
+        batch = q.get_ready(10)
+        nothing = q.get_ready(10)  # empty queue: returns at once
+        for key in (first, *batch):
+            q.done(key)
+        return first, batch, nothing, await drain(q)
+
+    first, batch, nothing, after = run(body)
+    assert first == "c" and batch == ["a", "b", "d"] and nothing == [] and after == ["c"]
+
+
+def test_get_ready_stops_at_its_limit_and_leaves_the_rest_queued() -> None:
+    async def body() -> tuple[list[str], list[str]]:
+        q: WorkQueue[str] = WorkQueue()
+        for i in range(5):
+            q.add(f"k{i}")
+        batch = q.get_ready(2)
+        for key in batch:
+            q.done(key)
+        return batch, await drain(q)
+
+    assert run(body) == (["k0", "k1"], ["k2", "k3", "k4"])

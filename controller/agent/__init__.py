@@ -5,7 +5,7 @@ Its parts, each named for its job (the data flow is drawn in docs/architecture.m
 
     command.py    flags and settings, the root lock, start and stop
     runtime.py    the watch feeding the cache, the work queue, the passes, the heartbeat Lease
-    watch.py      LIST+WATCH of this node's objects (server-side field selector)
+    watch.py      this node's objects: one LIST to start, then kopf's watch (server-side field selector)
     decide.py     pure: what an object needs next (`next_step`), what a tombstone is for (`fate`)
     adoption.py   a retained directory without an object gets one
     report.py     status, conditions, Events, metrics, log lines; one pipeline outcome at a time
@@ -24,14 +24,12 @@ from controller.agent.report import stuck_message
 from controller.agent.runtime import Agent
 from controller.agent.settings import SEAM_KILL_AFTER_RENAME, SEAM_KILL_DURING_DELETE, AgentSettings
 from controller.agent.sizer import measure
-from controller.agent.watch import Watcher
 
 __all__ = [
     "SEAM_KILL_AFTER_RENAME",
     "SEAM_KILL_DURING_DELETE",
     "Agent",
     "AgentSettings",
-    "Watcher",
     "add_arguments",
     "claim_of",
     "measure",

@@ -13,26 +13,20 @@ from controller import contracts as c
 from controller import logs
 from controller.agent.decide import Key
 from controller.agent.report import Reporter
-from controller.agent.settings import AgentSettings
-from controller.agent.state import AgentState
+from controller.agent.state import Part, Shared
 from controller.contracts import FINALIZER, Reason
-from controller.kube import Kube, KubeError, Obj
+from controller.kube import KubeError, Obj
 from controller.models import label_value
-from controller.store import Entry, Mismatch, Present, Root, Transient
+from controller.store import Entry, Mismatch, Present, Transient
 
 log = logging.getLogger("sandkeep.agent")
 
 Each = Callable[[list[Key], Callable[[Key], Awaitable[None]]], Awaitable[None]]
 
 
-class Adopter:
-    def __init__(
-        self, settings: AgentSettings, client: Kube, root: Root, state: AgentState, report: Reporter, each: Each
-    ) -> None:
-        self.s = settings
-        self.kube = client
-        self.root = root
-        self.state = state
+class Adopter(Part):
+    def __init__(self, shared: Shared, report: Reporter, each: Each) -> None:
+        super().__init__(shared)
         self.report = report
         self.each = each  # runs one coroutine per key, a bounded number at once
 

@@ -43,6 +43,8 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
         "(default 85, below the kubelet's eviction at nodefs.available<10%%; 100: never)",
     )
     parser.add_argument("--pressure-low", type=float, help="used percent releasing stops under (default 80)")
+    parser.add_argument("--kube-qps", type=float, help="API requests per second on average (default 20)")
+    parser.add_argument("--kube-burst", type=int, help="API requests at once above the average (default 40)")
     parser.add_argument(
         "--pressure-min-free-bytes", type=int, help="also release while fewer bytes than this are available (default 0)"
     )
@@ -89,7 +91,8 @@ def run(command: str, args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if not _hold_lock(root, settings, stack):
             return 1
-        client = Kube(kube.load_config(settings.kubeconfig), component="sandkeep-agent")
+        limiter = kube.RateLimiter(settings.kube_qps, settings.kube_burst)
+        client = Kube(kube.load_config(settings.kubeconfig), component="sandkeep-agent", limiter=limiter)
         agent_metrics = metrics.AgentMetrics(settings.node)
         agent = Agent(settings, client, root, agent_metrics)
         server = metrics.serve(

@@ -19,8 +19,8 @@ from enum import StrEnum
 from pathlib import Path
 
 from controller import kube
-from controller.contracts import ANN_PIN_FOR, ANN_PIN_UNTIL, FINALIZER, Condition, Phase, Reason
-from controller.durations import Invalid, instant_or_none, parse_instant
+from controller.contracts import FINALIZER, Condition, Reason, ReleasePriority
+from controller.durations import instant_or_none
 from controller.inuse import Usage
 from controller.kube import Obj
 from controller.pressure import Candidate
@@ -154,31 +154,24 @@ def discount_orphans(
 # --- disk pressure --------------------------------------------------------------------------------------
 
 
-def pinned_for_pressure(obj: Obj, now: datetime) -> bool:
-    """Whether a pin keeps `obj` from being released for space, erring on keeping it.
-
-    The agent does not read SandboxPolicies, so it cannot tell a capped pin from a whole one: any pin
-    that is not plainly over protects. A pin-for not yet turned into pin-until, a pin-until that does not
-    parse or lies ahead, a controller-reported pinnedUntil ahead or phase Pinned: all pinned. Only a pin
-    the controller itself would call lapsed (or none) leaves a sandbox releasable.
-    """
-    ann = kube.annotations_of(obj)
-    status = obj.get("status") or {}
-    if ANN_PIN_FOR in ann or status.get("phase") == Phase.PINNED:
-        return True
-    for text in (ann.get(ANN_PIN_UNTIL), status.get("pinnedUntil")):
-        if text is None:
-            continue
-        until = parse_instant(str(text))
-        if isinstance(until, Invalid) or until > now:
-            return True
-    return False
-
-
 def age_of(obj: Obj) -> datetime | None:
     """The deadline releasing orders by: the controller's, else the recorded retainUntil, else createdAt."""
     facts = kube.sandbox_facts(obj)
     return instant_or_none((obj.get("status") or {}).get("deadline")) or facts.retain_until or facts.created_at
+
+
+PRIORITY = {ReleasePriority.FIRST: -1, ReleasePriority.NORMAL: 0, ReleasePriority.LAST: 1}
+
+
+def release_priority(obj: Obj) -> int:
+    """Its namespace's place in the release order, as the controller reports it (status.releasePriority)."""
+    text = (obj.get("status") or {}).get("releasePriority")
+    return next((rank for p, rank in PRIORITY.items() if p.value == text), 0)
+
+
+def dry_run(obj: Obj) -> bool:
+    """Its namespace is in dry-run, as the controller reports it (status.dryRun): released in words only."""
+    return (obj.get("status") or {}).get("dryRun") is True
 
 
 def candidate(obj: Obj, size: int | None, usage: Usage | None, now: datetime) -> Candidate:
@@ -187,9 +180,10 @@ def candidate(obj: Obj, size: int | None, usage: Usage | None, now: datetime) ->
         key=kube.key_of(obj),
         size=size,
         deadline=age_of(obj),
-        pinned=pinned_for_pressure(obj, now),
+        pinned=kube.pin_holds(obj, now),
         held=usage is None or usage.holds,
         deleting=kube.is_deleting(obj),
+        priority=release_priority(obj),
         holders=usage.holders if usage is not None else ("not checked yet",),
     )
 
@@ -204,6 +198,6 @@ def release_refusal(fresh: Obj | None, uid: str, now: datetime) -> str | None:
         return "gone or replaced"
     if kube.is_deleting(fresh):
         return "already being deleted"
-    if pinned_for_pressure(fresh, now):
+    if kube.pin_holds(fresh, now):
         return "pinned"
     return None

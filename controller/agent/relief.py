@@ -21,23 +21,22 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from controller import logs, metrics
-from controller.agent.decide import Key, candidate, release_refusal
+from controller import logs
+from controller.agent.decide import Key, candidate, dry_run, release_refusal
 from controller.agent.report import Reporter
-from controller.agent.settings import AgentSettings
-from controller.agent.state import AgentState
+from controller.agent.state import Part, Shared
 from controller.contracts import Reason
 from controller.inuse import Usage
-from controller.kube import Kube, KubeError, Obj
+from controller.kube import KubeError, Obj
 from controller.pressure import Candidate, Disk, Plan, Watermarks, choose, percent
 from controller.sizes import human_size
-from controller.store import Root
 
 log = logging.getLogger("sandkeep.agent")
+InUseBatch = Callable[[dict[Key, Path]], dict[Key, Usage]]
 
 
 def usage_words(node: str, root: Path, disk: Disk, marks: Watermarks) -> str:
@@ -70,26 +69,13 @@ def unrelieved_report(node: str, disk: Disk, marks: Watermarks, plan: Plan) -> O
     }
 
 
-class Relief:
+class Relief(Part):
     def __init__(
-        self,
-        settings: AgentSettings,
-        client: Kube,
-        root: Root,
-        agent_metrics: metrics.AgentMetrics,
-        state: AgentState,
-        report: Reporter,
-        sizes: Callable[[], dict[Key, tuple[int, int]]],
-        in_use_now: Callable[[Path], Usage],
+        self, shared: Shared, report: Reporter, in_use_now: Callable[[dict[Key, Path]], dict[Key, Usage]]
     ) -> None:
-        self.s = settings
-        self.kube = client
-        self.root = root
-        self.m = agent_metrics
-        self.state = state
+        super().__init__(shared)
         self.report = report
-        self.sizes = sizes
-        self.in_use_now = in_use_now
+        self.in_use_now = in_use_now  # one Pod list and one /proc pass for every sandbox asked about
         self.released: dict[str, Reason] = {}  # uid -> the cause its deletion is counted under
         self.published = ""  # the `sandkeep.io/pressure` report: "" while relieved
 
@@ -118,20 +104,12 @@ class Relief:
             return
         plan = choose(disk, marks, self.candidates(datetime.now(UTC)))
         words = usage_words(node, self.root.path, disk, marks)
-        for key in plan.release:
-            try:
-                asked = await self.release(key, words)
-            except (KubeError, OSError) as err:  # said, and tried again next pass; the pass itself goes on
-                self.report.say_limited(
-                    "pressure-failed",
-                    "release_failed",
-                    reason=Reason.DISK_PRESSURE,
-                    object="/".join(key),
-                    error=repr(err)[:300],
-                )
-                asked = False
-            if not asked:
-                break  # the picture changed (or the API did not answer): the next pass chooses again
+        try:
+            await self.release(plan.release, words)
+        except (KubeError, OSError) as err:  # said, and tried again next pass; the pass itself goes on
+            self.report.say_limited(
+                "pressure-failed", "release_failed", reason=Reason.DISK_PRESSURE, error=repr(err)[:300]
+            )
         unrelieved = plan.over and not plan.relieved
         self.m.pressure_unrelieved.labels(node).set(1 if unrelieved else 0)
         if not unrelieved:
@@ -148,24 +126,44 @@ class Relief:
             action="unpin, stop what holds them, or free space elsewhere; see docs/runbooks.md",
         )
 
-    async def release(self, key: Key, words: str) -> bool:
-        """Release one sandbox: fresh read, checks again, in-use again, a preconditioned DELETE. True: asked."""
-        cached = self.state.objects.get(key)
-        if cached is None:
-            return False
-        uid = cached["metadata"]["uid"]
-        fresh = await asyncio.to_thread(self.kube.get_sandbox, *key)
-        refusal = release_refusal(fresh, uid, datetime.now(UTC))
-        if fresh is not None:
-            self.state.remember(fresh)
-        if refusal is not None or fresh is None:
-            logs.say(log, "release_skipped", reason=Reason.DISK_PRESSURE, object="/".join(key), why=refusal)
-            return False
-        usage = await asyncio.to_thread(self.in_use_now, self.root.sandbox_path(*key))
-        if usage.holds:
-            logs.say(log, "release_skipped", reason=usage.reason, object="/".join(key), why="in use")
-            return False
-        if self.s.dry_run:
+    async def release(self, keys: Sequence[Key], words: str) -> int:
+        """Release `keys` in order: each read fresh and checked again, then their use asked once for all
+        of them, then each one's preconditioned DELETE. The first refusal ends it (the picture changed: the
+        next pass chooses again). Returns how many were asked for.
+
+        One /proc pass for the whole batch, after the fresh reads (one per sandbox cost 100 ms a release);
+        a holder arriving after it holds the deletion instead, and the pipeline asks again before renaming.
+        """
+        now = datetime.now(UTC)
+        fresh: list[tuple[Key, Obj]] = []
+        for key in keys:
+            cached = self.state.objects.get(key)
+            if cached is None:
+                break
+            read = await asyncio.to_thread(self.kube.get_sandbox, *key)
+            refusal = release_refusal(read, cached["metadata"]["uid"], now)
+            if read is not None:
+                self.state.remember(read)
+            if refusal is not None or read is None:
+                logs.say(log, "release_skipped", reason=Reason.DISK_PRESSURE, object="/".join(key), why=refusal)
+                break
+            fresh.append((key, read))
+        paths = {key: self.root.sandbox_path(*key) for key, _ in fresh}
+        usage = await asyncio.to_thread(self.in_use_now, paths) if paths else {}
+        asked = 0
+        for key, obj in fresh:
+            if usage[key].holds:
+                logs.say(log, "release_skipped", reason=usage[key].reason, object="/".join(key), why="in use")
+                break
+            if not await self._release_one(key, obj, words):
+                break
+            asked += 1
+        return asked
+
+    async def _release_one(self, key: Key, fresh: Obj, words: str) -> bool:
+        """The DELETE of one sandbox read fresh, with uid and resourceVersion preconditions; True: asked."""
+        uid = fresh["metadata"]["uid"]
+        if self.s.dry_run or dry_run(fresh):  # the cluster's dry-run, or the namespace's SandboxPolicy's
             return await self._would_release(fresh, key)
         try:
             answer = await asyncio.to_thread(self.kube.delete_sandbox, fresh)

@@ -14,21 +14,20 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
 
-from controller import commands, kube, logs, metrics
-from controller.agent.decide import Key, finalizers, status_changed
-from controller.agent.settings import AgentSettings
-from controller.agent.state import AgentState
+from controller import commands, kube, logs
+from controller.agent.decide import finalizers, status_changed
+from controller.agent.state import Part
 from controller.contracts import FINALIZER, Condition, Phase, Reason
 from controller.inuse import Usage
-from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj
+from controller.kube import AGENT_MANAGER, KubeError, Obj
 from controller.reaper import Deleted, Held, Outcome, Reaper, Refused, Restored, Stuck
 from controller.sizes import human_size
-from controller.store import Root, Tombstone
+from controller.store import Tombstone
 
 log = logging.getLogger("sandkeep.agent")
 
@@ -56,23 +55,7 @@ def conditions(obj: Obj) -> list[Obj]:
     return list((obj.get("status") or {}).get("conditions") or [])
 
 
-class Reporter:
-    def __init__(
-        self,
-        settings: AgentSettings,
-        client: Kube,
-        root: Root,
-        agent_metrics: metrics.AgentMetrics,
-        state: AgentState,
-        sizes: Callable[[], dict[Key, tuple[int, int]]],
-    ) -> None:
-        self.s = settings
-        self.kube = client
-        self.root = root
-        self.m = agent_metrics
-        self.state = state
-        self.sizes = sizes
-
+class Reporter(Part):
     # --- lines and Events ------------------------------------------------------------------------------
 
     def say_limited(self, subject: str, event: str, level: int = logging.WARNING, **kv: Any) -> None:
@@ -183,7 +166,8 @@ class Reporter:
         try:
             updated: Obj = await asyncio.to_thread(self.kube.apply_status, obj, status, AGENT_MANAGER)
         except KubeError as err:
-            if err.not_found:
+            if err.not_found:  # gone unseen (its finalizer removed by someone else): nothing left to report on
+                self.state.forget(obj)
                 return obj
             raise
         self.state.remember(updated)

@@ -19,18 +19,20 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from controller import commands, kube, leases, logs, metrics
+from controller import commands, kube, leases, logs, metrics, watching
 from controller import contracts as c
+from controller.agent import watch
 from controller.agent.adoption import Adopter
 from controller.agent.decide import Key, Step, claim_of, discount_orphans, fate, finalizers, next_step, observe
 from controller.agent.relief import Relief
 from controller.agent.report import After, Reporter, orphan_report
 from controller.agent.settings import (
+    BATCH,
     HEARTBEAT_EVERY,
     PARALLEL,
     SEAM_KILL_AFTER_RENAME,
@@ -38,16 +40,16 @@ from controller.agent.settings import (
     AgentSettings,
 )
 from controller.agent.sizer import Sizer
-from controller.agent.state import AgentState, slim
-from controller.agent.watch import Watcher
+from controller.agent.state import AgentState, Shared, slim
 from controller.contracts import FINALIZER, Phase, Reason
 from controller.inuse import Usage, scan_usage
 from controller.kube import Kube, KubeError, Obj
-from controller.reaper import Hooks, Outcome, Reaper, Target
+from controller.reaper import Held, Hooks, Outcome, Reaper, Refused, Renamed, Target
 from controller.store import Root, Tombstone
 from controller.workqueue import WorkQueue
 
 log = logging.getLogger("sandkeep.agent")
+T = TypeVar("T")
 
 
 class Agent:
@@ -68,20 +70,21 @@ class Agent:
         self.queue: WorkQueue[Key] = WorkQueue()  # a held or failed key comes back with per-key backoff
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sizer = Sizer(root, self._size_changed)
-        self.report = Reporter(settings, client, root, agent_metrics, self.state, lambda: self.sizer.sizes)
-        self.adopter = Adopter(settings, client, root, self.state, self.report, self._each)
+        shared = Shared(settings, client, root, agent_metrics, self.state, lambda: self.sizer.sizes)
+        self.report = Reporter(shared)
+        self.adopter = Adopter(shared, self.report, self._each)
         self.identity = leases.default_identity()
         self.ignore = {os.getpid(), *settings.ignore_pids}
-        self.relief = Relief(
-            settings, client, root, agent_metrics, self.state, self.report, lambda: self.sizer.sizes, self._in_use_now
-        )
+        self.relief = Relief(shared, self.report, self._in_use_batch)
         self.last_published: str | None = None
+        self.operator: asyncio.Task[None] | None = None  # kopf, watching this node's objects
         self.stopping = asyncio.Event()
         self.started = time.monotonic()
         self.last_pass: float | None = None
         self.reaper = Reaper(
             root,
             self._in_use_now,
+            in_use_many=self._in_use_indexed,
             stuck_after=settings.stuck_after,
             orphan_timeout=settings.orphan_timeout,
             kill=kill,
@@ -95,7 +98,8 @@ class Agent:
         """Live while passes keep completing: a wedged loop (or a pass stuck on a hung mount) fails /healthz."""
         budget = max(3 * self.s.scan_interval.total_seconds(), 300.0)
         last = self.last_pass if self.last_pass is not None else self.started
-        return time.monotonic() - last < budget
+        watching_ok = self.operator is None or not self.operator.done()  # a dead watch leaves the cache stale
+        return watching_ok and time.monotonic() - last < budget
 
     # --- the watch and the queue -----------------------------------------------------------------------
 
@@ -103,23 +107,20 @@ class Agent:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.queue.add, key)
 
-    def _deliver(self, kind: str, payload: Any) -> None:
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._on_event, kind, payload)
+    def _reset(self, listed: list[Obj]) -> None:
+        """The cache from one listing of this node's objects: complete, so the first pass may adopt."""
+        self.state.objects = {kube.key_of(o): slim(o) for o in listed if self._mine(o)}
+        self.state.synced = True
+        for key in self.state.objects:
+            self.queue.add(key)
 
-    def _on_event(self, kind: str, payload: Any) -> None:
-        if kind == "reset":
-            self.state.objects = {kube.key_of(o): slim(o) for o in payload if self._mine(o)}
-            self.state.synced = True
-            for key in self.state.objects:
-                self.queue.add(key)
-            return
-        obj: Obj = payload
+    async def _on_watch(self, event_type: str | None, obj: Obj) -> None:
+        """One watch event (None: an object of kopf's listing): keep the newest version, queue the key."""
         if not self._mine(obj):
             return
         key = kube.key_of(obj)
-        if kind == "DELETED":
-            self.state.objects.pop(key, None)
+        if event_type == "DELETED":
+            self.state.forget(obj)
             self.queue.drop(key)
             return
         self.state.remember(obj)
@@ -139,13 +140,17 @@ class Agent:
         self.loop = asyncio.get_running_loop()
         self.stopping = stop
         self.sizer.start()
-        watcher = Watcher(self.kube, self.s.node, self._deliver)
-        watcher.start()
         interval = self.s.scan_interval.total_seconds()
         beat = asyncio.create_task(self._heartbeat_loop(stop))
         try:
-            while not self.state.synced and not stop.is_set():
-                await asyncio.sleep(0.05)
+            listed = await watch.seed(self.kube, self.s.node, stop)
+            if listed is not None:
+                self._reset(listed)
+                registry = watch.registry(self.kube, self._on_watch)
+                self.operator = watching.run(registry, watch.settings(self.s.node), stop=stop)
+                # kopf takes over SIGTERM and SIGINT once it runs: its stopping (for a signal, or a fatal
+                # error) stops the agent too, so the process exits and the kubelet restarts it if need be.
+                self.operator.add_done_callback(lambda _done: stop.set())
             while not stop.is_set():
                 started = time.monotonic()
                 try:
@@ -154,13 +159,14 @@ class Agent:
                     logs.say(log, "pass_failed", level=logging.ERROR, reason=Reason.AGENT_ERROR, error=repr(err)[:500])
                 await self._drain(stop, started + interval)
         finally:
-            watcher.stopping.set()
             self.sizer.stop()
             beat.cancel()
             self.reap_pool.shutdown(wait=False)
+            if self.operator is not None:
+                await _stopped(self.operator)
 
     async def _drain(self, stop: asyncio.Event, until: float) -> None:
-        """Process queued objects until the next pass is due."""
+        """Process queued objects, what is ready at once as one batch, until the next pass is due."""
         while not stop.is_set():
             left = until - time.monotonic()
             if left <= 0:
@@ -169,10 +175,12 @@ class Agent:
                 key = await asyncio.wait_for(self.queue.get(), timeout=min(left, 0.5))
             except TimeoutError:
                 continue
+            keys = [key, *self.queue.get_ready(BATCH - 1)]  # a wave of watch events is one batch
             try:
-                await self._process_logged(key)
+                await self.process_many(keys)
             finally:
-                self.queue.done(key)
+                for done in keys:
+                    self.queue.done(done)
 
     # --- one pass --------------------------------------------------------------------------------------
 
@@ -187,11 +195,12 @@ class Agent:
         self.state.present = set(keys)
         pods = await asyncio.to_thread(self._pod_paths) or []  # a deletion asks again, and holds without them
         usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
+        self.m.inuse_scans.labels(self.s.node).inc()
         self.state.usage = await asyncio.to_thread(discount_orphans, usage, keys, commands.orphan_pids)
         refused = await self.adopter.adopt(scan.sandboxes)
         self.sizer.request(keys)
         self._prune(set(keys))
-        await self._each(list(self.state.objects), self._process_logged)
+        await self.process_many(list(self.state.objects))
         await self.relief.relieve()
         self.report.strays(scan.strays, refused)
         self.report.node_metrics(scan.tombstones, self.reaper)
@@ -210,21 +219,6 @@ class Agent:
         horizon = time.monotonic() - self.s.relog_every.total_seconds()
         for subject in [k for k, (t, _) in self.state.said.items() if t < horizon]:
             self.state.said.pop(subject, None)
-
-    async def _process_logged(self, key: Key) -> None:
-        try:
-            await self.process(key)
-        except Exception as err:  # retried with backoff: a warning per attempt, further apart each time
-            delay = self._later(key)
-            logs.say(
-                log,
-                "process_failed",
-                level=logging.WARNING,
-                reason=Reason.AGENT_ERROR,
-                object="/".join(key),
-                error=repr(err)[:500],
-                retry_in=f"{delay:.1f}s",
-            )
 
     async def _each(self, keys: list[Key], fn: Callable[[Key], Awaitable[None]], limit: int = PARALLEL) -> None:
         """Run `fn` for every key, at most `limit` at a time: API latency, not CPU, bounds a pass over
@@ -260,19 +254,56 @@ class Agent:
 
     async def process(self, key: Key) -> None:
         """Do what `decide.next_step` says this object needs next."""
-        obj = self.state.objects.get(key)
-        uid = obj["metadata"]["uid"] if obj is not None else ""
-        tomb = await asyncio.to_thread(self._tombstone_of, uid) if obj is not None and kube.is_deleting(obj) else None
-        step = next_step(observe(obj, self.s.node, tomb is not None))
-        if obj is None or step is Step.IGNORE:
+        await self.process_many([key], raising=True)
+
+    async def process_many(self, keys: list[Key], *, raising: bool = False) -> None:
+        """Process `keys` (distinct), at most PARALLEL at a time; those whose next step is to reap go through
+        the pipeline's looks together, so a wave of deletions shares one /proc pass instead of one each.
+        A failed key is retried with backoff and said (`raising`: the error is raised instead)."""
+        steps: dict[Key, tuple[Obj, Tombstone | None, Step]] = {}
+
+        async def look(key: Key) -> None:
+            obj = self.state.objects.get(key)
+            if obj is None:
+                return
+            uid = obj["metadata"]["uid"]
+            tomb = await asyncio.to_thread(self._tombstone_of, uid) if kube.is_deleting(obj) else None
+            steps[key] = (obj, tomb, next_step(observe(obj, self.s.node, tomb is not None)))
+
+        async def act(key: Key) -> None:
+            await self._act(key, *steps[key])
+
+        guarded = functools.partial(self._guarded, raising)
+        await self._each(keys, functools.partial(guarded, look))
+        reaps = [k for k, (_obj, _tomb, step) in steps.items() if step is Step.REAP]
+        await self._each([k for k in steps if k not in reaps], functools.partial(guarded, act))
+        if reaps:
+            await self._reap({k: steps[k][0] for k in reaps}, raising)
+
+    async def _guarded(self, raising: bool, fn: Callable[[Any], Awaitable[None]], arg: Any) -> None:
+        try:
+            await fn(arg)
+        except Exception as err:  # retried with backoff: a warning per attempt, further apart each time
+            if raising:
+                raise
+            for key in arg if isinstance(arg, list) else [arg]:
+                delay = self._later(key)
+                logs.say(
+                    log,
+                    "process_failed",
+                    level=logging.WARNING,
+                    reason=Reason.AGENT_ERROR,
+                    object="/".join(key),
+                    error=repr(err)[:500],
+                    retry_in=f"{delay:.1f}s",
+                )
+
+    async def _act(self, key: Key, obj: Obj, tomb: Tombstone | None, step: Step) -> None:
+        if step is Step.IGNORE:
             return
         if step is Step.FINISH and tomb is not None:
             outcome = await self._pipeline(self.reaper.leftover, tomb, lambda _read: fate(obj))
             await self._after(obj, key, tomb.name, outcome)
-            return
-        if step is Step.REAP:
-            target = Target(*key, uid, claim_of(obj), self.relief.cause_of(uid))
-            await self._after(obj, key, None, await self._pipeline(self.reaper.reap, target))
             return
         if step is Step.ADD_FINALIZER:
             added = await self._add_finalizer(obj)
@@ -282,6 +313,26 @@ class Agent:
         self.report.check_spec_path(obj)
         await self.report.apply(obj, self.report.observed_status(obj))
         self.queue.forget(key)
+
+    async def _reap(self, objs: dict[Key, Obj], raising: bool) -> None:
+        """Take these objects' sandboxes through the pipeline: the looks and renames of all of them in one
+        reap thread (one /proc pass, asked again once its answer is older than `fresh_for`), then each
+        tombstone's read-back and delete in the reap threads, PARALLEL at a time."""
+        keys = list(objs)
+        uids = {k: o["metadata"]["uid"] for k, o in objs.items()}
+        targets = [Target(*k, uids[k], claim_of(objs[k]), self.relief.cause_of(uids[k])) for k in keys]
+        prepared: dict[Key, Held | Refused | Renamed] = {}
+
+        async def prepare(_keys: list[Key]) -> None:
+            prepared.update(zip(keys, await self._pipeline(self.reaper.prepare, targets), strict=True))
+
+        async def finish(key: Key) -> None:
+            step = prepared[key]
+            outcome = await self._pipeline(self.reaper.finish, step) if isinstance(step, Renamed) else step
+            await self._after(objs[key], key, None, outcome)
+
+        await self._guarded(raising, prepare, keys)  # failed: every key retried with backoff
+        await self._each(list(prepared), functools.partial(self._guarded, raising, finish))
 
     async def _add_finalizer(self, obj: Obj) -> Obj | None:
         meta = obj["metadata"]
@@ -310,7 +361,7 @@ class Agent:
     def _tombstone_of(self, uid: str) -> Tombstone | None:
         return next((t for t in self.root.tombstones() if t.id == uid), None)
 
-    async def _pipeline(self, fn: Callable[..., Outcome], *args: Any) -> Outcome:
+    async def _pipeline(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a pipeline step in the reap threads: the loop keeps serving the watch and the heartbeat."""
         return await asyncio.get_running_loop().run_in_executor(self.reap_pool, functools.partial(fn, *args))
 
@@ -331,17 +382,29 @@ class Agent:
             self._later(key)
 
     def _in_use_now(self, path: Path) -> Usage:
-        """The pipeline's in-use check (in a reap thread): /proc and this node's Pods, asked fresh.
-
-        No Pod list, no way to rule out a Pod that mounts it: unknown, which holds.
-        """
+        """The pipeline's in-use check (in a reap thread): /proc and this node's Pods, asked fresh."""
         key = (path.parent.name, path.name)
+        return self._in_use_batch({key: path})[key]
+
+    def _in_use_indexed(self, paths: Mapping[int, Path]) -> dict[int, Usage]:
+        """The pipeline's in-use check for many at once (`Reaper.prepare`): one `_in_use_batch`."""
+        keys = {i: (p.parent.name, p.name) for i, p in paths.items()}
+        found = self._in_use_batch({keys[i]: p for i, p in paths.items()})
+        return {i: found[k] for i, k in keys.items()}
+
+    def _in_use_batch(self, paths: dict[Key, Path]) -> dict[Key, Usage]:
+        """Whether anything uses each of `paths`, from one Pod list and one /proc pass for all of them.
+
+        No Pod list, no way to rule out a Pod that mounts one: unknown, which holds.
+        """
         pods = self._pod_paths()
-        usage = scan_usage({key: path}, pods or [], Path("/proc"), self.ignore)[key]
-        if pods is None and not usage.in_use:
-            usage = Usage(None, ("the Pods on this node could not be listed",), Reason.IN_USE_UNKNOWN)
-        self.state.usage[key] = usage
-        return usage
+        found = scan_usage(paths, pods or [], Path("/proc"), self.ignore)
+        self.m.inuse_scans.labels(self.s.node).inc()
+        for key, usage in found.items():
+            if pods is None and not usage.in_use:
+                found[key] = Usage(None, ("the Pods on this node could not be listed",), Reason.IN_USE_UNKNOWN)
+            self.state.usage[key] = found[key]
+        return found
 
     def _after_rename(self, key: Key, tomb: Tombstone | None) -> None:
         if os.environ.get(SEAM_KILL_AFTER_RENAME):
@@ -428,3 +491,14 @@ class Agent:
             self.m.heartbeat.labels(self.s.node).set(time.time())
         except KubeError as err:
             self.report.say_limited("heartbeat", "heartbeat_failed", reason=Reason.AGENT_STALE, error=str(err)[:300])
+
+
+async def _stopped(operator: asyncio.Task[None]) -> None:
+    """kopf ends by itself once the stop flag is set; one that takes longer than a few seconds is cancelled."""
+    try:
+        await asyncio.wait_for(asyncio.shield(operator), timeout=10)
+    except TimeoutError:
+        operator.cancel()
+        await asyncio.gather(operator, return_exceptions=True)
+    except Exception as err:  # kopf failed on its own: the agent is stopping anyway
+        logs.say(log, "watch_stopped", level=logging.WARNING, reason=Reason.AGENT_STALE, error=repr(err)[:300])

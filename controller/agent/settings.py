@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
@@ -13,6 +14,7 @@ from controller.pressure import Watermarks
 
 HEARTBEAT_EVERY = 15.0  # seconds between heartbeat renewals (the Lease says 60 s)
 PARALLEL = 8  # API requests (and reaps) in flight at once during a pass
+BATCH = 1000  # queued objects taken together between passes (their deletions share one /proc pass)
 
 # Test seams: make the agent SIGKILL itself right after the rename, or N seconds into a tombstone delete.
 SEAM_KILL_AFTER_RENAME = "SANDKEEP_TEST_KILL_AFTER_RENAME"
@@ -42,6 +44,10 @@ class AgentSettings(Settings):
     pressure_high: float = 85.0
     pressure_low: float = 80.0
     pressure_min_free_bytes: int = 0  # optional floor: fewer bytes available also counts as over high
+    # Client-side rate limit of every API request but the watch: one node adopting 10,000 directories at
+    # once, or every agent of a large cluster restarting together, stays a steady trickle per node.
+    kube_qps: Annotated[float, Field(gt=0)] = 20.0
+    kube_burst: Annotated[int, Field(ge=1)] = 40
 
     @model_validator(mode="after")
     def _watermarks(self) -> AgentSettings:

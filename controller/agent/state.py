@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller import kube
+from controller.agent.settings import AgentSettings
 from controller.inuse import Usage
-from controller.kube import Obj
+from controller.kube import Kube, Obj
+from controller.metrics import AgentMetrics
+from controller.store import Root
 
 Key = tuple[str, str]
 
@@ -38,7 +42,39 @@ class AgentState:
             return
         self.objects[key] = obj
 
+    def forget(self, obj: Obj) -> None:
+        """Drop an object that is gone (deleted, or answered 404); a newer one of the same name stays."""
+        key = kube.key_of(obj)
+        cached = self.objects.get(key)
+        if cached is not None and cached["metadata"].get("uid") == obj["metadata"].get("uid"):
+            del self.objects[key]
+
     def newest(self, obj: Obj) -> Obj:
         """The cache's copy when it is the same object (our own status writes land there first)."""
         cached = self.objects.get(kube.key_of(obj))
         return cached if cached is not None and cached["metadata"].get("uid") == obj["metadata"]["uid"] else obj
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every part of the agent works with: the settings, the API client, the node's root, the metrics,
+    the cache, and the sizes the background measurer last saw ((bytes, files) by sandbox)."""
+
+    settings: AgentSettings
+    kube: Kube
+    root: Root
+    metrics: AgentMetrics
+    state: AgentState
+    sizes: Callable[[], dict[Key, tuple[int, int]]]
+
+
+class Part:
+    """A part of the agent (adoption, reporting, relief): the shared things under short names."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.s = shared.settings
+        self.kube = shared.kube
+        self.root = shared.root
+        self.m = shared.metrics
+        self.state = shared.state
+        self.sizes = shared.sizes

@@ -1,87 +1,61 @@
-"""LIST then WATCH this node's RetainedSandboxes, in one thread, with the server-side field selector.
+"""The agent's watch: its node's RetainedSandboxes through kopf (`controller/watching.py`), the controller's
+watch stack, with the API server filtering on `spec.nodeName=<node>` so other nodes' objects never arrive.
 
-The controller watches through kopf; the agent still has this one small informer of its own. kopf 1.45
-can send the same server-side field selector (`settings.watching.field_selectors`), so the agent could run
-on kopf's watch too and the two components would share one watch stack; that move is not done yet.
+kopf says neither when its first listing is complete nor what vanished while a watch was down (a relist
+after 410 Gone brings only what exists). So the cache starts from one LIST of our own (`seed`): the first
+pass must not adopt, as new, directories whose objects simply have not arrived yet. kopf's own listing
+then re-delivers the same objects (the cache keeps the newest resourceVersion). An object that vanished
+unseen can only be one whose finalizer someone else removed; its next write answers 404 and the runtime
+forgets it (`AgentState.forget`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
-from collections.abc import Callable
-from typing import Any
+
+import kopf
 
 from controller import contracts as c
-from controller import kube, logs
+from controller import logs, watching
 from controller.contracts import Reason
-from controller.kube import Kube
+from controller.kube import Kube, KubeError, Obj
+from controller.watching import Handler
 
 log = logging.getLogger("sandkeep.agent")
 
 
-class Watcher(threading.Thread):
-    """LIST then WATCH this node's RetainedSandboxes, resuming from the last resourceVersion; a 410 re-lists.
+def registry(kube: Kube, on_event: Handler) -> kopf.OperatorRegistry:
+    return watching.registry(kube, {(c.GROUP, c.VERSION, c.SANDBOX_PLURAL): on_event})
 
-    Every event lands on the loop as ("reset", items) or (type, object); the agent's cache is the
-    result. The field selector is applied by the API server, so other nodes' objects never arrive.
+
+def settings(node: str) -> kopf.OperatorSettings:
+    """Only this node's objects, and no CRD discovery: the agent's seed LIST has already found the CRD, and
+    its RBAC does not include reading CRDs."""
+    return watching.operator_settings(watching.sandbox_watch(node), discover=False)
+
+
+async def seed(kube: Kube, node: str, stop: asyncio.Event) -> list[Obj] | None:
+    """This node's objects, listed once before the watch starts; retried with backoff until it answers.
+
+    None when stopped first. A refusal is said at once and then every time the wait doubles.
     """
-
-    def __init__(
-        self, client: Kube, node: str, deliver: Callable[[str, Any], None], resource_version: str | None = None
-    ) -> None:
-        super().__init__(name="watch", daemon=True)
-        self.client = client
-        self.node = node
-        self.deliver = deliver
-        self.resource_version = resource_version  # where to resume; None lists first
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        from kubernetes import client as k8s
-        from kubernetes import watch
-
-        api = k8s.CustomObjectsApi(self.client.api)
-        selector = f"spec.nodeName={self.node}"
-        rv = self.resource_version
-        failures = 0
-        while not self.stopping.is_set():
-            try:
-                if rv is None:
-                    listed = self.client.request(
-                        "GET", kube.sandbox_path(), query={"fieldSelector": selector}, timeout=60
-                    )
-                    rv = listed["metadata"]["resourceVersion"]
-                    self.deliver("reset", listed.get("items", []))
-                w = watch.Watch()  # type: ignore[no-untyped-call]
-                for event in w.stream(  # type: ignore[no-untyped-call]
-                    api.list_cluster_custom_object,
-                    c.GROUP,
-                    c.VERSION,
-                    c.SANDBOX_PLURAL,
-                    field_selector=selector,
-                    resource_version=rv,
-                    allow_watch_bookmarks=True,
-                    timeout_seconds=60,
-                ):
-                    if self.stopping.is_set():
-                        w.stop()  # type: ignore[no-untyped-call]
-                        break
-                    obj = event["object"]
-                    rv = obj.get("metadata", {}).get("resourceVersion", rv)
-                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        self.deliver(event["type"], obj)
-                failures = 0
-            except Exception as err:
-                status = getattr(err, "status", None)
-                if status == 410:
-                    logs.say(log, "watch_expired", reason=Reason.AGENT_STALE, resource_version=rv, action="re-listing")
-                    rv = None  # too old (etcd compacted it): list again
-                    continue
-                # A watch the server or a proxy closed is routine: resume quietly; say it when it keeps failing.
-                failures += 1
-                level = logging.WARNING if failures > 1 else logging.DEBUG
-                logs.say(log, "watch_failed", level=level, reason=Reason.AGENT_STALE, error=str(err)[:300])
-                if status in (401, 403):
-                    rv = None
-                self.stopping.wait(min(2.0 * failures, 30.0) if failures > 1 else 0.2)
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            return await asyncio.to_thread(kube.list_sandboxes, node=node)
+        except KubeError as err:
+            logs.say(
+                log,
+                "list_failed",
+                level=logging.WARNING,
+                reason=Reason.AGENT_STALE,
+                node=node,
+                error=str(err)[:300],
+                retry_in=f"{delay:.1f}s",
+            )
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=delay)
+        except TimeoutError:
+            delay = min(delay * 2, 30.0)
+    return None

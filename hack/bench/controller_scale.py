@@ -43,6 +43,8 @@ from controller.kube import Kube, KubeError, load_config, sandbox_path  # noqa: 
 
 TARGET_LAG_P99 = 2.0
 TARGET_RSS_MIB = 200
+TARGET_RSS_MIB_100K = 400  # issue 15: 100,000 sandboxes
+TARGET_RSS_PER_OBJECT_KIB = 3.5
 
 
 WRITTEN = (c.SANDBOX_PLURAL, c.POLICY_PLURAL, "events")  # what the controller writes; Lease renewals are apart
@@ -139,6 +141,57 @@ def peak_rss_mib(pid: int) -> float:
     return math.nan
 
 
+def empty_rss_mib(cluster: LocalCluster, cmd: list[str], log_path: Path) -> float:
+    """The peak RSS of the same controller watching a namespace with nothing in it: what N objects add to."""
+    empty = f"bench-empty-{secrets.token_hex(3)}"
+    cluster.kubectl("create", "namespace", empty)
+    with log_path.open("ab") as log_file:
+        proc = subprocess.Popen(
+            [*cmd, f"--watch-namespace={empty}"], stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO
+        )
+    try:
+        limit = time.monotonic() + 60
+        while "leader_elected" not in log_path.read_text(errors="replace") and time.monotonic() < limit:
+            time.sleep(0.2)
+        time.sleep(3)
+        return peak_rss_mib(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        cluster.kubectl("delete", "namespace", empty, "--wait=false", check=False)
+
+
+def server_cost(cluster: LocalCluster) -> dict[str, float]:
+    """The API server's and etcd's running totals: requests by verb, watch events sent, etcd's db size."""
+    text = cluster.metrics_text()
+    cost: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"apiserver_request_total\{(.*)\} (\S+)", line)
+        if m and 'resource="retainedsandboxes"' in m.group(1):
+            verb = re.search(r'verb="(\w+)"', m.group(1))
+            if verb:
+                cost[f"requests {verb.group(1)}"] = cost.get(f"requests {verb.group(1)}", 0.0) + float(m.group(2))
+        m = re.match(r"apiserver_watch_events_total\{(.*)\} (\S+)", line)
+        if m and 'resource="retainedsandboxes"' in m.group(1):
+            cost["watch events sent"] = cost.get("watch events sent", 0.0) + float(m.group(2))
+    etcd_url = getattr(cluster, "etcd_url", "")
+    if etcd_url:
+        with urllib.request.urlopen(f"{etcd_url}/metrics", timeout=10) as response:
+            etcd = response.read().decode()
+        cost["etcd db MiB"] = metric_sum(etcd, "etcd_mvcc_db_total_size_in_bytes") / 2**20
+    for component in getattr(cluster, "components", []):
+        if component.name in ("etcd", "kube-apiserver") and component.proc.poll() is None:
+            cost[f"{component.name} RSS MiB"] = rss_now_mib(component.proc.pid)
+    return cost
+
+
+def rss_now_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
 def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
     kube = Kube(load_config(cluster.kubeconfig), "sandkeep-bench")
     run_id = secrets.token_hex(3)
@@ -171,11 +224,13 @@ def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
         f"in {time.monotonic() - began:.1f}s"
     )
 
-    # 2. the controller, as a real process, watching the bench namespaces
+    # 2. the controller, as a real process, watching the bench namespaces; first one with nothing to hold
     log_path = Path(tempfile.mkdtemp(prefix="sandkeep-bench-")) / "controller.log"
     flags = [f"--kubeconfig={cluster.kubeconfig}", f"--namespace={namespaces[0]}", f"--workers={args.workers}"]
     cmd = [sys.executable, "-m", "controller.cli", "controller", *flags, "--metrics-port=0", "--retention=1h"]
+    args.baseline_rss = empty_rss_mib(cluster, cmd, log_path.with_name("empty.log"))
     cmd += [f"--watch-namespace={ns}" for ns in namespaces]
+    args.server_before = server_cost(cluster)
     with log_path.open("ab") as log_file:
         started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -248,13 +303,15 @@ def measure(
     lease_rate = delta.get("leases", 0) * 3600 / args.quiet
     print(f"  leader Lease renewals per hour (inherent to leader election): {lease_rate:.0f}")
 
-    # 4. expiry: a policy per namespace moves every deadline into the next `spread` seconds
+    # 4. expiry: a policy per namespace (of the first `--due-fraction` of them) moves every deadline there
+    # into the next `spread` seconds
+    due = namespaces[: max(1, round(len(namespaces) * args.due_fraction))]
     listing = kube.request("GET", sandbox_path(), query={"limit": "1"})
-    watcher = Watcher(kube, listing["metadata"]["resourceVersion"], namespaces)
+    watcher = Watcher(kube, listing["metadata"]["resourceVersion"], due)
     watcher.start()
     first = datetime.now(UTC) + timedelta(seconds=args.margin)
     retention = math.ceil((first - args.base).total_seconds())
-    for ns in namespaces:
+    for ns in due:
         meta = {"name": "bench", "namespace": ns}
         spec = {"retention": f"{retention}s"}
         cluster.apply({"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": meta, "spec": spec})
@@ -263,14 +320,14 @@ def measure(
         f"{args.margin:.0f}..{args.margin + args.spread:.0f}s"
     )
     deadlines: dict[tuple[str, str], float] = {}
-    for ns in namespaces:
+    for ns in due:
         for obj in kube.list_sandboxes(ns):
             created = parse_instant(obj["spec"]["createdAt"])
             due = created + timedelta(seconds=retention)  # type: ignore[operator]
             deadlines[(ns, obj["metadata"]["name"])] = due.timestamp()
     wait(
-        "every sandbox to be deleted",
-        lambda: len(watcher.deleted) >= args.objects,
+        "every due sandbox to be deleted",
+        lambda: len(watcher.deleted) >= len(deadlines),
         timeout=args.margin + args.spread + args.timeout,
     )
     watcher.stop = True
@@ -279,16 +336,28 @@ def measure(
     p50, p99 = percentile(lags, 0.5), percentile(lags, 0.99)
     h50, h99 = histogram_quantile(text, c.M_EXPIRY_LAG, 0.5), histogram_quantile(text, c.M_EXPIRY_LAG, 0.99)
     print(
-        f"deleted {len(lags)}/{args.objects}; expiry lag (deadline -> DELETED on a watch) p50 {p50:.3f}s "
+        f"deleted {len(lags)}/{len(deadlines)} due ({len(due)} of {len(namespaces)} namespaces); "
+        f"expiry lag (deadline -> DELETED on a watch) p50 {p50:.3f}s "
         f"p99 {p99:.3f}s max {max(lags):.3f}s (target p99 < {TARGET_LAG_P99}s -> "
         f"{'OK' if p99 < TARGET_LAG_P99 else 'MISSED'})"
     )
     print(f"  controller's own histogram (deadline -> DELETE request): p50 ~{h50:.3f}s p99 ~{h99:.3f}s")
     rss = peak_rss_mib(proc.pid)
+    target = TARGET_RSS_MIB if args.objects <= 10_000 else TARGET_RSS_MIB_100K
     print(
-        f"controller peak RSS: {rss:.0f} MiB (target < {TARGET_RSS_MIB} MiB -> "
-        f"{'OK' if rss < TARGET_RSS_MIB else 'MISSED'})"
+        f"controller peak RSS: {rss:.0f} MiB (target < {target} MiB -> {'OK' if rss < target else 'MISSED'}); "
+        f"the same controller with nothing to hold: {args.baseline_rss:.0f} MiB"
     )
+    per_object = (rss - args.baseline_rss) * 1024 / args.objects
+    print(
+        f"rss_per_object_kib {per_object:.2f} (target <= {TARGET_RSS_PER_OBJECT_KIB} -> "
+        f"{'OK' if per_object <= TARGET_RSS_PER_OBJECT_KIB else 'MISSED'})"
+    )
+    after = server_cost(cluster)
+    print("API server and etcd over the run (retainedsandboxes; RSS and db size at the end):")
+    for what in sorted(after):
+        grown = after[what] - args.server_before.get(what, 0.0) if not what.endswith("MiB") else after[what]
+        print(f"  {what}: {grown:.0f}")
     errors = metric_sum(text, c.M_RECONCILE_ERRORS)
     print(f"reconcile errors: {errors:.0f}; deletions requested: {metric_sum(text, c.M_DELETIONS_REQUESTED):.0f}")
     return 0
@@ -302,12 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spread", type=float, default=180.0, help="seconds the deadlines are spread over")
     parser.add_argument("--margin", type=float, default=None, help="seconds before the first deadline")
     parser.add_argument("--quiet", type=float, default=30.0, help="steady-state window in seconds")
+    parser.add_argument(
+        "--due-fraction", type=float, default=1.0, help="the share of namespaces whose sandboxes come due (0..1]"
+    )
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--kubeconfig", help="use this running cluster (e.g. a test's) instead of starting one")
     args = parser.parse_args(argv)
     if args.margin is None:  # the policy change rewrites every status first: give it time before deadlines
-        args.margin = max(5.0, args.objects / 100)
+        args.margin = max(5.0, args.objects * args.due_fraction / 100)
     if args.kubeconfig:
         attached = _Attached(LocalCluster(tools_bin=tools_bin(("kubectl",))), Path(args.kubeconfig))
         return run(args, attached)  # type: ignore[arg-type]

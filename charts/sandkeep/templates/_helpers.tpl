@@ -105,3 +105,12 @@ selector labels. Call with (dict "root" $ "component" "agent"). */}}
 {{- define "sandkeep.agentLeasePrefix" -}}
 sandkeep-agent-
 {{- end }}
+
+{{/* The agent's Localhost seccomp profile, relative to the kubelet's seccomp directory: one per release. */}}
+{{- define "sandkeep.agentSeccompProfile" -}}
+sandkeep/{{ include "sandkeep.agentSeccompFile" . }}
+{{- end }}
+
+{{- define "sandkeep.agentSeccompFile" -}}
+{{ include "sandkeep.fullname" . }}-agent.json
+{{- end }}
