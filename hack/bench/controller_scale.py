@@ -323,8 +323,8 @@ def measure(
     for ns in due:
         for obj in kube.list_sandboxes(ns):
             created = parse_instant(obj["spec"]["createdAt"])
-            due = created + timedelta(seconds=retention)  # type: ignore[operator]
-            deadlines[(ns, obj["metadata"]["name"])] = due.timestamp()
+            deadline = created + timedelta(seconds=retention)  # type: ignore[operator]
+            deadlines[(ns, obj["metadata"]["name"])] = deadline.timestamp()
     wait(
         "every due sandbox to be deleted",
         lambda: len(watcher.deleted) >= len(deadlines),
