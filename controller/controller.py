@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -689,7 +690,7 @@ class Reconciler:
         deleted. With `dry_run` the API server checks the DELETE (`dryRun=All`) and deletes nothing.
         Returns what was deleted (or would have been), None otherwise.
         """
-        fresh = await asyncio.to_thread(self.kube.get_sandbox, *key)
+        fresh = await asyncio.to_thread(functools.partial(self.kube.get_sandbox, urgent=True), *key)
         if fresh is None:
             return None
         self.remember(fresh)
@@ -710,7 +711,7 @@ class Reconciler:
                 return None
             if err.conflict:
                 logs.say(log, "delete_conflict", reason=Reason.CONFLICT, object=f"{key[0]}/{key[1]}")
-                again = await asyncio.to_thread(self.kube.get_sandbox, *key)
+                again = await asyncio.to_thread(functools.partial(self.kube.get_sandbox, urgent=True), *key)
                 if again is not None:
                     self.remember(again)
                     self.enqueue(key)
