@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import functools
 import logging
 import os
 import sys
@@ -690,7 +689,7 @@ class Reconciler:
         deleted. With `dry_run` the API server checks the DELETE (`dryRun=All`) and deletes nothing.
         Returns what was deleted (or would have been), None otherwise.
         """
-        fresh = await asyncio.to_thread(functools.partial(self.kube.get_sandbox, urgent=True), *key)
+        fresh = await asyncio.to_thread(self.kube.get_sandbox, *key)
         if fresh is None:
             return None
         self.remember(fresh)
@@ -711,7 +710,7 @@ class Reconciler:
                 return None
             if err.conflict:
                 logs.say(log, "delete_conflict", reason=Reason.CONFLICT, object=f"{key[0]}/{key[1]}")
-                again = await asyncio.to_thread(functools.partial(self.kube.get_sandbox, urgent=True), *key)
+                again = await asyncio.to_thread(self.kube.get_sandbox, *key)
                 if again is not None:
                     self.remember(again)
                     self.enqueue(key)

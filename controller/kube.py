@@ -111,10 +111,7 @@ class RateLimiter:
     """A token bucket, as client-go's flowcontrol limiter: `qps` requests a second on average, `burst` at once.
 
     Thread-safe; `wait()` blocks until a token is free. A client of 5,000 agents adopting at once, or of a
-    controller rewriting 100,000 statuses, must not be what takes the API server down. An `urgent` request
-    (a due deletion and the fresh read before it) takes its token without waiting, in debt if need be: the
-    ordinary requests after it wait longer, so the average rate holds and no deletion queues behind a
-    rewrite of ten thousand statuses.
+    controller rewriting 100,000 statuses, must not be what takes the API server down.
     """
 
     def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -125,19 +122,19 @@ class RateLimiter:
         self._lock = threading.Lock()
         self.waited = 0.0  # seconds spent waiting, in all
 
-    def reserve(self, urgent: bool = False) -> float:
-        """Take a token; how long to wait before using it (0 when one was free, or when `urgent`)."""
+    def reserve(self) -> float:
+        """Take a token; how long to wait before using it (0 when one was free)."""
         with self._lock:
             now = self.clock()
             self._tokens = min(self.burst, self._tokens + (now - self._at) * self.qps)
             self._at = now
             self._tokens -= 1
-            delay = 0.0 if self._tokens >= 0 or urgent else -self._tokens / self.qps
+            delay = 0.0 if self._tokens >= 0 else -self._tokens / self.qps
             self.waited += delay
             return delay
 
-    def wait(self, urgent: bool = False) -> None:
-        delay = self.reserve(urgent)
+    def wait(self) -> None:
+        delay = self.reserve()
         if delay > 0:
             time.sleep(delay)
 
@@ -177,12 +174,10 @@ class Kube:
         query: Mapping[str, Any] | None = None,
         content_type: str = "application/json",
         timeout: float | None = None,
-        urgent: bool = False,
     ) -> Any:
-        """One API request; returns the decoded JSON body (None when empty), raises KubeError otherwise.
-        `urgent`: never waits for the rate limit (`RateLimiter`), though it counts against it."""
+        """One API request; returns the decoded JSON body (None when empty), raises KubeError otherwise."""
         if self.limiter is not None:
-            self.limiter.wait(urgent)
+            self.limiter.wait()
         self.requests += 1
         headers = {"Accept": "application/json"}
         if body is not None:
@@ -207,10 +202,10 @@ class Kube:
         return json.loads(text) if text else None
 
     # --- RetainedSandboxes --------------------------------------------------------------------------------
-    def get_sandbox(self, namespace: str, name: str, *, urgent: bool = False) -> Obj | None:
+    def get_sandbox(self, namespace: str, name: str) -> Obj | None:
         """The object as the API server has it now (a quorum read), or None when it does not exist."""
         try:
-            result: Obj = self.request("GET", sandbox_path(namespace, name), urgent=urgent)
+            result: Obj = self.request("GET", sandbox_path(namespace, name))
         except KubeError as err:
             if err.not_found:
                 return None
@@ -280,8 +275,7 @@ class Kube:
         }
         if dry_run:
             body["dryRun"] = ["All"]
-        path = sandbox_path(meta["namespace"], meta["name"])
-        result: Obj | None = self.request("DELETE", path, body=body, urgent=True)  # a deletion never queues
+        result: Obj | None = self.request("DELETE", sandbox_path(meta["namespace"], meta["name"]), body=body)
         return result
 
     def remove_finalizer(self, obj: Obj, finalizer: str = c.FINALIZER) -> Obj:

@@ -29,17 +29,6 @@ def test_a_burst_goes_at_once_and_the_rest_at_the_average_rate() -> None:
     assert limiter.reserve() > 0
 
 
-def test_an_urgent_request_never_waits_and_the_ordinary_ones_after_it_pay_for_it() -> None:
-    clock = Clock()
-    limiter = RateLimiter(qps=10, burst=2, clock=clock)
-    assert [limiter.reserve() for _ in range(2)] == [0.0, 0.0]  # the burst spent
-    assert limiter.reserve() == pytest.approx(0.1)  # an ordinary request queues for its token
-    assert [limiter.reserve(urgent=True) for _ in range(3)] == [0.0, 0.0, 0.0]  # deletions go at once
-    assert limiter.reserve() == pytest.approx(0.5)  # behind the one queued and the three urgent ones
-    clock.now += 0.5  # the debt is paid off at the average rate, no faster
-    assert limiter.reserve() == pytest.approx(0.1)
-
-
 def test_many_threads_together_never_exceed_the_rate() -> None:
     clock = Clock()
     limiter = RateLimiter(qps=50, burst=5, clock=clock)

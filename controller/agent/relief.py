@@ -18,7 +18,6 @@ When the disk stays above high with only pinned or held sandboxes left, the agen
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
@@ -141,7 +140,7 @@ class Relief(Part):
             cached = self.state.objects.get(key)
             if cached is None:
                 break
-            read = await asyncio.to_thread(functools.partial(self.kube.get_sandbox, urgent=True), *key)
+            read = await asyncio.to_thread(self.kube.get_sandbox, *key)
             refusal = release_refusal(read, cached["metadata"]["uid"], now)
             if read is not None:
                 self.state.remember(read)
