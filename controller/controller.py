@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import kopf
 from pydantic import Field
@@ -64,6 +64,7 @@ from controller.quota import choose as quota_plan
 from controller.workqueue import WorkQueue
 
 log = logging.getLogger("sandkeep.controller")
+Q = TypeVar("Q")  # what a work queue holds: a sandbox key, or a namespace
 
 Key = tuple[str, str]
 COMPONENT = "sandkeep-controller"
@@ -527,28 +528,33 @@ class Reconciler:
         self.queue.add_after(key, (when - now_utc()).total_seconds(), priority=0)
 
     async def worker(self) -> None:
-        while True:
-            key = await self.queue.get()
-            try:
-                await self.reconcile(key)
-                self.queue.forget(key)
-            except Exception as err:
-                self._retry_later(key, err)
-            finally:
-                self.queue.done(key)
+        def failed(key: Key) -> dict[str, Any]:
+            return {"object": f"{key[0]}/{key[1]}"}
 
-    def _retry_later(self, key: Key, err: Exception) -> None:
-        """A failed pass is retried with exponential backoff; the error is counted and logged once."""
-        delay = self.queue.add_rate_limited(key)
-        self.metrics.reconcile_errors.labels(component="controller").inc()
-        logs.say(
-            log,
-            "reconcile_failed",
-            level=logging.WARNING,
-            object=f"{key[0]}/{key[1]}",
-            error=str(err)[:300],
-            retry_in=f"{delay:.1f}s",
-        )
+        await self._serve(self.queue, self.reconcile, "controller", "reconcile_failed", failed)
+
+    async def _serve(
+        self,
+        queue: WorkQueue[Q],
+        handle: Callable[[Q], Awaitable[None]],
+        component: str,
+        event: str,
+        fields: Callable[[Q], dict[str, Any]],
+    ) -> None:
+        """One worker of `queue`: `handle` each item; a failed one is retried with exponential backoff, the
+        error counted (`component`) and logged (`event`, with `fields` of the item) once per attempt."""
+        while True:
+            item = await queue.get()
+            try:
+                await handle(item)
+                queue.forget(item)
+            except Exception as err:
+                delay = queue.add_rate_limited(item)
+                self.metrics.reconcile_errors.labels(component=component).inc()
+                said = fields(item)
+                logs.say(log, event, level=logging.WARNING, **said, error=str(err)[:300], retry_in=f"{delay:.1f}s")
+            finally:
+                queue.done(item)
 
     # --- the SandboxPolicies' status (the leader's) -------------------------------------------------------
     async def write_policy_statuses(self, namespace: str) -> None:
@@ -767,25 +773,10 @@ class Reconciler:
         )
 
     async def quota_worker(self) -> None:
-        while True:
-            namespace = await self.quotas.get()
-            try:
-                await self.enforce_quota(namespace)
-                self.quotas.forget(namespace)
-            except Exception as err:
-                delay = self.quotas.add_rate_limited(namespace)
-                self.metrics.reconcile_errors.labels(component="quota").inc()
-                logs.say(
-                    log,
-                    "quota_failed",
-                    level=logging.WARNING,
-                    reason=Reason.QUOTA_EXCEEDED,
-                    namespace=namespace,
-                    error=str(err)[:300],
-                    retry_in=f"{delay:.1f}s",
-                )
-            finally:
-                self.quotas.done(namespace)
+        def failed(namespace: str) -> dict[str, Any]:
+            return {"reason": Reason.QUOTA_EXCEEDED, "namespace": namespace}
+
+        await self._serve(self.quotas, self.enforce_quota, "quota", "quota_failed", failed)
 
     async def enforce_quota(self, namespace: str) -> None:
         """As leader: release the namespace's oldest releasable sandboxes while it is over its quota.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from localcluster import kube_version
@@ -19,13 +20,21 @@ from controller.controller import ControllerSettings
 from controller.policy import Quota
 
 
-def agent_settings(manifest: str) -> agent.AgentSettings:
-    """The rendered DaemonSet's agent arguments, parsed by the agent's own flags and settings."""
-    args = find(objects(manifest), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+def parsed_args(manifest: str, kind: str, component: Any, prefix: str) -> Any:
+    """The rendered `kind`'s arguments of `component` that start with `prefix`, parsed by the component's
+    own flags and settings."""
+    args = find(objects(manifest), kind)["spec"]["template"]["spec"]["containers"][0]["args"]
+    name = component.__name__.rpartition(".")[2]
     parser = argparse.ArgumentParser()
-    agent.add_arguments("agent", parser)
-    own = [a for a in args[args.index("agent") + 1 :] if a.startswith("--pressure-")]
-    return agent.settings_from(parser.parse_args(own))
+    component.add_arguments(name, parser)
+    own = [a for a in args[args.index(name) + 1 :] if a.startswith(prefix)]
+    return component.settings_from(parser.parse_args(own))
+
+
+def agent_settings(manifest: str) -> agent.AgentSettings:
+    """The rendered DaemonSet's pressure arguments, parsed by the agent's own flags and settings."""
+    settings: agent.AgentSettings = parsed_args(manifest, "DaemonSet", agent, "--pressure-")
+    return settings
 
 
 def test_the_defaults_sit_below_the_kubelets_eviction_threshold_and_reach_the_agent(tools: Path) -> None:
@@ -56,6 +65,10 @@ def test_values_reach_the_agent_as_given(tools: Path) -> None:
     ],
 )
 def test_bad_pressure_values_are_refused(tools: Path, value: str, words: str) -> None:
+    refused(tools, value, words)
+
+
+def refused(tools: Path, value: str, words: str) -> None:
     result = helm(tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}", value, check=False)
     assert result.returncode != 0 and words in result.stderr, result.stderr
 
@@ -98,21 +111,12 @@ def test_quotas_are_off_by_default_and_reach_the_controller_as_given(tools: Path
     ],
 )
 def test_bad_quota_values_are_refused(tools: Path, value: str, words: str) -> None:
-    result = helm(tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}", value, check=False)
-    assert result.returncode != 0 and words in result.stderr, result.stderr
+    refused(tools, value, words)
 
 
 def test_the_client_rate_limits_reach_both_components(tools: Path) -> None:
     manifest = render(tools, "--set-json=agent.kubeApi.qps=7.5", "--set=controller.kubeApi.burst=300")
-    parser = argparse.ArgumentParser()
-    agent.add_arguments("agent", parser)
-    args = find(objects(manifest), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["args"]
-    own = [a for a in args[args.index("agent") + 1 :] if a.startswith("--kube-")]
-    settings = agent.settings_from(parser.parse_args(own))
+    settings = parsed_args(manifest, "DaemonSet", agent, "--kube-")
     assert (settings.kube_qps, settings.kube_burst) == (7.5, 40)
-    parser = argparse.ArgumentParser()
-    controller_mod.add_arguments("controller", parser)
-    args = find(objects(manifest), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    own = [a for a in args[args.index("controller") + 1 :] if a.startswith("--kube-")]
-    ctl = controller_mod.settings_from(parser.parse_args(own))
+    ctl = parsed_args(manifest, "Deployment", controller_mod, "--kube-")
     assert (ctl.kube_qps, ctl.kube_burst) == (100, 300)
