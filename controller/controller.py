@@ -36,7 +36,7 @@ from controller import contracts as c
 from controller import flags, logs, metrics, models, watching
 from controller.contracts import Phase, Reason
 from controller.durations import Invalid, format_instant, parse_duration, parse_instant
-from controller.flags import HumanDuration, HumanSize
+from controller.flags import HumanDuration, HumanSize, KubeQps
 from controller.kube import (
     CONTROLLER_MANAGER,
     Kube,
@@ -105,9 +105,12 @@ class ControllerSettings(models.Settings):
     workers: int = 8
     identity: str | None = None
     watch_namespaces: tuple[str, ...] = ()  # empty: the whole cluster
-    # Client-side rate limit of every API request but the watches (client-go's QPS and burst): enough for
-    # reconcile-all at the local control plane's pace, and a bound on what a restart can throw at a server.
-    kube_qps: Annotated[float, Field(gt=0)] = 100.0
+    # Client-side rate limit of every API request but the watches (client-go's QPS and burst). Off by
+    # default (a negative QPS, client-go's convention): the controller is one client whose pace is the
+    # cluster's (a policy change over 100,000 sandboxes, a wave of due deletions), and the API server's
+    # Priority and Fairness protects itself, as SIG API Machinery advises and controller-runtime defaults
+    # to since v0.21. The agents, thousands of clients restarting together, keep theirs.
+    kube_qps: KubeQps = -1.0
     kube_burst: Annotated[int, Field(ge=1)] = 200
     # Quotas per namespace (all nodes together): the default where a SandboxPolicy sets none, and the
     # ceiling no policy can exceed. None: no limit.
@@ -970,7 +973,7 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
     # worker plus the Events and the election, or expiries queue behind each other.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(settings.workers + 4, "api"))
     kube = Kube(
-        load_config(settings.kubeconfig), COMPONENT, limiter=RateLimiter(settings.kube_qps, settings.kube_burst)
+        load_config(settings.kubeconfig), COMPONENT, limiter=RateLimiter.of(settings.kube_qps, settings.kube_burst)
     )
     metrics_ = metrics.ControllerMetrics()
     rec = Reconciler(kube, settings, metrics_)
@@ -1047,7 +1050,11 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quota-ceiling-count", type=int, help="count quota no namespace policy can exceed")
     parser.add_argument("--lease-duration", type=int, help="leader Lease duration in seconds (default 15)")
     parser.add_argument("--workers", type=int, help="concurrent reconciles (default 8)")
-    parser.add_argument("--kube-qps", type=float, help="API requests per second on average (default 100)")
+    parser.add_argument(
+        "--kube-qps",
+        type=float,
+        help="API requests per second on average; negative: no client-side limit (default -1, the server's APF)",
+    )
     parser.add_argument("--kube-burst", type=int, help="API requests at once above the average (default 200)")
     parser.add_argument("--identity", help="leader-election identity (default hostname_pid)")
 

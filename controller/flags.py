@@ -11,7 +11,7 @@ import argparse
 from datetime import timedelta
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 from pydantic_settings import BaseSettings
 
 from controller.durations import Invalid, parse_duration
@@ -41,6 +41,15 @@ def _size(value: Any) -> int:
         raise ValueError(str(parsed))
     return parsed
 
+
+def _qps(value: float) -> float:
+    if value == 0:
+        raise ValueError("a QPS of 0 allows no request: give a positive rate, or a negative one for no limit")
+    return value
+
+
+# A client-side rate limit in requests a second (client-go's QPS): positive, or negative for none.
+KubeQps = Annotated[float, AfterValidator(_qps)]
 
 # A byte count written the Kubernetes way (`50Gi`, `500Mi`, `2T` or plain bytes), from the env or a flag.
 HumanSize = Annotated[int, BeforeValidator(_size)]

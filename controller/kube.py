@@ -122,6 +122,11 @@ class RateLimiter:
         self._lock = threading.Lock()
         self.waited = 0.0  # seconds spent waiting, in all
 
+    @classmethod
+    def of(cls, qps: float, burst: int) -> RateLimiter | None:
+        """The limiter a `--kube-qps`/`--kube-burst` pair asks for: None (no client-side limit) when qps < 0."""
+        return None if qps < 0 else cls(qps, burst)
+
     def reserve(self) -> float:
         """Take a token; how long to wait before using it (0 when one was free)."""
         with self._lock:

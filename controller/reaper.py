@@ -279,8 +279,8 @@ class Reaper:
     """The deletion steps of one root. Thread-safe: the agent runs several reaps at once (distinct keys)."""
 
     root: Root
-    in_use: InUse
-    in_use_many: InUseMany | None = None  # None: `in_use` asked for each in turn
+    in_use: InUse | None = None  # asked for each path in turn, when there is no `in_use_many`
+    in_use_many: InUseMany | None = None  # one answer for many at once (one /proc pass)
     fresh_for: float = 1.0  # seconds an in-use answer stays fresh enough to rename on (then asked again)
     stuck_after: timedelta = timedelta(minutes=10)  # a younger tombstone of a live process is in progress
     orphan_timeout: timedelta = timedelta(seconds=10)
@@ -293,6 +293,13 @@ class Reaper:
     _tried: set[str] = field(default_factory=set)  # tombstones deleted (or tried) this pass
     _lock: threading.Lock = field(default_factory=threading.Lock)
     pid: int = field(default_factory=os.getpid)
+
+    def __post_init__(self) -> None:
+        one = self.in_use
+        if (one is None) == (self.in_use_many is None):
+            raise ValueError("a Reaper needs exactly one in-use check: in_use or in_use_many")
+        if one is not None:
+            self.in_use_many = lambda paths: {i: one(p) for i, p in paths.items()}
 
     def begin_pass(self) -> None:
         """A new pass: a stuck tombstone may be tried once more."""
@@ -406,7 +413,8 @@ class Reaper:
     def _check_in_use(self, paths: Mapping[int, Path]) -> dict[int, Held | None]:
         """Asked fresh right before the renames: in use, or unknown (a failed check too), holds."""
         try:
-            answers = self.in_use_many(paths) if self.in_use_many else {i: self.in_use(p) for i, p in paths.items()}
+            assert self.in_use_many is not None  # __post_init__
+            answers = self.in_use_many(paths)
         except Exception as err:
             return {i: Held(Reason.IN_USE_UNKNOWN, error=str(err)[:300]) for i in paths}
         return {i: _hold(answers[i]) for i in paths}

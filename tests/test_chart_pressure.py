@@ -108,6 +108,7 @@ def test_quotas_are_off_by_default_and_reach_the_controller_as_given(tools: Path
         ("--set=settings.quota.maxCount=-1", "/settings/quota/maxCount"),
         ("--set=settings.quotaCeiling.maxBytes=-5", "/settings/quotaCeiling/maxBytes"),
         ("--set=settings.quota.maxSize=5", "maxSize"),
+        ("--set=controller.kubeApi.qps=0", "/controller/kubeApi/qps"),
     ],
 )
 def test_bad_quota_values_are_refused(tools: Path, value: str, words: str) -> None:
@@ -119,4 +120,4 @@ def test_the_client_rate_limits_reach_both_components(tools: Path) -> None:
     settings = parsed_args(manifest, "DaemonSet", agent, "--kube-")
     assert (settings.kube_qps, settings.kube_burst) == (7.5, 40)
     ctl = parsed_args(manifest, "Deployment", controller_mod, "--kube-")
-    assert (ctl.kube_qps, ctl.kube_burst) == (100, 300)
+    assert (ctl.kube_qps, ctl.kube_burst) == (-1, 300)  # no client-side limit by default: the server's APF

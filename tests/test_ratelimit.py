@@ -6,7 +6,10 @@ import threading
 
 import pytest
 from localcluster import LocalCluster
+from pydantic import ValidationError
 
+from controller.agent.settings import AgentSettings
+from controller.controller import ControllerSettings
 from controller.kube import Kube, RateLimiter, load_config
 
 
@@ -55,6 +58,18 @@ def test_many_threads_together_never_exceed_the_rate() -> None:
 def test_a_limit_that_cannot_work_is_refused(qps: float, burst: int) -> None:
     with pytest.raises(ValueError, match="qps > 0 and burst >= 1"):
         RateLimiter(qps, burst)
+
+
+def test_a_negative_qps_means_no_client_side_limit_and_zero_is_refused() -> None:
+    # client-go's convention: QPS < 0 disables the limiter (the controller's default, the server's APF
+    # paces it); 0 would allow no request at all, so a setting of 0 stops the process at start, naming it.
+    assert RateLimiter.of(-1, 200) is None
+    limiter = RateLimiter.of(7.5, 3)
+    assert limiter is not None and (limiter.qps, limiter.burst) == (7.5, 3)
+    assert ControllerSettings().kube_qps == -1 and AgentSettings(node="n").kube_qps == 20
+    for settings in (ControllerSettings, AgentSettings):
+        with pytest.raises(ValidationError, match="QPS of 0 allows no request"):
+            settings(node="n", kube_qps=0)
 
 
 def test_the_client_waits_its_turn_against_the_real_api_server(cluster: LocalCluster) -> None:

@@ -55,10 +55,7 @@ def retained(root: Root, count: int) -> list[Target]:
 
 
 def reaper(root: Root, scan: CountingScan, fresh_for: float = 60.0) -> Reaper:
-    def one(path: Path) -> Usage:
-        raise AssertionError("the batch must be asked for all at once, never one by one")
-
-    return Reaper(root, one, in_use_many=scan, fresh_for=fresh_for, orphan_timeout=timedelta(seconds=2))
+    return Reaper(root, in_use_many=scan, fresh_for=fresh_for, orphan_timeout=timedelta(seconds=2))
 
 
 def test_a_wave_of_deletions_costs_one_proc_pass_and_a_held_one_stays(

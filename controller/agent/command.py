@@ -91,7 +91,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if not _hold_lock(root, settings, stack):
             return 1
-        limiter = kube.RateLimiter(settings.kube_qps, settings.kube_burst)
+        limiter = kube.RateLimiter.of(settings.kube_qps, settings.kube_burst)
         client = Kube(kube.load_config(settings.kubeconfig), component="sandkeep-agent", limiter=limiter)
         agent_metrics = metrics.AgentMetrics(settings.node)
         agent = Agent(settings, client, root, agent_metrics)

@@ -83,7 +83,6 @@ class Agent:
         self.last_pass: float | None = None
         self.reaper = Reaper(
             root,
-            self._in_use_now,
             in_use_many=self._in_use_indexed,
             stuck_after=settings.stuck_after,
             orphan_timeout=settings.orphan_timeout,
@@ -380,11 +379,6 @@ class Agent:
             await self._finish(self.state.newest(obj), tombstone)
         elif after is After.RETRY and key is not None:
             self._later(key)
-
-    def _in_use_now(self, path: Path) -> Usage:
-        """The pipeline's in-use check (in a reap thread): /proc and this node's Pods, asked fresh."""
-        key = (path.parent.name, path.name)
-        return self._in_use_batch({key: path})[key]
 
     def _in_use_indexed(self, paths: Mapping[int, Path]) -> dict[int, Usage]:
         """The pipeline's in-use check for many at once (`Reaper.prepare`): one `_in_use_batch`."""

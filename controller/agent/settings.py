@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from controller.flags import HumanDuration
+from controller.flags import HumanDuration, KubeQps
 from controller.models import Settings
 from controller.pressure import Watermarks
 
@@ -46,7 +46,7 @@ class AgentSettings(Settings):
     pressure_min_free_bytes: int = 0  # optional floor: fewer bytes available also counts as over high
     # Client-side rate limit of every API request but the watch: one node adopting 10,000 directories at
     # once, or every agent of a large cluster restarting together, stays a steady trickle per node.
-    kube_qps: Annotated[float, Field(gt=0)] = 20.0
+    kube_qps: KubeQps = 20.0
     kube_burst: Annotated[int, Field(ge=1)] = 40
 
     @model_validator(mode="after")
