@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("controller.agent", "run the node agent: observe the node's root, delete behind the finalizer"),
     "exec": ("controller.commands", "run a command inside a sandbox's workspace, recording its processes"),
     "doctor": ("controller.doctor", "report what needs a person: stuck tombstones, holds, lapsing pins"),
+    "uninstall": ("controller.uninstall", "before `helm uninstall`: stop the agents and release every sandbox"),
 }
 
 

@@ -44,7 +44,7 @@ def install_crds(cluster: Any) -> None:
 
 def render_templates(release: str, namespace: str, templates: tuple[str, ...], *values: str) -> list[dict[str, Any]]:
     """The objects of some of the chart's templates (`helm template --show-only`) for `release` in `namespace`."""
-    args = [str(tools_bin() / "helm"), "template", release, str(CHART), f"--namespace={namespace}"]
+    args = [str(tools_bin(("helm",)) / "helm"), "template", release, str(CHART), f"--namespace={namespace}"]
     args += [f"--kube-version={kube_version()}", *(f"--show-only=templates/{t}" for t in templates), *values]
     result = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]

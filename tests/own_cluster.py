@@ -14,12 +14,14 @@ from controller_harness import install_crds
 from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 
 
-def own_cluster(workdir: Path) -> Iterator[LocalCluster]:
-    """Start a LocalCluster with the CRDs installed; yield it; stop it (for a module-scoped fixture)."""
+def own_cluster(workdir: Path, *, crds: bool = True) -> Iterator[LocalCluster]:
+    """Start a LocalCluster (with the CRDs installed unless `crds` is false); yield it; stop it (for a
+    module-scoped fixture)."""
     local = LocalCluster(workdir, tools_bin(CLUSTER_TOOLS))
     local.start()
     try:
-        install_crds(local)
+        if crds:
+            install_crds(local)
         yield local
     finally:
         local.stop()

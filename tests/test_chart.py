@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from controller_harness import only_in, wait_for
+from controller_harness import install_crds, only_in, wait_for
 from localcluster import LocalCluster, kube_version
 
 from controller import contracts as c
@@ -39,6 +39,11 @@ RUNBOOKS = REPO / "docs" / "runbooks.md"
 PROMTOOL_TESTS = REPO / "tests" / "promtool"
 MONITORING_CRDS = REPO / "tests" / "fixtures" / "prometheus-operator-crds.yaml"
 E2E_SCRIPT = REPO / "hack" / "kind-e2e.sh"
+CRD_KIND = "CustomResourceDefinition"
+# The worker's shared cluster has the CRDs applied with kubectl (tests/controller_harness.install_crds) and
+# holds several releases at once, so an install there does not own them (as a second install in a real
+# cluster); tests/test_chart_crds.py installs and upgrades them with the chart on a cluster of its own.
+NO_CRDS = "--set=crds.enabled=false"
 
 EVERYTHING_ON = [
     "--set=monitoring.enabled=true",
@@ -99,11 +104,9 @@ def helm(
     return result
 
 
-def render(tools: Path, *values: str, namespace: str = "sandkeep", crds: bool = False) -> str:
+def render(tools: Path, *values: str, namespace: str = "sandkeep") -> str:
     """`helm template` of the chart, for the Kubernetes version of the local control plane."""
     args = ["template", "sk", str(CHART), f"--namespace={namespace}", f"--kube-version={kube_version()}", *values]
-    if crds:
-        args.append("--include-crds")
     return helm(tools, *args).stdout
 
 
@@ -703,27 +706,33 @@ def test_aggregated_roles_carry_the_aggregation_labels(tools: Path) -> None:
 
 
 # --- the CRDs: one source of truth ----------------------------------------------------------------------
-def test_chart_crds_are_the_repository_crds_byte_for_byte(tools: Path, tmp_path: Path) -> None:
-    assert (CHART / "crds").is_symlink() and (CHART / "crds").resolve() == (REPO / "crds").resolve()
+def test_chart_crds_are_the_repository_crds(tools: Path, tmp_path: Path) -> None:
+    """One source of truth: the chart renders the repository's crds/ (files/crds links to it), adding only
+    its labels and, with crds.keep (the default), the policy that makes `helm uninstall` leave them."""
+    assert (CHART / "files" / "crds").is_symlink()
+    assert (CHART / "files" / "crds").resolve() == (REPO / "crds").resolve()
+    assert not (CHART / "crds").exists(), "a crds/ directory is installed once and never upgraded by Helm"
     sources = {p.name: p.read_bytes() for p in sorted((REPO / "crds").glob("*.yaml"))}
     assert sources, "no CRDs in crds/"
-    # what `helm template --include-crds` (and so `helm install`) sends
-    rendered = render(tools, crds=True)
-    for name, data in sources.items():
-        marker = f"# Source: sandkeep/crds/{name}\n"
-        assert marker in rendered, f"{name} missing from helm template --include-crds"
-        section = rendered.split(marker, 1)[1].split("\n---\n", 1)[0]
-        assert section.strip() == data.decode().strip()
+    for values, keep in (([], True), (["--set=crds.keep=false"], False)):
+        rendered = {d["metadata"]["name"]: d for d in objects(render(tools, *values)) if d["kind"] == CRD_KIND}
+        assert len(rendered) == len(sources)
+        for data in sources.values():
+            want = yaml.safe_load(data)
+            got = rendered[want["metadata"]["name"]]
+            labels, annotations = got["metadata"].pop("labels"), got["metadata"].pop("annotations", {})
+            assert labels.items() >= want["metadata"].pop("labels").items()
+            assert labels["app.kubernetes.io/instance"] == "sk" and labels["app.kubernetes.io/managed-by"] == "Helm"
+            assert annotations == ({"helm.sh/resource-policy": "keep"} if keep else {})
+            assert got == want  # everything else exactly as written
+    assert not [d for d in objects(render(tools, "--set=crds.enabled=false")) if d["kind"] == CRD_KIND]
     # what `helm package` stores: real files, identical bytes
     helm(tools, "package", str(CHART), f"--destination={tmp_path}")
     (package,) = tmp_path.glob("sandkeep-*.tgz")
     with tarfile.open(package) as tar:
-        packaged = {
-            Path(m.name).name: tar.extractfile(m).read()  # type: ignore[union-attr]
-            for m in tar.getmembers()
-            if m.name.startswith("sandkeep/crds/")
-        }
-        assert all(m.isfile() for m in tar.getmembers() if m.name.startswith("sandkeep/crds/"))
+        members = [m for m in tar.getmembers() if m.name.startswith("sandkeep/files/crds/")]
+        packaged = {Path(m.name).name: tar.extractfile(m).read() for m in members}  # type: ignore[union-attr]
+        assert members and all(m.isfile() for m in members)
     assert packaged == sources
 
 
@@ -732,7 +741,7 @@ def test_chart_crds_are_the_repository_crds_byte_for_byte(tools: Path, tmp_path:
 def test_every_rendered_manifest_is_accepted_by_the_api_server(
     tools: Path, cluster: LocalCluster, namespace: str, monitoring_crds: None, values: list[str]
 ) -> None:
-    manifest = render(tools, *values, namespace=namespace, crds=True)
+    manifest = render(tools, *values, namespace=namespace)
     result = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=manifest)
     applied = [line for line in result.stdout.splitlines() if "(server dry run)" in line]
     assert len(applied) == len(objects(manifest)), result.stdout
@@ -757,6 +766,7 @@ def test_server_dry_run_refuses_a_misspelt_monitoring_field(
 def test_helm_install_creates_every_object(
     tools: Path, cluster: LocalCluster, namespace: str, monitoring_crds: None
 ) -> None:
+    install_crds(cluster)
     release = f"sk-{secrets.token_hex(3)}"
     install = helm(
         tools,
@@ -765,6 +775,7 @@ def test_helm_install_creates_every_object(
         str(CHART),
         f"--namespace={namespace}",
         *EVERYTHING_ON,
+        NO_CRDS,
         only_in(namespace),  # the pin policy too, but not over the other tests' namespaces
         kubeconfig=cluster.kubeconfig,
     )
@@ -777,7 +788,7 @@ def test_helm_install_creates_every_object(
             ns_args = [f"--namespace={doc['metadata'].get('namespace', namespace)}"]
             got = cluster.kubectl_json("get", doc["kind"], doc["metadata"]["name"], *ns_args)
             assert got["metadata"]["labels"]["app.kubernetes.io/instance"] == release
-        # the CRDs are installed (or were already) and serve the sandbox kinds
+        # the CRDs (applied beside the release, crds.enabled=false) serve the sandbox kinds
         assert cluster.kubectl("get", c.SANDBOX_PLURAL, f"--namespace={namespace}").returncode == 0
     finally:
         helm(tools, "uninstall", release, f"--namespace={namespace}", kubeconfig=cluster.kubeconfig, check=False)
@@ -812,6 +823,7 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
     as the READMEs say, and the controller passes `restricted`. The agent goes to every selected node,
     tainted or not, and to no other: not to an unselected node, nor to a Windows node of the selected pool
     (the default agent.nodeSelector, kept beside the pool label given here)."""
+    install_crds(cluster)
     wanted = f"jobs-{secrets.token_hex(3)}"
     nodes = {name: f"{namespace[:40]}-{name}" for name in ("plain", "tainted", "unselected", "windows")}
     for name, node in nodes.items():
@@ -837,6 +849,7 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
                 str(CHART),
                 f"--namespace={ns}",
                 pool,
+                NO_CRDS,
                 only_in(ns),
                 kubeconfig=cluster.kubeconfig,
             )
@@ -871,40 +884,6 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
                 cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
         for node in nodes.values():
             cluster.kubectl("delete", "node", node, "--wait=false", check=False)
-
-
-def readme_helm_commands() -> list[list[str]]:
-    """The helm commands of the chart README's first shell block, split as a shell would split them."""
-    import shlex
-
-    block = (CHART / "README.md").read_text().split("```sh\n", 1)[1].split("```", 1)[0]
-    lines = [line for line in block.replace("\\\n", " ").splitlines() if line.startswith("helm ")]
-    return [shlex.split(line) for line in lines]
-
-
-def test_the_readme_install_commands_work_as_written(tools: Path, cluster: LocalCluster, monitoring_crds: None) -> None:
-    # Only this test uses the README's release name and namespace (`sandkeep`) on this worker's cluster.
-    commands = readme_helm_commands()
-    assert [cmd[:2] for cmd in commands] == [["helm", "install"], ["helm", "upgrade"]]
-    try:
-        for cmd in commands:
-            result = helm(tools, *cmd[1:], kubeconfig=cluster.kubeconfig)
-            assert "STATUS: deployed" in result.stdout, result.stdout
-        for kind, name in (
-            ("deployment", "sandkeep-controller"),
-            ("daemonset", "sandkeep-agent"),
-            ("prometheusrule", "sandkeep"),
-            ("podmonitor", "sandkeep-agent"),
-            ("servicemonitor", "sandkeep-controller"),
-            ("configmap", "sandkeep-dashboard"),
-        ):
-            cluster.kubectl("get", kind, name, "--namespace=sandkeep")
-        assert (
-            cluster.kubectl_json("get", "deployment", "sandkeep-controller", "-n", "sandkeep")["spec"]["replicas"] == 2
-        )
-    finally:
-        helm(tools, "uninstall", "sandkeep", "--namespace=sandkeep", kubeconfig=cluster.kubeconfig, check=False)
-        cluster.kubectl("delete", "namespace", "sandkeep", "--wait=false", "--ignore-not-found", check=False)
 
 
 # --- alerts, runbooks, dashboard -----------------------------------------------------------------------

@@ -286,3 +286,25 @@ def test_killing_the_agent_mid_delete_and_the_leader_loses_nothing(bed: Bed) -> 
     eventually(lambda: gone(bed, "run-6", path6), "the expiry acted on by the other replica", timeout=120)
     holder = bed.get("lease", "-n", SYSTEM_NS, "sandkeep-controller")["spec"]["holderIdentity"]
     assert holder.split("_")[0] != leader
+
+
+def test_helm_uninstall_stops_the_agents_and_strands_nothing(bed: Bed) -> None:
+    """Last, since it removes the chart: the pre-delete hook Job runs `sandkeep uninstall` on the node, so the
+    agents stop before their finalizer is removed; the sandbox's directory stays (uninstall.sandboxes=keep),
+    its object and CRDs stay (crds.keep) and nothing is left Terminating: the namespace then deletes."""
+    path = retain_job(bed, "run-last", "1h")
+    eventually(
+        lambda: c.FINALIZER in ((rsb(bed, "run-last") or {}).get("metadata") or {}).get("finalizers", []),
+        "adoption with the agent's finalizer",
+        timeout=120,
+    )
+    say(f"helm uninstall sandkeep -n {SYSTEM_NS}: the pre-delete hook stops the agents, then releases run-last")
+    out = bed.helm("uninstall", "sandkeep", "-n", SYSTEM_NS, "--wait", "--timeout=5m")
+    assert "uninstalled" in out, out
+    assert bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"] == []
+    kept = rsb(bed, "run-last")
+    assert kept is not None and c.FINALIZER not in (kept["metadata"].get("finalizers") or [])
+    assert bed.exists(path), "keep: the directory stays on the node for a reinstall to adopt"
+    assert bed.get("crd", f"{c.SANDBOX_PLURAL}.{c.GROUP}")["metadata"]["name"]
+    say(f"kubectl delete namespace {NS}: completes, nothing holds it")
+    bed.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=120s", timeout=130)
