@@ -44,6 +44,9 @@ CRD_KIND = "CustomResourceDefinition"
 # holds several releases at once, so an install there does not own them (as a second install in a real
 # cluster); tests/test_chart_crds.py installs and upgrades them with the chart on a cluster of its own.
 NO_CRDS = "--set=crds.enabled=false"
+# The uninstall hook is a Job, and no kubelet runs Pods on the API-only control plane: helm would wait for
+# it until its timeout. Its command runs in tests/test_uninstall.py, the whole hook in tests/test_e2e.py.
+NO_HOOKS = "--no-hooks"
 
 EVERYTHING_ON = [
     "--set=monitoring.enabled=true",
@@ -180,22 +183,30 @@ def test_defaults_render_every_component(tools: Path) -> None:
         "ClusterRole/sk-sandkeep-agent",
         "ClusterRole/sk-sandkeep-controller",
         "ClusterRole/sk-sandkeep-edit",
+        "ClusterRole/sk-sandkeep-uninstall",
         "ClusterRole/sk-sandkeep-view",
         "ClusterRoleBinding/sk-sandkeep-agent",
         "ClusterRoleBinding/sk-sandkeep-controller",
+        "ClusterRoleBinding/sk-sandkeep-uninstall",
         "ConfigMap/sk-sandkeep-agent-seccomp",
+        f"{CRD_KIND}/{c.SANDBOX_PLURAL}.{c.GROUP}",
+        f"{CRD_KIND}/{c.POLICY_PLURAL}.{c.GROUP}",
         "DaemonSet/sk-sandkeep-agent",
         "Deployment/sk-sandkeep-controller",
+        "Job/sk-sandkeep-uninstall",
         "PodDisruptionBudget/sk-sandkeep-controller",
         "ResourceQuota/sk-sandkeep-critical-pods",
         "Role/sk-sandkeep-agent-leases",
         "Role/sk-sandkeep-controller-leases",
+        "Role/sk-sandkeep-uninstall",
         "RoleBinding/sk-sandkeep-agent-leases",
         "RoleBinding/sk-sandkeep-controller-leases",
+        "RoleBinding/sk-sandkeep-uninstall",
         "Service/sk-sandkeep-agent-metrics",
         "Service/sk-sandkeep-controller-metrics",
         "ServiceAccount/sk-sandkeep-agent",
         "ServiceAccount/sk-sandkeep-controller",
+        "ServiceAccount/sk-sandkeep-uninstall",
         "ValidatingAdmissionPolicy/sk-sandkeep-agent-node-scope",
         "ValidatingAdmissionPolicy/sk-sandkeep-pins",
         "ValidatingAdmissionPolicyBinding/sk-sandkeep-agent-node-scope",
@@ -791,7 +802,15 @@ def test_helm_install_creates_every_object(
         # the CRDs (applied beside the release, crds.enabled=false) serve the sandbox kinds
         assert cluster.kubectl("get", c.SANDBOX_PLURAL, f"--namespace={namespace}").returncode == 0
     finally:
-        helm(tools, "uninstall", release, f"--namespace={namespace}", kubeconfig=cluster.kubeconfig, check=False)
+        helm(
+            tools,
+            "uninstall",
+            release,
+            f"--namespace={namespace}",
+            NO_HOOKS,
+            kubeconfig=cluster.kubeconfig,
+            check=False,
+        )
 
 
 def _pods(cluster: LocalCluster, namespace: str, component: str) -> list[dict[str, Any]]:
@@ -878,7 +897,7 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
             assert _pods(cluster, ns, "agent") == []
     finally:
         for release, ns in releases:
-            helm(tools, "uninstall", release, f"--namespace={ns}", kubeconfig=cluster.kubeconfig, check=False)
+            helm(tools, "uninstall", release, f"--namespace={ns}", NO_HOOKS, kubeconfig=cluster.kubeconfig, check=False)
         for ns in levels.values():
             if ns != namespace:
                 cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)

@@ -23,7 +23,7 @@ import yaml
 from controller_harness import wait_for
 from localcluster import LocalCluster
 from own_cluster import own_cluster
-from test_chart import CHART, MONITORING_CRDS, helm
+from test_chart import CHART, MONITORING_CRDS, NO_HOOKS, helm
 
 from controller import contracts as c
 
@@ -97,14 +97,18 @@ def test_the_readme_install_commands_work_as_written_and_uninstall_keeps_the_crd
         cluster.kubectl("create", "namespace", "work")
         policy = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": {"name": "p", "namespace": "work"}}
         cluster.kubectl("apply", "-f", "-", input=json.dumps({**policy, "spec": {"retention": "1h"}}))
-        uninstall = helm(tools, "uninstall", "sandkeep", "--namespace=sandkeep", kubeconfig=cluster.kubeconfig)
+        uninstall = helm(
+            tools, "uninstall", "sandkeep", "--namespace=sandkeep", NO_HOOKS, kubeconfig=cluster.kubeconfig
+        )
         assert "kept due to the resource policy" in uninstall.stdout + uninstall.stderr
         # the CRDs, and the objects of their kinds, are still there
         assert crds_present(cluster) == set(CRDS)
         assert cluster.kubectl_json("get", c.POLICY_PLURAL, "p", "-n", "work")["spec"]["retention"] == "1h"
     finally:
-        helm(tools, "uninstall", "sandkeep", "--namespace=sandkeep", kubeconfig=cluster.kubeconfig, check=False)
-        cluster.kubectl("delete", "namespace", "sandkeep", "work", "--wait=false", "--ignore-not-found", check=False)
+        helm(
+            tools, "uninstall", "sandkeep", "--namespace=sandkeep", NO_HOOKS, kubeconfig=cluster.kubeconfig, check=False
+        )
+        cluster.kubectl("delete", "namespace", "sandkeep", "work", "--ignore-not-found", "--timeout=90s", check=False)
         remove_crds(cluster)  # the next test starts from a cluster without them
 
 
@@ -154,10 +158,10 @@ def test_helm_upgrade_upgrades_the_crds_and_uninstall_without_keep_removes_them(
         wait_for("the API server to serve the upgraded CRD", lambda: apply_policy()[0] == 0, timeout=30)
         got = cluster.kubectl_json("get", c.POLICY_PLURAL, "p", "-n", ns)
         assert got["spec"]["releasePriority"] == str(c.ReleasePriority.FIRST)
-        helm(tools, "uninstall", release, f"--namespace={ns}", "--wait", kubeconfig=cluster.kubeconfig)
+        helm(tools, "uninstall", release, f"--namespace={ns}", NO_HOOKS, "--wait", kubeconfig=cluster.kubeconfig)
         wait_for("the CRDs to be removed with the release", lambda: crds_present(cluster) == set(), timeout=60)
     finally:
-        helm(tools, "uninstall", release, f"--namespace={ns}", kubeconfig=cluster.kubeconfig, check=False)
+        helm(tools, "uninstall", release, f"--namespace={ns}", NO_HOOKS, kubeconfig=cluster.kubeconfig, check=False)
         cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
         remove_crds(cluster)
 
@@ -169,6 +173,7 @@ def test_crds_applied_before_the_chart_owned_them_are_handed_over_as_the_guide_s
     `kubectl apply`): Helm refuses to take them until the guide's commands hand them to the release."""
     cluster = bare_cluster
     assert crds_present(cluster) == set()
+    cluster.kubectl("wait", "--for=delete", "namespace/sandkeep", "--timeout=90s", check=False)  # an earlier test's
     blocks = re.findall(r"```sh\n(.*?)```", GUIDE.read_text(), re.S)
     [hand_over] = [b for b in blocks if b.startswith(HAND_OVER + "\n")]
     install = ["install", "sandkeep", str(CHART), "--namespace=sandkeep", "--create-namespace", "--wait=false"]
@@ -179,12 +184,16 @@ def test_crds_applied_before_the_chart_owned_them_are_handed_over_as_the_guide_s
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PATH": f"{cluster.bin}:{os.environ['PATH']}"}
         ran = subprocess.run(["bash", "-euo", "pipefail", "-c", hand_over], env=env, capture_output=True, text=True)
         assert ran.returncode == 0, ran.stderr
-        helm(tools, "uninstall", "sandkeep", "--namespace=sandkeep", kubeconfig=cluster.kubeconfig, check=False)
+        helm(
+            tools, "uninstall", "sandkeep", "--namespace=sandkeep", NO_HOOKS, kubeconfig=cluster.kubeconfig, check=False
+        )
         done = helm(tools, *install, kubeconfig=cluster.kubeconfig)
         assert "STATUS: deployed" in done.stdout
         crd = cluster.kubectl_json("get", "crd", CRDS[0])
         assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == "sandkeep"
     finally:
-        helm(tools, "uninstall", "sandkeep", "--namespace=sandkeep", kubeconfig=cluster.kubeconfig, check=False)
-        cluster.kubectl("delete", "namespace", "sandkeep", "--wait=false", "--ignore-not-found", check=False)
+        helm(
+            tools, "uninstall", "sandkeep", "--namespace=sandkeep", NO_HOOKS, kubeconfig=cluster.kubeconfig, check=False
+        )
+        cluster.kubectl("delete", "namespace", "sandkeep", "--ignore-not-found", "--timeout=90s", check=False)
         remove_crds(cluster)
