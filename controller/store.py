@@ -963,7 +963,9 @@ class Root:
                 os.mkdir(namespace, 0o700, dir_fd=root_fd)
             try:
                 with _fd(_open_dir(namespace, root_fd)) as ns_fd:
-                    os.rename(stage, name, src_dir_fd=root_fd, dst_dir_fd=ns_fd)
+                    # never onto anything, not even an empty directory (someone's cwd): a taken name is replaced
+                    # only by _replace_previous, which keeps a deletion's rules
+                    _rename_noreplace(root_fd, stage, ns_fd, name)
                     os.fsync(ns_fd)
                     return
             except FileNotFoundError:

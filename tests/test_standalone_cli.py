@@ -328,3 +328,18 @@ def test_retain_never_replaces_a_sandbox_retained_for_a_cluster_node(tmp_path: P
     assert "kubectl delete rsb -n ns run" in out.stderr and "source is where it was" in out.stderr
     assert listing(retry) == ["README", "marker", "session", "src"] and _marker(root) == "first\n"
     assert listing(Path(root)) == ["ns"]  # refused before the lock: nothing of the root was touched
+
+
+def test_retain_never_replaces_even_an_empty_directory_a_process_works_in(tmp_path: Path) -> None:
+    # rename(2) would silently replace an empty directory: the name goes through the pipeline like any other.
+    root = str(tmp_path / "root")
+    assert _retain_as(root, _job_with(tmp_path, "first"), "other").returncode == 0
+    empty = Path(root) / "ns" / "run"
+    empty.mkdir()
+    holder = subprocess.Popen(["sleep", "60"], cwd=empty, text=True)
+    try:
+        out = _retain_as(root, _job_with(tmp_path, "retry"))
+        assert out.returncode == 1 and f"in use: pid {holder.pid} (sleep) cwd" in out.stderr, out.stderr
+        assert Path(f"/proc/{holder.pid}/cwd").readlink() == empty and listing(empty) == []
+    finally:
+        _kill([holder])

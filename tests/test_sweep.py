@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -14,12 +15,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from diskkit import NOW, REPO, bind_mount, listing, make_immutable, outside_bait, retain
+from diskkit import NOW, REPO, bind_mount, listing, make_immutable, make_job, outside_bait, retain
 
 from controller.contracts import Reason
 from controller.inuse import Usage, uninspectable_pids
 from controller.policy import Policy
-from controller.standalone import Sweeper, in_use_checker
+from controller.reaper import Reaper
+from controller.standalone import Replacer, Sweeper, in_use_checker
 from controller.store import Entry, Read, Root, Tombstone, Transient, tombstone_name
 
 pytest_plugins = ["diskkit"]  # fixtures: immutable, mounts
@@ -192,8 +194,13 @@ def test_non_directory_entries_are_removed_and_bad_names_reported(
 def test_a_manifest_replaced_between_the_read_and_the_rename_holds_the_sandbox(root: Root, tmp_path: Path) -> None:
     retain(root, tmp_path, "ns", "run", age=10 * D)
 
-    def retry_lands(entry: Entry, _: Tombstone) -> None:
-        retain(root, tmp_path / "retry", "ns", "run", age=10 * D - H)  # a retry of the job replaces it
+    def retry_lands(entry: Entry, _: Tombstone) -> None:  # a retry of the job replaces it, as `sandkeep retain` does
+        job = make_job(tmp_path / "retry")
+        with contextlib.ExitStack() as stack:
+            replace = Replacer(Reaper(root, in_use_checker(IGNORE)), stack)
+            root.retain(
+                job, "ns", "run", job_id="job-run", created_at=NOW - 10 * D + H, retention=None, replace=replace
+            )
 
     report = sweeper(root, after_decide=retry_lands).run_pass()
     assert report.actions("ns/run") == [("held", Reason.MANIFEST_CHANGED)]
