@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from diskkit import REPO, User, listing, make_job
+from diskkit import REPO, User, bind_mount, listing, make_job
 
 from controller.contracts import Reason
 from controller.inuse import uninspectable_pids
@@ -22,7 +22,7 @@ from controller.reaper import Reaper
 from controller.standalone import Replacer, in_use_checker
 from controller.store import Root, StoreError
 
-pytest_plugins = ["diskkit"]  # fixtures: throwaway_user
+pytest_plugins = ["diskkit"]  # fixtures: throwaway_user, mounts
 
 IGNORE = [f"--ignore-pid={pid}" for pid in sorted(uninspectable_pids())]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "SANDKEEP_LOG_LEVEL": "INFO"}
@@ -343,3 +343,17 @@ def test_retain_never_replaces_even_an_empty_directory_a_process_works_in(tmp_pa
         assert Path(f"/proc/{holder.pid}/cwd").readlink() == empty and listing(empty) == []
     finally:
         _kill([holder])
+
+
+@pytest.mark.root
+def test_retain_never_replaces_a_sandbox_with_a_mount_inside(tmp_path: Path, mounts: list[Path]) -> None:
+    root = str(tmp_path / "root")
+    assert _retain_as(root, _job_with(tmp_path, "first")).returncode == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("must survive\n")
+    point = Path(root) / "ns" / "run" / "workspace" / "src"
+    bind_mount(mounts, elsewhere, point)
+    out = _retain_as(root, _job_with(tmp_path, "retry"))
+    assert out.returncode == 1 and f"in use: mount at {point}" in out.stderr, out.stderr
+    assert listing(point) == ["keep.txt"] and _marker(root) == "first\n"
