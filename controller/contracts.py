@@ -143,6 +143,8 @@ class Reason(StrEnum):
     TOMBSTONED = "Tombstoned"
     RESTORED = "Restored"
     DELETED = "Deleted"
+    REPLACED = "Replaced"  # deleted through the pipeline to free its name for a retain of the same name
+    CLUSTER_OWNED = "ClusterOwned"  # retained for a node: only its object's deletion deletes it (pins are in the API)
     RENAME_FAILED = "RenameFailed"
     DELETE_FAILED = "DeleteFailed"
     TOMBSTONE_STUCK = "TombstoneStuck"

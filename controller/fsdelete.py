@@ -216,7 +216,8 @@ class _Walker:
                 assert frame.fd is not None
                 fd = os.open("..", _DIR, dir_fd=frame.fd)
                 st = os.fstat(fd)
-                if (st.st_dev, st.st_ino) != parent.ident:
+                # `..` lands on top of whatever was mounted on the parent since: the same inode is not enough
+                if (st.st_dev, st.st_ino) != parent.ident or mount_id(fd) != self.mnt:
                     os.close(fd)
                     raise _Stop(E.ESTALE, parent)
                 parent.fd = fd

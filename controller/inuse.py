@@ -2,9 +2,11 @@
 
 A sandbox is in use when a process has its cwd, root, executable, an open file, a mapped file or a
 mount inside it, or a Pod on the node mounts it through a hostPath volume. The answer has three
-values: a process the agent cannot inspect (EACCES/EPERM on a live process) makes every sandbox not
-already known to be in use UNKNOWN, and unknown holds, because deleting a directory someone still
-uses is the one mistake that cannot be undone. A process that exits mid-scan is simply gone.
+values: a process the agent cannot inspect (EACCES/EPERM on a live process, or any other failure to
+read its links or its mountinfo, EMFILE included), or the scan's own mountinfo that cannot be read,
+makes every sandbox not already known to be in use UNKNOWN, and unknown holds, because deleting a
+directory someone still uses is the one mistake that cannot be undone. A process that exits mid-scan
+is simply gone.
 """
 
 from __future__ import annotations
@@ -173,6 +175,10 @@ def _ancestors_in(
     return answer
 
 
+def _code(e: OSError) -> str:
+    return errno.errorcode.get(e.errno or 0, str(e))
+
+
 def _comm(pid_dir: Path) -> str:
     try:
         return (pid_dir / "comm").read_text().strip()
@@ -190,7 +196,11 @@ class _Scan(Generic[K]):
         self.seen_ns: set[str] = set()
         self._ids: dict[tuple[int, int], list[K]] | None = None
         self._deep: dict[tuple[int, int], list[K]] = {}
-        own = self._read(proc / "self" / "mountinfo") or ""
+        try:
+            own = (proc / "self" / "mountinfo").read_text()
+        except OSError as e:  # EMFILE, EACCES, ENOENT...: no mount can be ruled out, so nothing is free
+            own = ""
+            self.found.unknown.append(f"the scan's own mountinfo cannot be read: {_code(e)}")
         self.own_mounts = _mounts(own)
         # (device, path inside its filesystem) -> sandbox paths: how a bind in any namespace is recognised.
         self.by_fs: dict[tuple[str, str], list[str]] = {}
@@ -218,18 +228,14 @@ class _Scan(Generic[K]):
         self._check_mounts(self.own_mounts, "the agent's mount namespace", own_namespace=True)
 
     @staticmethod
-    def _read(path: Path) -> str | None:
-        try:
-            return path.read_text()
-        except OSError:
-            return None
-
-    @staticmethod
     def _link(path: Path) -> str | None:
+        """A /proc link's target; None when it is gone (a zombie has no namespace), any other failure raises."""
         try:
             return str(path.readlink())
-        except OSError:
-            return None
+        except OSError as e:
+            if e.errno in _GONE:
+                return None
+            raise
 
     def hold(self, target: str, holder: str, view: Mapping[str, list[K]] | None = None, pid: int | None = None) -> None:
         keys = self.index.owners(target)
@@ -330,17 +336,18 @@ class _Scan(Generic[K]):
         except OSError as e:
             if e.errno in _GONE or not pid_dir.exists():
                 return
-            # Denied (or any other failure) on a live process: what it holds is unknown, which holds.
-            code = errno.errorcode.get(e.errno or 0, str(e))
-            self.found.unknown.append(f"pid {pid} ({_comm(pid_dir)}) cannot be inspected: {code}")
+            # Denied (or any other failure: EMFILE too) on a live process: what it holds is unknown, which holds.
+            self.found.unknown.append(f"pid {pid} ({_comm(pid_dir)}) cannot be inspected: {_code(e)}")
 
     def _process(self, pid: int, pid_dir: Path) -> None:
         comm = _comm(pid_dir)
         who = f"pid {pid} ({comm})"
         ns = self._link(pid_dir / "ns" / "mnt")
         if ns is not None and ns not in self.seen_ns:
-            self.seen_ns.add(ns)
+            # A failed read raises (unknown, or skipped when the process is gone) and leaves the namespace
+            # unseen, so the next process in it reads it: one that exits mid-read never hides its mounts.
             mounts = _mounts((pid_dir / "mountinfo").read_text())
+            self.seen_ns.add(ns)
             self._check_mounts(mounts, f"{who} (mount namespace {ns})", own_namespace=False)
             self.views[ns] = self._view(mounts)
         view = self.views.get(ns) if ns is not None and ns != self.own_ns else None

@@ -1,7 +1,8 @@
 """The one deletion pipeline: from "this sandbox should go" to "its directory is gone".
 
-Both callers use it: the node agent (an object being deleted) and the standalone sweep (an expired
-manifest). They differ only in who asks and how they report; every step below exists once, here.
+Every deletion goes through it: the node agent's (an object being deleted), the standalone sweep's (an
+expired manifest) and a standalone retain's that replaces a sandbox of the same name (`standalone.Replacer`).
+They differ only in who asks and how they report; every step below exists once, here.
 
     reap(target)      the directory there? -> still the run that was asked for? -> recorded orphans
                       killed -> in use? -> still that run (a fresh read)? (the pure `next_step`) ->

@@ -12,13 +12,19 @@ The sweep is the reference's pass in Python, built on the disk store and the one
    the rename to a tombstone, a read through the tombstone (a pin that landed in between puts it back), then
    the safe delete (`fsdelete`). One structured line per decision, with a reason code (`logs.say`).
 
-Exit codes: 0 done, 1 a command did not do what was asked (say, pinning an absent sandbox), 2 bad input,
-3 the root is locked by another process or owned by another uid.
+`retain` under a name already taken replaces the previous sandbox only as the sweep would delete it: never a
+pinned one, through the same pipeline (orphans reaped, in use asked fresh, tombstone), under the root lock
+(`Replacer`); anything that holds it refuses the retain and leaves the source where it was.
+
+Exit codes: 0 done, 1 a command did not do what was asked (say, pinning an absent sandbox, or replacing a
+sandbox that is pinned or in use), 2 bad input, 3 the root is locked by another process (a sweep, an agent)
+or owned by another uid.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -50,6 +56,7 @@ from controller.reaper import (
     Hooks,
     Keep,
     Key,
+    Outcome,
     Reaper,
     Refused,
     Restored,
@@ -64,6 +71,7 @@ from controller.store import (
     Mismatch,
     Present,
     Read,
+    Refusal,
     Root,
     RootRefused,
     StoreError,
@@ -387,6 +395,89 @@ def _expiry(read: Read, policy: Policy, now: datetime) -> tuple[Reason | None, V
     return Reason.EXPIRED, None
 
 
+# --- a retain that replaces a previous sandbox ---------------------------------------------------------
+
+
+@dataclass
+class Replacer:
+    """`Root.retain`'s `replace`: a previous sandbox of the same name goes only as a deletion would go.
+
+    Through the sweep's pipeline (`reaper`: recorded orphans reaped, in use asked fresh, the claim read
+    again, tombstone, read back, delete), under the root lock, taken at the first replacement and held in
+    `stack` until the retain is done, so no sweep or agent works on the root meanwhile. Whatever holds the
+    previous one (a process, a surviving orphan, the lock, a pin or a retry landing meanwhile) is a refusal,
+    and so is a previous sandbox retained for a cluster node (`--node`): only its object's deletion may go.
+    """
+
+    reaper: Reaper
+    stack: contextlib.ExitStack
+    wait: float = 0.0
+    locked: bool = False
+
+    def __call__(self, namespace: str, name: str, read: Read) -> Refusal | None:
+        node = read.manifest.node if isinstance(read, Present | Mismatch) else None
+        if node:  # a cluster's sandbox: its pins and sessions are in the API, which this process cannot see
+            return Refusal(
+                Reason.CLUSTER_OWNED,
+                f"it was retained for node {node}, so its pins live on its RetainedSandbox, which a retain cannot see",
+                f"Delete it through the cluster (`kubectl delete rsb -n {namespace} {name}`), then retain again once "
+                "it is gone, or retain under another name",
+            )
+        if not self.locked:
+            try:
+                self.stack.enter_context(self.reaper.root.lock(wait=self.wait))
+            except RootRefused as err:
+                return Refusal(
+                    err.reason,
+                    f"replacing it deletes it, and only the holder of the root lock deletes: {err}",
+                    f"In a cluster the agent holds it: `kubectl delete rsb -n {namespace} {name}` deletes the previous "
+                    "one through the agent, then retain again; standalone, retry once the sweep is done (--wait), or "
+                    "retain under another name",
+                )
+            self.locked = True
+        target = Target(namespace, name, standalone_id(), Claim(decided=read), Reason.REPLACED)
+        return _refusal(self.reaper.reap(target), f"{namespace}/{name}")
+
+
+def _refusal(outcome: Outcome, key: str) -> Refusal | None:
+    """What a replacement's pipeline outcome means for the retain: None once the name is free."""
+    match outcome:
+        case Deleted():
+            logs.say(log, "retain_replaced", reason=Reason.REPLACED, entry=key, files=outcome.files)
+            return None
+        case Stuck():  # renamed aside, so the name is free; the tombstone is the sweep's to retry (and alert on)
+            logs.say(
+                log,
+                "retain_replaced_stuck",
+                level=logging.WARNING,
+                reason=outcome.reason,
+                entry=key,
+                tombstone=outcome.tombstone,
+                cause=outcome.cause,
+                errno=_strerror(outcome.errno),
+                path=outcome.path,
+            )
+            return None
+        case Refused(reason=Reason.LOST):
+            return None  # nothing (or no directory) there any more: the name is free
+        case Refused() | Restored():
+            return Refusal(
+                outcome.reason,
+                "it changed while being replaced (a pin or another retain landed); it is kept",
+                "Look at it with `sandkeep ls`, then retain again or under another name",
+            )
+        case Held(survivors=survivors) if survivors:
+            pids = ", ".join(str(s) for s in survivors[:5])
+            return Refusal(outcome.reason, f"recorded orphan commands survived being killed: {pids}")
+        case Held(usage=usage) if usage is not None:
+            holders = "; ".join(usage.holders[:5]) or "unknown"
+            what = "in use" if usage.in_use else "whether it is in use cannot be known"
+            return Refusal(outcome.reason, f"{what}: {holders}")
+        case Held():
+            return Refusal(outcome.reason, outcome.error or f"held ({outcome.reason})")
+    return Refusal(outcome.reason, f"not deleted ({outcome.reason})")  # WouldDelete: a replacement is never dry
+
+
 # --- the CLI -------------------------------------------------------------------------------------------
 
 
@@ -457,21 +548,26 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
             when = parser.add_mutually_exclusive_group()
             when.add_argument("--once", action="store_true", help="one pass, then exit (the default)")
             when.add_argument("--interval", type=_duration_arg, default=None, help="repeat every DURATION (10m)")
+    if command in ("retain", "sweep"):  # both delete: a retain when it replaces a sandbox of the same name
+        if command == "retain":
             parser.add_argument(
-                "--ignore-pid",
-                type=int,
-                action="append",
-                default=[],
-                metavar="PID",
-                help="a pid whose use does not count (e.g. an init that cannot be inspected); repeatable",
+                "--orphan-timeout", type=_duration_arg, default=None, help="wait for killed orphans (10s)"
             )
-            parser.add_argument(
-                "--wait",
-                type=float,
-                default=0.0,
-                metavar="SECONDS",
-                help="how long to wait for another process's lock on the root (default 0: exit 3 at once)",
-            )
+        parser.add_argument(
+            "--ignore-pid",
+            type=int,
+            action="append",
+            default=[],
+            metavar="PID",
+            help="a pid whose use does not count (e.g. an init that cannot be inspected); repeatable",
+        )
+        parser.add_argument(
+            "--wait",
+            type=float,
+            default=0.0,
+            metavar="SECONDS",
+            help="how long to wait for another process's lock on the root (default 0: exit 3 at once)",
+        )
 
 
 def run(command: str, args: argparse.Namespace) -> int:
@@ -483,12 +579,9 @@ def run(command: str, args: argparse.Namespace) -> int:
     except UsageError as err:
         print(f"sandkeep {command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    except RootRefused as err:
+    except StoreError as err:  # RootRefused too; a retain refused a replacement for the lock says RootLocked
         print(f"sandkeep {command}: {err}", file=sys.stderr)
         return EXIT_LOCKED if err.reason in (Reason.ROOT_LOCKED, Reason.ROOT_FOREIGN_OWNER) else EXIT_FAILED
-    except StoreError as err:
-        print(f"sandkeep {command}: {err}", file=sys.stderr)
-        return EXIT_FAILED
     except ValueError as err:
         print(f"sandkeep {command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -517,18 +610,26 @@ def _policy(args: argparse.Namespace) -> Policy:
 
 def _retain(args: argparse.Namespace) -> int:
     root = Root(args.root)
-    now = utcnow()
-    manifest = root.retain(
-        args.source,
-        args.namespace,
-        args.name,
-        job_id=args.job_id or args.name,
-        created_at=args.created_at or now,
-        retention=args.retention,
-        node=args.node,
-        exclude=args.exclude,
-        now=now,
+    settings, now = _settings(args), utcnow()
+    reaper = Reaper(
+        root,
+        in_use_checker(args.ignore_pid),
+        stuck_after=settings.stuck_after,
+        orphan_timeout=settings.orphan_timeout,
     )
+    with contextlib.ExitStack() as stack:
+        manifest = root.retain(
+            args.source,
+            args.namespace,
+            args.name,
+            job_id=args.job_id or args.name,
+            created_at=args.created_at or now,
+            retention=args.retention,
+            node=args.node,
+            exclude=args.exclude,
+            now=now,
+            replace=Replacer(reaper, stack, wait=args.wait),
+        )
     until = f" until {manifest.retain_until}" if manifest.retain_until else ""
     print(f"retained {manifest.namespace}/{manifest.name} (job {manifest.job_id}){until}")
     return EXIT_OK

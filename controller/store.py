@@ -16,7 +16,9 @@ Public API (names are stable; the node agent builds on them):
   the path, what was refused, why and what to do next. `StoreError` is the base of every store failure.
 - `Root(path, *, create=True)`: `.path`, `.lock(wait=None)` (context manager; `wait` seconds, None =
   forever, 0 = once), `.sandbox_path(ns, name)`, `.retain(source, ns, name, *, job_id, created_at,
-  retention, node=None, exclude=(), now=None, replace=None) -> Manifest`, `.read(ns, name) -> Read`,
+  retention, node=None, exclude=(), now=None, replace=None) -> Manifest` (`replace: Replace`, a callback
+  returning None or a `Refusal`, frees a taken name through the caller's deletion pipeline),
+  `.read(ns, name) -> Read`,
   `.read_many(entries) -> {(ns, name): Read}`, `.scan() -> Scan`,
   `.pin(ns, name, until, *, now) -> Manifest` (`until=None` removes the pin), `.tombstone(ns, name, *, id,
   now) -> Tombstone`, `.read_tombstone(t) -> Read`, `.restore(t, ns, name) -> bool`, `.tombstones()`,
@@ -414,9 +416,19 @@ class _Source:
     ident: tuple[int, int]
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a replacing retain's deletion pipeline left the previous sandbox in place, and what to do next."""
+
+    reason: Reason
+    why: str  # who or what holds it, e.g. "in use: pid 4242 (sleep) cwd"
+    next: str = "Retry once it is released, or retain under another name"
+
+
 # Frees `<ns>/<name>` for a replacing retain the way a deletion would (the caller's pipeline: root lock,
-# orphans reaped, in-use check); returns None once the name is free, else why it was not freed.
-Replace = Callable[[str, str], str | None]
+# recorded orphans reaped, in-use check, tombstone, delete), given the read the store refused a pin on (the
+# claim: any change since holds it); returns None once the name is free, else why it was not freed.
+Replace = Callable[[str, str, Read], Refusal | None]
 _EXCLUDE_MAX_DEPTH = 256  # levels --exclude walks (one open directory each); deeper sources are refused whole
 
 
@@ -771,10 +783,12 @@ class Root:
         The sandbox is built complete (workspace + manifest) in a tombstone-named staging directory of the root
         and then renamed into place, so no reader ever sees a sandbox without its manifest, and a crash leaves
         a plain leftover tombstone the next sweep clears. A previous attempt at the same name is replaced (last
-        attempt wins) through a tombstone and a safe delete, but never a pinned one (StoreError PINNED), and
-        through `replace(ns, name)` when given: the caller's deletion pipeline (root lock, recorded orphans
-        reaped, in-use check), which frees the name or says why not (StoreError IN_USE). Exclude globs are
-        removed first. On any failure nothing is left in the root and the source is where it was (minus
+        attempt wins) only as a deletion would delete it: never a pinned one (StoreError PINNED, refused before
+        anything is done to the source), and only through `replace(ns, name, read)`, the caller's deletion
+        pipeline (root lock, recorded orphans reaped, in-use check, tombstone), which frees the name or says
+        why not (a `Refusal`, raised as StoreError with its reason: InUse, OrphanSurvivor, RootLocked...).
+        Without `replace` a taken name is refused (StoreError RenameFailed, EEXIST). Exclude globs are removed
+        before the staging. On any failure nothing is left in the root and the source is where it was (minus
         excluded files).
         """
         _check_names(namespace, name)
@@ -786,6 +800,7 @@ class Root:
         now = now or datetime.now(UTC)
         src = Path(os.path.abspath(source))  # noqa: PTH100 (lexical; then opened with no link in any component)
         with self._open_source(src) as held:
+            self._refuse_pinned(self.read(namespace, name), namespace, name, now)
             if exclude:
                 _remove_excluded(held, exclude)
             return self._retain_held(held, namespace, name, job_id, created_at, retention, node, now, replace)
@@ -948,7 +963,9 @@ class Root:
                 os.mkdir(namespace, 0o700, dir_fd=root_fd)
             try:
                 with _fd(_open_dir(namespace, root_fd)) as ns_fd:
-                    os.rename(stage, name, src_dir_fd=root_fd, dst_dir_fd=ns_fd)
+                    # never onto anything, not even an empty directory (someone's cwd): a taken name is replaced
+                    # only by _replace_previous, which keeps a deletion's rules
+                    _rename_noreplace(root_fd, stage, ns_fd, name)
                     os.fsync(ns_fd)
                     return
             except FileNotFoundError:
@@ -964,12 +981,42 @@ class Root:
         )
 
     def _replace_previous(self, namespace: str, name: str, now: datetime, replace: Replace | None) -> None:
-        """Last attempt wins: the previous one goes through a tombstone and the safe delete, never rm -rf.
+        """Free the name for the staged sandbox: a replacement is a deletion, so it keeps a deletion's rules.
 
-        A replacement is a deletion, so it keeps a deletion's rules: a live pin is never replaced, and with
-        `replace` the caller's pipeline (lock, orphans, in-use) decides and does it.
+        A link or a file at the name is unlinked (never followed; it is no sandbox). A directory with a live
+        pin is never replaced, and any other goes only through `replace`, the caller's deletion pipeline
+        (root lock, orphans, in-use, tombstone), which frees the name or refuses; without it, nothing is.
         """
+        where = self.path / namespace / name
+        with _fd(self._open()) as root_fd, _fd(_open_dir(namespace, root_fd)) as ns_fd:
+            try:
+                st = os.lstat(name, dir_fd=ns_fd)
+            except FileNotFoundError:
+                return
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=ns_fd)
+                return
         read = self.read(namespace, name)
+        self._refuse_pinned(read, namespace, name, now)
+        if replace is None:
+            raise StoreError(
+                Reason.RENAME_FAILED,
+                f"sandbox {namespace}/{name}: refused to replace it, replacing a sandbox deletes it and this caller "
+                "has no deletion pipeline to do that; nothing was retained and the source is where it was",
+                errno=E.EEXIST,
+                path=where,
+            )
+        refused = replace(namespace, name, read)
+        if refused is not None:
+            raise StoreError(
+                refused.reason,
+                f"sandbox {namespace}/{name}: refused to replace it ({refused.why}); nothing was retained and the "
+                f"source is where it was. {refused.next}",
+                path=where,
+            )
+
+    def _refuse_pinned(self, read: Read, namespace: str, name: str, now: datetime) -> None:
+        """A previous sandbox with a live pin is never replaced: StoreError PINNED."""
         pinned = _live_pin(read.manifest, now) if isinstance(read, Present) else None
         if pinned is not None:
             raise StoreError(
@@ -979,29 +1026,6 @@ class Root:
                 "Unpin it (`sandkeep pin --clear`) or retain under another name",
                 path=self.path / namespace / name,
             )
-        if replace is not None:
-            why = replace(namespace, name)
-            if why is not None:
-                raise StoreError(
-                    Reason.IN_USE,
-                    f"sandbox {namespace}/{name}: refused to replace it ({why}); nothing was retained and the "
-                    "source is where it was. Retry once it is released, or retain under another name",
-                    path=self.path / namespace / name,
-                )
-            return
-        with _fd(self._open()) as root_fd, _fd(_open_dir(namespace, root_fd)) as ns_fd:
-            try:
-                st = os.lstat(name, dir_fd=ns_fd)
-            except FileNotFoundError:
-                return
-            if not stat.S_ISDIR(st.st_mode):
-                os.unlink(name, dir_fd=ns_fd)  # a link or file at the name: unlinked, never followed
-                return
-        t = self.tombstone(namespace, name, id=standalone_id(), now=now)
-        result = self.delete_tombstone(t)
-        if not result.ok:
-            # The previous attempt is out of the way (the name is free); its tombstone is the sweep's to retry.
-            return
 
     def _undo_stage(self, root_fd: int, stage: str, held: _Source) -> None:
         """Put the source back where it was (renameat between held fds, never onto anything) and remove the stage."""

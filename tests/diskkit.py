@@ -120,6 +120,31 @@ def make_immutable(made: list[Path], path: Path) -> None:
     made.append(path)
 
 
+@pytest.fixture
+def mounts(tmp_path: Path) -> Iterator[list[Path]]:
+    """Mount points the test made (`bind_mount`); always unmounted in teardown, the last made first.
+
+    Anything still mounted under tmp_path is unmounted too: a mount inside a sandbox moves with the rename
+    to its tombstone, so the path it was made at no longer names it.
+    """
+    made: list[Path] = []
+    yield made
+    for point in reversed(made):
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+    below = f"{os.path.realpath(tmp_path)}/"
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        points = [line.split(" ")[4] for line in f]
+    for point in sorted((p for p in points if p.startswith(below)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def bind_mount(made: list[Path], source: Path, point: Path) -> None:
+    """`mount --bind source point` in this process's mount namespace, unmounted by the `mounts` fixture."""
+    require_root()
+    subprocess.run(["mount", "--bind", str(source), str(point)], check=True)
+    made.append(point)
+
+
 def listing(path: Path) -> list[str]:
     return sorted(os.listdir(path))
 

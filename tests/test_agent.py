@@ -9,6 +9,7 @@ controller` makes that request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -32,7 +33,9 @@ from controller import contracts as c
 from controller import kube, metrics, watching
 from controller.agent import watch as agent_watch
 from controller.inuse import uninspectable_pids
+from controller.reaper import Reaper
 from controller.sizes import human_size
+from controller.standalone import Replacer, in_use_checker
 from controller.store import Root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -721,7 +724,11 @@ def test_a_run_retained_again_under_the_same_name_is_not_deleted_with_the_old_ob
     src = n1.root.path.parent / "job-again-2"
     src.mkdir()
     (src / "v").write_text("second run")
-    n1.root.retain(src, namespace, "again", job_id="job-again", created_at=datetime.now(UTC), retention=None)
+    with contextlib.ExitStack() as stack:  # as `sandkeep retain` replaces: the pipeline, under the root lock
+        replace = Replacer(Reaper(n1.root, in_use_checker(IGNORE)), stack)
+        n1.root.retain(
+            src, namespace, "again", job_id="job-again", created_at=datetime.now(UTC), retention=None, replace=replace
+        )
     a = agents(n1)
     delete(cluster, namespace, "again")  # the request was about the first run
 

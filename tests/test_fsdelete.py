@@ -6,7 +6,6 @@ import asyncio
 import errno
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from diskkit import User, listing, make_immutable, outside_bait, require_root
 from controller import fsdelete
 from controller.contracts import Reason
 
-pytest_plugins = ["diskkit"]  # fixtures: throwaway_user, shared_tmp, immutable
+pytest_plugins = ["diskkit"]  # fixtures: throwaway_user, shared_tmp, immutable, mounts
 
 
 def tree(top: Path, dirs: int = 6, files: int = 20) -> int:
@@ -86,14 +85,6 @@ def test_an_immutable_file_fails_the_delete_with_its_errno_and_path(
     assert "Operation not permitted" in result.describe()
     subprocess.run(["chattr", "-i", str(stuck)], check=True)
     assert fsdelete.delete_tree(tmp_path, "t", workers=workers).ok and listing(tmp_path) == []
-
-
-@pytest.fixture
-def mounts() -> Iterator[list[Path]]:
-    made: list[Path] = []
-    yield made
-    for point in reversed(made):
-        subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
 @pytest.mark.root

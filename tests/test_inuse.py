@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from diskkit import make_job
 
 from controller.contracts import Reason
 from controller.fsdelete import delete_tree
-from controller.inuse import scan_usage, uninspectable_pids
+from controller.inuse import _fs_location, _mounts, scan_usage, uninspectable_pids
+from controller.store import Root
 
 
 @pytest.fixture
@@ -311,3 +315,118 @@ def test_processes_nobody_may_inspect_are_named_so_an_operator_can_act(procs):
     blind = _without_capabilities(code)
     assert str(other.pid) in blind.split()
     assert other.pid not in uninspectable_pids()  # root with its capabilities sees it fine
+
+
+# --- a mountinfo that cannot be read is "unknown", never "no mounts" (issue 12, item 6) --------------------
+
+
+def test_a_scan_that_cannot_read_its_own_mountinfo_answers_unknown_not_free(sandboxes, tmp_path, procs):
+    # A procfs of another PID namespace has no `self` for this process: the scan's own mountinfo is ENOENT.
+    # It used to read as "no mounts", so the bind mount inside `a` (and every other) went unseen: free.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    point = sandboxes["a"] / "workspace" / "sub"
+    subprocess.run(["mount", "--bind", str(elsewhere), str(point)], check=True)
+    script = "echo ready; exec sleep 60"
+    p = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script], stdout=subprocess.PIPE
+    )
+    procs.append(p)
+    try:
+        _wait_ready(p)
+        (child,) = map(int, Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split())
+        proc = Path(f"/proc/{child}/root/proc")
+        assert not (proc / "self").exists() and (proc / "1" / "mountinfo").exists()
+        usage = scan_usage(sandboxes, proc=proc)
+        for name in ("a", "b"):
+            assert usage[name].in_use is None and usage[name].reason is Reason.IN_USE_UNKNOWN, usage
+            assert any("own mountinfo cannot be read: ENOENT" in h for h in usage[name].holders)
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+EMFILE_REAP = """
+import json, os, resource, sys
+from pathlib import Path
+from controller.contracts import Reason
+from controller.reaper import Claim, Reaper, Target
+from controller.standalone import in_use_checker
+from controller.store import Root
+
+root, free, ignore = Root(sys.argv[1], create=False), int(sys.argv[2]), json.loads(sys.argv[3])
+check = in_use_checker(ignore)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+def out_of_fds(path):
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        pass
+    for _ in range(free):
+        os.close(held.pop())
+    try:
+        return check(path)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+reaper = Reaper(root, out_of_fds)
+outcome = reaper.reap(Target("ns", "a", "emfile", Claim(decided=root.read("ns", "a")), Reason.EXPIRED))
+print(json.dumps([type(outcome).__name__, outcome.reason]))
+"""
+
+
+@pytest.mark.parametrize("holder", ["a mount inside it", "a bind of it in another mount namespace"])
+def test_a_scan_out_of_file_descriptors_holds_and_nothing_is_deleted(tmp_path, procs, holder):
+    # EMFILE at every point of the scan (0 to 5 descriptors left): each answer holds (in use, or unknown
+    # when a mountinfo or a process could not be read, or the scan failed), and the sandbox is never renamed.
+    root = Root(tmp_path / "root")
+    root.retain(make_job(tmp_path), "ns", "a", job_id="j", created_at=datetime.now(UTC), retention=None)
+    sandbox = root.sandbox_path("ns", "a")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("must survive\n")
+    point = sandbox / "workspace" / "src"
+    if holder == "a mount inside it":
+        subprocess.run(["mount", "--bind", str(elsewhere), str(point)], check=True)
+    else:
+        _in_own_mount_namespace(f"mount --bind {sandbox} {elsewhere} && echo ready && exec sleep 60", procs)
+    try:
+        before = sorted(str(p.relative_to(root.path)) for p in root.path.rglob("*"))
+        for free in range(6):
+            out = subprocess.run(
+                [sys.executable, "-c", EMFILE_REAP, str(root.path), str(free), json.dumps(sorted(IGNORE))],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd="/",
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+            )
+            kind, reason = json.loads(out.stdout)
+            assert kind == "Held" and reason in (Reason.IN_USE, Reason.IN_USE_UNKNOWN), (free, out.stdout)
+            assert sorted(str(p.relative_to(root.path)) for p in root.path.rglob("*")) == before
+        assert (elsewhere / "keep.txt").read_text() == "must survive\n"
+    finally:
+        if holder == "a mount inside it":
+            subprocess.run(["umount", str(point)], check=True)
+
+
+def test_a_process_that_exits_mid_read_does_not_hide_its_namespaces_mounts(sandboxes, tmp_path):
+    # A /proc snapshot: pids 4232-4242 left after their namespace link was read (their mountinfo is gone); 4243, in
+    # the same namespace, is alive and that namespace binds sandbox b. The namespace is read through 4243.
+    own = Path("/proc/self/mountinfo").read_text()
+    dev, fs_path = _fs_location(str(sandboxes["b"].resolve()), _mounts(own))
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "mountinfo").write_text(own)
+    for pid in range(4243, 4231, -1):  # one alive among twelve: it is almost never the first one listed
+        (proc / str(pid) / "ns").mkdir(parents=True)
+        (proc / str(pid) / "ns" / "mnt").symlink_to("mnt:[4026599999]")
+        (proc / str(pid) / "fd").mkdir()
+        (proc / str(pid) / "maps").write_text("")
+    (proc / "4243" / "mountinfo").write_text(f"{own}999 1 {dev} {fs_path} /srv/b rw - ext4 /dev/x rw\n")
+    usage = scan_usage(sandboxes, proc=proc)
+    assert usage["b"].in_use is True and any("mounts" in h and "/srv/b" in h for h in usage["b"].holders)
+    assert usage["a"].in_use is False

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from diskkit import REPO, User, listing, make_job
+from diskkit import REPO, User, bind_mount, listing, make_job
 
+from controller.contracts import Reason
 from controller.inuse import uninspectable_pids
+from controller.reaper import Reaper
+from controller.standalone import Replacer, in_use_checker
+from controller.store import Root, StoreError
 
-pytest_plugins = ["diskkit"]  # fixtures: throwaway_user
+pytest_plugins = ["diskkit"]  # fixtures: throwaway_user, mounts
 
 IGNORE = [f"--ignore-pid={pid}" for pid in sorted(uninspectable_pids())]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "SANDKEEP_LOG_LEVEL": "INFO"}
@@ -171,3 +178,182 @@ def test_ls_names_tombstones_stuck_ones_and_strays(tmp_path: Path) -> None:
     data = json.loads(sandkeep("ls", "--root", str(root), "-o", "json", check=True).stdout)
     assert [t["stuck"] for t in data["tombstones"]] == [True, False]
     assert data["sandboxes"][0]["state"] == "Retained" and data["sandboxes"][0]["size"] > 0
+
+
+# --- a retain under a taken name replaces only as a deletion would (issue 12, item 5) ------------------------
+
+
+def _retain_as(root: str, job: Path, name: str = "run", *extra: str) -> subprocess.CompletedProcess[str]:
+    return sandkeep("retain", str(job), "--root", root, "--namespace", "ns", "--name", name, *IGNORE, *extra)
+
+
+def _job_with(tmp_path: Path, name: str) -> Path:
+    job = make_job(tmp_path / "jobs", name)
+    (job / "marker").write_text(f"{name}\n")
+    return job
+
+
+def _marker(root: str) -> str:
+    return (Path(root) / "ns" / "run" / "workspace" / "marker").read_text()
+
+
+def _kill(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_retain_never_replaces_a_pinned_sandbox_and_touches_nothing_of_the_source(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    assert _retain_as(root, _job_with(tmp_path, "first")).returncode == 0
+    sandkeep("pin", "ns/run", "--root", root, "--for", "2h", check=True)
+    retry = _job_with(tmp_path, "retry")
+    out = _retain_as(root, retry, "run", "--exclude", "session")
+    assert out.returncode == 1 and "refused to replace it, it is pinned until" in out.stderr, out.stderr
+    assert "source is where it was" in out.stderr and "Traceback" not in out.stderr
+    assert listing(retry) == ["README", "marker", "session", "src"]  # not even the excluded files went
+    assert _marker(root) == "first\n" and listing(Path(root)) == ["ns"]
+
+
+def test_retain_never_replaces_a_sandbox_a_process_works_in_and_does_once_it_is_free(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    assert _retain_as(root, _job_with(tmp_path, "first")).returncode == 0
+    holder = subprocess.Popen(["sleep", "60"], cwd=Path(root) / "ns" / "run" / "workspace", text=True)
+    try:
+        retry = _job_with(tmp_path, "retry")
+        out = _retain_as(root, retry)
+        assert out.returncode == 1, out.stderr
+        assert f"refused to replace it (in use: pid {holder.pid} (sleep) cwd" in out.stderr
+        assert "source is where it was" in out.stderr and "Traceback" not in out.stderr
+        assert listing(retry) == ["README", "marker", "session", "src"] and _marker(root) == "first\n"
+        assert listing(Path(root)) == [".sandkeep.lock", "ns"]  # no tombstone: the held one was never renamed
+    finally:
+        _kill([holder])
+    replaced = _retain_as(root, retry)
+    assert replaced.returncode == 0 and replaced.stdout.startswith("retained ns/run"), replaced.stderr
+    assert "retain_replaced reason=Replaced entry=ns/run" in replaced.stderr
+    assert _marker(root) == "retry\n" and not retry.exists()
+    assert listing(Path(root)) == [".sandkeep.lock", "ns"] and listing(Path(root) / "ns") == ["run"]
+
+
+@contextlib.contextmanager
+def _recorded_orphan(root: Path) -> Iterator[int]:
+    """The pid of `sleep 300` left running in ns/run's workspace by a killed `sandkeep exec`, recorded; killed after."""
+    box = root / "ns" / "run"
+    recorder = start("exec", "ns/run", "--root", str(root), "--", "sh", "-c", "echo ready; exec sleep 300")
+    orphan: int | None = None
+    try:
+        assert recorder.stdout is not None and recorder.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        while not list((box / ".commands").glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (record,) = [json.loads(p.read_text()) for p in (box / ".commands").glob("*.json")]
+        orphan = record["leader"]["pid"]
+        recorder.kill()  # the recorder dies; its command runs on in the old sandbox, recorded
+        recorder.wait(timeout=10)
+        assert Path(f"/proc/{orphan}/cwd").readlink() == box / "workspace"
+        yield orphan
+    finally:
+        _kill([recorder])
+        if orphan is not None and Path(f"/proc/{orphan}").exists():
+            os.kill(orphan, signal.SIGKILL)
+
+
+def test_retain_reaps_a_recorded_orphan_of_the_previous_sandbox_before_replacing_it(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    assert _retain_as(root, _job_with(tmp_path, "first")).returncode == 0
+    with _recorded_orphan(Path(root)) as orphan:
+        replaced = _retain_as(root, _job_with(tmp_path, "retry"), "run", "--orphan-timeout", "10s")
+        assert replaced.returncode == 0, replaced.stderr
+        assert "orphans_reaped reason=OrphanReaped object=ns/run" in replaced.stderr
+        assert _marker(root) == "retry\n"
+        state = Path(f"/proc/{orphan}/stat").read_text() if Path(f"/proc/{orphan}").exists() else "gone) X"
+        assert state[state.rfind(")") + 2] in "ZX", state  # killed by the replacement's reap
+
+
+def test_retain_refuses_a_replacement_while_another_process_holds_the_root_lock(tmp_path: Path) -> None:
+    # A sweep (or, in a cluster, the agent) holds the lock for as long as it runs: a new name is retained
+    # at once (no deletion), a taken one is refused with exit 3 and what to do, the source left where it was.
+    root = str(tmp_path / "root")
+    assert _retain_as(root, _job_with(tmp_path, "first")).returncode == 0
+    sweep = start("sweep", "--root", root, "--interval", "1h", *IGNORE)
+    try:
+        wait_for_line(sweep, "sweep_pass")
+        assert _retain_as(root, _job_with(tmp_path, "other"), "other").returncode == 0
+        retry = _job_with(tmp_path, "retry")
+        out = _retain_as(root, retry)
+        assert out.returncode == 3, out.stderr
+        assert (
+            f"process {sweep.pid} holds .sandkeep.lock" in out.stderr and "kubectl delete rsb -n ns run" in out.stderr
+        )
+        assert "source is where it was" in out.stderr and "Traceback" not in out.stderr
+        assert listing(retry) == ["README", "marker", "session", "src"] and _marker(root) == "first\n"
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=30) == 0
+    finally:
+        _kill([sweep])
+    assert _retain_as(root, retry).returncode == 0 and _marker(root) == "retry\n"
+
+
+def test_a_recorded_orphan_that_survives_its_kill_refuses_the_replacement_naming_it(tmp_path: Path) -> None:
+    # An orphan that does not die (here: a reaper whose signals do not land, as for a process stuck in D state)
+    # holds the previous sandbox exactly as it holds a deletion: the retain is refused, naming the survivor.
+    root = Root(tmp_path / "root")
+    assert _retain_as(str(root.path), _job_with(tmp_path, "first")).returncode == 0
+    signals: list[tuple[int, int]] = []
+    reaper = Reaper(
+        root,
+        in_use_checker(uninspectable_pids()),
+        orphan_timeout=timedelta(seconds=0.3),
+        kill=lambda target, sig: signals.append((target, sig)),
+    )
+    retry = _job_with(tmp_path, "retry")
+    with _recorded_orphan(root.path) as orphan, contextlib.ExitStack() as stack, pytest.raises(StoreError) as caught:
+        now = datetime.now(UTC)
+        root.retain(retry, "ns", "run", job_id="j", created_at=now, retention=None, replace=Replacer(reaper, stack))
+    assert caught.value.reason is Reason.ORPHAN_SURVIVOR and signals, signals
+    assert f"recorded orphan commands survived being killed: pid {orphan} (sleep 300)" in str(caught.value)
+    assert "source is where it was" in str(caught.value)
+    assert listing(retry) == ["README", "marker", "session", "src"] and _marker(str(root.path)) == "first\n"
+
+
+def test_retain_never_replaces_a_sandbox_retained_for_a_cluster_node(tmp_path: Path) -> None:
+    # Its pins are annotations on its RetainedSandbox, which the command line cannot see: the cluster deletes it.
+    root = str(tmp_path / "root")
+    assert _retain_as(root, _job_with(tmp_path, "first"), "run", "--node", "node-a").returncode == 0
+    retry = _job_with(tmp_path, "retry")
+    out = _retain_as(root, retry, "run", "--node", "node-a")
+    assert out.returncode == 1 and "it was retained for node node-a" in out.stderr, out.stderr
+    assert "kubectl delete rsb -n ns run" in out.stderr and "source is where it was" in out.stderr
+    assert listing(retry) == ["README", "marker", "session", "src"] and _marker(root) == "first\n"
+    assert listing(Path(root)) == ["ns"]  # refused before the lock: nothing of the root was touched
+
+
+def test_retain_never_replaces_even_an_empty_directory_a_process_works_in(tmp_path: Path) -> None:
+    # rename(2) would silently replace an empty directory: the name goes through the pipeline like any other.
+    root = str(tmp_path / "root")
+    assert _retain_as(root, _job_with(tmp_path, "first"), "other").returncode == 0
+    empty = Path(root) / "ns" / "run"
+    empty.mkdir()
+    holder = subprocess.Popen(["sleep", "60"], cwd=empty, text=True)
+    try:
+        out = _retain_as(root, _job_with(tmp_path, "retry"))
+        assert out.returncode == 1 and f"in use: pid {holder.pid} (sleep) cwd" in out.stderr, out.stderr
+        assert Path(f"/proc/{holder.pid}/cwd").readlink() == empty and listing(empty) == []
+    finally:
+        _kill([holder])
+
+
+@pytest.mark.root
+def test_retain_never_replaces_a_sandbox_with_a_mount_inside(tmp_path: Path, mounts: list[Path]) -> None:
+    root = str(tmp_path / "root")
+    assert _retain_as(root, _job_with(tmp_path, "first")).returncode == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("must survive\n")
+    point = Path(root) / "ns" / "run" / "workspace" / "src"
+    bind_mount(mounts, elsewhere, point)
+    out = _retain_as(root, _job_with(tmp_path, "retry"))
+    assert out.returncode == 1 and f"in use: mount at {point}" in out.stderr, out.stderr
+    assert listing(point) == ["keep.txt"] and _marker(root) == "first\n"

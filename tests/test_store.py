@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -17,10 +18,15 @@ import pytest
 from diskkit import NOW, REPO, User, listing, make_job, outside_bait, retain
 
 from controller.contracts import LOCK_NAME, Reason
+from controller.inuse import uninspectable_pids
+from controller.reaper import Reaper
+from controller.standalone import Replacer, in_use_checker
 from controller.store import (
     Absent,
     Mismatch,
     Present,
+    Read,
+    Refusal,
     Root,
     RootRefused,
     StoreError,
@@ -164,10 +170,18 @@ def test_a_previous_attempt_is_replaced_last_attempt_wins(tmp_path: Path) -> Non
     root.retain(first, "ns", "run", job_id="j", created_at=NOW, retention=None, now=NOW)
     second = make_job(tmp_path, "second")
     (second / "marker").write_text("second\n")
-    root.retain(second, "ns", "run", job_id="j", created_at=NOW + H, retention=None, now=NOW)
+    with pytest.raises(StoreError) as caught:  # a replacement is a deletion: never without a deletion pipeline
+        root.retain(second, "ns", "run", job_id="j", created_at=NOW + H, retention=None, now=NOW)
+    assert caught.value.errno == errno.EEXIST and "source is where it was" in str(caught.value)
+    assert (second / "marker").exists() and listing(root.path) == ["ns"]
+    reaper = Reaper(root, in_use_checker(uninspectable_pids()))
+    with contextlib.ExitStack() as stack:
+        replace = Replacer(reaper, stack)
+        root.retain(second, "ns", "run", job_id="j", created_at=NOW + H, retention=None, now=NOW, replace=replace)
+        assert replace.locked  # the root lock, held for the whole replacement
     ws = root.path / "ns" / "run" / "workspace"
     assert (ws / "marker").read_text() == "second\n" and not (ws / "link-dir").exists()
-    assert listing(root.path) == ["ns"]  # the old attempt's tombstone is deleted too
+    assert listing(root.path) == [LOCK_NAME, "ns"]  # the old attempt's tombstone is deleted too
     assert listing(bait_dir) == ["keep.txt"] and bait_file.read_text() == "must survive too\n"
 
 
@@ -528,7 +542,9 @@ def test_a_retain_never_replaces_a_pinned_sandbox(tmp_path: Path) -> None:
     assert "source is where it was" in str(caught.value) and (second / "marker").exists()
     assert listing(root.path) == ["ns"] and (root.path / "ns" / "run" / "workspace" / "README").exists()
     root.pin("ns", "run", None, now=NOW)  # unpinned: the last attempt wins again
-    root.retain(second, "ns", "run", job_id="j", created_at=NOW, retention=None, now=NOW)
+    with contextlib.ExitStack() as stack:
+        replace = Replacer(Reaper(root, in_use_checker(uninspectable_pids())), stack)
+        root.retain(second, "ns", "run", job_id="j", created_at=NOW, retention=None, now=NOW, replace=replace)
     assert (root.path / "ns" / "run" / "workspace" / "marker").exists()
 
 
@@ -537,9 +553,10 @@ def test_a_replacing_retain_goes_through_the_callers_pipeline_which_may_refuse(t
     retain(root, tmp_path, "ns", "run", age=H)
     asked: list[tuple[str, str]] = []
 
-    def held(ns: str, name: str) -> str | None:
+    def held(ns: str, name: str, read: Read) -> Refusal | None:
         asked.append((ns, name))
-        return "in use: pid 4242 has its cwd inside it"
+        assert isinstance(read, Present) and read.manifest.job_id == "job-run"  # the read the pin was checked on
+        return Refusal(Reason.IN_USE, "in use: pid 4242 has its cwd inside it")
 
     second = make_job(tmp_path / "retry")
     with pytest.raises(StoreError) as caught:
@@ -547,7 +564,7 @@ def test_a_replacing_retain_goes_through_the_callers_pipeline_which_may_refuse(t
     assert caught.value.reason is Reason.IN_USE and "pid 4242" in str(caught.value)
     assert asked == [("ns", "run")] and (second / "README").exists() and listing(root.path) == ["ns"]
 
-    def pipeline(ns: str, name: str) -> str | None:
+    def pipeline(ns: str, name: str, read: Read) -> Refusal | None:
         t = root.tombstone(ns, name, id="replaced", now=NOW)
         assert root.delete_tombstone(t).ok
         return None

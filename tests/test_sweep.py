@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -14,15 +15,16 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from diskkit import NOW, REPO, listing, make_immutable, outside_bait, retain
+from diskkit import NOW, REPO, bind_mount, listing, make_immutable, make_job, outside_bait, retain
 
 from controller.contracts import Reason
 from controller.inuse import Usage, uninspectable_pids
 from controller.policy import Policy
-from controller.standalone import Sweeper, in_use_checker
+from controller.reaper import Reaper
+from controller.standalone import Replacer, Sweeper, in_use_checker
 from controller.store import Entry, Read, Root, Tombstone, Transient, tombstone_name
 
-pytest_plugins = ["diskkit"]  # fixtures: immutable
+pytest_plugins = ["diskkit"]  # fixtures: immutable, mounts
 
 H = timedelta(hours=1)
 D = timedelta(days=1)
@@ -192,8 +194,13 @@ def test_non_directory_entries_are_removed_and_bad_names_reported(
 def test_a_manifest_replaced_between_the_read_and_the_rename_holds_the_sandbox(root: Root, tmp_path: Path) -> None:
     retain(root, tmp_path, "ns", "run", age=10 * D)
 
-    def retry_lands(entry: Entry, _: Tombstone) -> None:
-        retain(root, tmp_path / "retry", "ns", "run", age=10 * D - H)  # a retry of the job replaces it
+    def retry_lands(entry: Entry, _: Tombstone) -> None:  # a retry of the job replaces it, as `sandkeep retain` does
+        job = make_job(tmp_path / "retry")
+        with contextlib.ExitStack() as stack:
+            replace = Replacer(Reaper(root, in_use_checker(IGNORE)), stack)
+            root.retain(
+                job, "ns", "run", job_id="job-run", created_at=NOW - 10 * D + H, retention=None, replace=replace
+            )
 
     report = sweeper(root, after_decide=retry_lands).run_pass()
     assert report.actions("ns/run") == [("held", Reason.MANIFEST_CHANGED)]
@@ -380,3 +387,36 @@ def test_a_leftover_whose_manifest_cannot_be_read_just_now_is_held(root: Root, t
     t = flaky.tombstone("ns", "run", id="x", now=NOW - D)
     assert sweeper(flaky).run_pass().actions(t.name) == [("held", Reason.MANIFEST_UNREAD)]
     assert t.path.is_dir()
+
+
+# --- a mount that appears after the in-use check (issue 12, item 6) ------------------------------------
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("when", ["after_decide", "after_rename"])
+def test_a_mount_made_after_the_in_use_check_is_never_entered_and_its_delete_stops_stuck(
+    root: Root, tmp_path: Path, mounts: list[Path], when: str
+) -> None:
+    # The in-use check saw no mount; one bound inside the sandbox right after it (before the rename, or inside
+    # the tombstone) is found by the delete walk's mount id, never descended: the tombstone stays Stuck.
+    bait_file, bait_dir = outside_bait(tmp_path)
+    sandbox = retain(root, tmp_path, "ns", "old", age=10 * D)
+    (sandbox / "workspace" / "mnt").mkdir()
+
+    def mount_lands(entry: Entry, tomb: Tombstone) -> None:
+        bind_mount(mounts, bait_dir, (tomb.path if when == "after_rename" else entry.path) / "workspace" / "mnt")
+
+    s = sweeper(root, in_use=in_use_checker(IGNORE), **{when: mount_lands})
+    report = s.run_pass()
+    assert report.actions("ns/old") == [("stuck", Reason.TOMBSTONE_STUCK)]
+    (decision,) = report.decisions
+    (tomb,) = root.tombstones()
+    assert decision.detail["cause"] == Reason.CROSS_DEVICE
+    assert decision.detail["path"] == str(tomb.path / "workspace" / "mnt")
+    assert listing(bait_dir) == ["keep.txt"] and (bait_dir / "keep.txt").read_text() == "must survive\n"
+    assert listing(tomb.path / "workspace") == ["mnt"]  # everything around the mount went, nothing below it
+    assert bait_file.read_text() == "must survive too\n"
+    assert s.run_pass().actions(tomb.name) == [("stuck", Reason.TOMBSTONE_STUCK)]  # still mounted: still stuck
+    subprocess.run(["umount", str(tomb.path / "workspace" / "mnt")], check=True)
+    assert s.run_pass().actions(tomb.name) == [("deleted", Reason.TOMBSTONE_LEFTOVER)]
+    assert listing(root.path) == [] and listing(bait_dir) == ["keep.txt"]
