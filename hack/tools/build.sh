@@ -66,8 +66,9 @@ for p in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
 done
 
 want=${*:-kube-apiserver kube-controller-manager kubectl etcd kubelet kube-scheduler helm promtool prometheus}
-for tool in $want; do
-	case $tool in
+
+build_tool() {
+	case $1 in
 	kube-apiserver) build kube kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "$stamp" ;;
 	kube-controller-manager) build kube kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager "$stamp" ;;
 	kubectl) build kube kubectl k8s.io/kubernetes/cmd/kubectl "$stamp" ;;
@@ -77,7 +78,53 @@ for tool in $want; do
 	helm) build helm helm helm.sh/helm/v3/cmd/helm "$helm_stamp" ;;
 	promtool) build promtool promtool github.com/prometheus/prometheus/cmd/promtool ;;
 	prometheus) build promtool prometheus github.com/prometheus/prometheus/cmd/prometheus ;;
+	esac
+}
+
+# Tools of one wrapper module share most of their packages, so they build one after another in one lane
+# (the second reuses the first's compiled packages); the lanes are independent and build side by side
+# where the cores allow: SANDKEEP_TOOLS_JOBS lanes at once (default: half the cores, at least 1; on two
+# cores that is one lane, since each `go build` already compiles packages on every core).
+declare -A lane_tools=()
+lanes=()
+for tool in $want; do
+	case $tool in
+	kube-apiserver | kube-controller-manager | kubectl | kubelet | kube-scheduler) lane=kube ;;
+	etcd) lane=etcd ;;
+	helm) lane=helm ;;
+	promtool | prometheus) lane=prometheus ;;
 	*) log "unknown tool: $tool"; exit 2 ;;
 	esac
+	[[ -v lane_tools[$lane] ]] || lanes+=("$lane")
+	lane_tools[$lane]+=" $tool"
 done
+
+cores=$(nproc 2>/dev/null || echo 1)
+jobs=${SANDKEEP_TOOLS_JOBS:-$((cores / 2 > 1 ? cores / 2 : 1))}
+[[ $jobs =~ ^[1-9][0-9]*$ ]] || { log "SANDKEEP_TOOLS_JOBS must be a positive integer, got '$jobs'"; exit 2; }
+
+run_lane() {
+	local t
+	for t in $1; do build_tool "$t"; done
+}
+
+if ((jobs == 1 || ${#lanes[@]} == 1)); then
+	for lane in "${lanes[@]}"; do run_lane "${lane_tools[$lane]}"; done
+else
+	log "building ${#lanes[@]} lanes (${lanes[*]}), $jobs at a time"
+	declare -A running=()
+	failed=0
+	for lane in "${lanes[@]}"; do
+		while ((${#running[@]} >= jobs)); do
+			wait -n -p done_pid || failed=1
+			unset "running[$done_pid]"
+		done
+		run_lane "${lane_tools[$lane]}" &
+		running[$!]=$lane
+	done
+	for pid in "${!running[@]}"; do
+		wait "$pid" || { log "lane ${running[$pid]} failed"; failed=1; }
+	done
+	((failed == 0)) || exit 1
+fi
 echo "$bin"
