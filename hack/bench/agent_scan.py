@@ -83,8 +83,8 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def measure_agent(root: Root, count: int, workdir: Path) -> dict[str, float]:
-    from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
+def measure_agent(root: Root, count: int, workdir: Path, kube_qps: float | None) -> dict[str, float]:
+    from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin, writes_by_resource
 
     cluster = LocalCluster(workdir / "cluster", tools_bin(CLUSTER_TOOLS))
     cluster.start()
@@ -105,8 +105,11 @@ def measure_agent(root: Root, count: int, workdir: Path) -> dict[str, float]:
             "--metrics-port": "0",
             "--scan-interval": "5s",
         }
+        if kube_qps is not None:
+            flags["--kube-qps"] = str(kube_qps)
         args = [sys.executable, "-m", "controller.cli", "agent", *(f"{flag}={value}" for flag, value in flags.items())]
         args += [f"--ignore-pid={pid}" for pid in pids]
+        before = writes_by_resource(cluster.metrics_text())
         with log.open("wb") as out:
             started = time.monotonic()
             agent = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -116,6 +119,8 @@ def measure_agent(root: Root, count: int, workdir: Path) -> dict[str, float]:
                         raise RuntimeError(f"agent exited: {log.read_text()[-2000:]}")
                     time.sleep(0.2)
                 adopted_in = time.monotonic() - started
+                after = writes_by_resource(cluster.metrics_text())
+                writes = sum(after.get(r, 0) - before.get(r, 0) for r in ("retainedsandboxes", "events"))
                 rss_adopted = rss_mib(agent.pid)
                 time.sleep(20)  # the first status writes and size measurements of every object
                 rss = max(rss_adopted, rss_mib(agent.pid))
@@ -126,7 +131,7 @@ def measure_agent(root: Root, count: int, workdir: Path) -> dict[str, float]:
                 except subprocess.TimeoutExpired:
                     agent.kill()
                     agent.wait(timeout=30)
-        return {"adopted_in": adopted_in, "rate": count / adopted_in, "rss_mib": rss}
+        return {"adopted_in": adopted_in, "rate": count / adopted_in, "rss_mib": rss, "writes": writes}
     finally:
         cluster.stop()
 
@@ -147,6 +152,9 @@ def main() -> int:
     parser.add_argument("--no-cluster", action="store_true", help="measure the scan only (no adoption, no RSS)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument(
+        "--kube-qps", type=float, default=None, help="the agent's --kube-qps (default: its own default, 20; -1: none)"
+    )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="sandkeep-agent-bench-"))
     try:
@@ -157,7 +165,7 @@ def main() -> int:
         scan = measure_scan(root)
         result: dict[str, object] = {"sandboxes": args.sandboxes, "built_s": round(built, 2), **scan}
         if not args.no_cluster:
-            result.update(measure_agent(root, args.sandboxes, workdir))
+            result.update(measure_agent(root, args.sandboxes, workdir, args.kube_qps))
         if args.json:
             print(json.dumps(result))
         else:
@@ -168,7 +176,11 @@ def main() -> int:
             total = scan["listing"] + scan["in_use"]
             print(f"scan without sizes:   {total:.3f}s (target < 1 s; manifests are read only to adopt)")
             if "rate" in result:
-                print(f"adoption:             {result['adopted_in']:.1f}s, {result['rate']:.0f} objects/s")
+                qps = "default 20" if args.kube_qps is None else args.kube_qps
+                print(
+                    f"adoption:             {result['adopted_in']:.1f}s, {result['rate']:.0f} objects/s "
+                    f"(--kube-qps {qps}; {result['writes']:.0f} API writes to sandboxes and Events)"
+                )
                 print(f"agent RSS:            {result['rss_mib']:.0f} MiB (target < 150 MiB)")
     finally:
         if args.keep:
