@@ -38,6 +38,7 @@ CONTROLLER_LEASE = "sandkeep-controller"
 AGENT_LEASE_PREFIX = "sandkeep-agent-"  # + node name: the per-node heartbeat
 ANN_ORPHAN_TOMBSTONES = f"{GROUP}/orphan-tombstones"  # on an agent's heartbeat Lease: JSON list, for doctor
 ANN_PRESSURE = f"{GROUP}/pressure"  # on an agent's heartbeat Lease: JSON, the node's unrelieved disk pressure
+ANN_QUARANTINE = f"{GROUP}/quarantine"  # on an agent's heartbeat Lease: JSON, the node's unadoptable entries
 
 # --- On disk -------------------------------------------------------------------------------------------
 MANIFEST_NAME = "manifest.json"
@@ -45,6 +46,7 @@ WORKSPACE_DIR = "workspace"
 COMMANDS_DIR = ".commands"
 LOCK_NAME = ".sandkeep.lock"
 TOMBSTONE_PREFIX = ".reap-"
+QUARANTINE_FILE = ".sandkeep-quarantine.json"  # the agent's own record of how long it has watched each entry
 
 
 class Phase(StrEnum):
@@ -175,6 +177,9 @@ class Reason(StrEnum):
     QUOTA_EXCEEDED = "QuotaExceeded"  # released: its namespace kept more than its SandboxPolicy's quota allows
     QUOTA_UNRELIEVED = "QuotaUnrelieved"  # over quota, and only pinned or held sandboxes are left
     PRESSURE_UNRELIEVED = "PressureUnrelieved"  # above high, and only pinned or held sandboxes are left
+    # unadoptable entries (issue 12)
+    QUARANTINED = "Quarantined"  # no object can own it (its cause says why): kept for the grace, then deleted
+    QUARANTINE_EXPIRED = "QuarantineExpired"  # deleted: unadoptable for the whole of --quarantine-grace
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------
@@ -201,7 +206,8 @@ M_DELETION_DURATION = "sandkeep_deletion_duration_seconds"  # histogram {node}
 M_SCAN_DURATION = "sandkeep_scan_duration_seconds"  # histogram {node}
 M_INUSE_SCANS = "sandkeep_inuse_scans_total"  # counter {node}: passes over /proc answering "in use?"
 M_IN_USE_HOLDS = "sandkeep_in_use_holds"  # gauge {node}
-M_INVALID_ENTRIES = "sandkeep_invalid_entries"  # gauge {node, reason}
+M_QUARANTINED = "sandkeep_quarantined_entries"  # gauge {node, reason}: unadoptable root entries, by cause
+M_QUARANTINE_DELETIONS = "sandkeep_quarantine_deletions_total"  # counter {node, reason}: deleted after the grace
 M_ROOT_SIZE = "sandkeep_root_filesystem_size_bytes"  # gauge {node}
 M_ROOT_AVAIL = "sandkeep_root_filesystem_avail_bytes"  # gauge {node}
 M_HEARTBEAT = "sandkeep_agent_heartbeat_timestamp_seconds"  # gauge {node}

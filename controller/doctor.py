@@ -3,8 +3,10 @@
 Everything comes from what the components already publish: sandbox status and conditions (stuck
 tombstones, holds), pin annotations, and the agents' heartbeat Leases (staleness, and the stuck
 tombstones that have no object, which the agent lists in the Lease's `sandkeep.io/orphan-tombstones`
-annotation, and a disk above its high watermark with only pinned or held sandboxes left, in
-`sandkeep.io/pressure`). Doctor never touches a disk and never changes an object.
+annotation, a disk above its high watermark with only pinned or held sandboxes left, in
+`sandkeep.io/pressure`, and the entries of its root no object can own, quarantined until their grace
+ends, in `sandkeep.io/quarantine`: per-node detail the API holds nowhere else). Doctor never touches a
+disk and never changes an object.
 
 The install's namespace is found, not assumed: sandkeep's Leases (the agents' heartbeats, labelled
 `app.kubernetes.io/managed-by=sandkeep`, and the controller's `sandkeep-controller`) are looked up
@@ -41,11 +43,12 @@ class Report:
     stale: list[list[str]] = field(default_factory=list)
     orphans: list[list[str]] = field(default_factory=list)
     pressure: list[list[str]] = field(default_factory=list)  # unrelieved disk pressure: the largest kept
+    quarantined: list[list[str]] = field(default_factory=list)  # unadoptable entries, deleted after the grace
     notes: list[str] = field(default_factory=list)
 
     @property
     def needs_a_person(self) -> bool:
-        return bool(self.stuck or self.held or self.stale or self.orphans or self.pressure)
+        return bool(self.stuck or self.held or self.stale or self.orphans or self.pressure or self.quarantined)
 
 
 def _age(since: datetime | None, now: datetime) -> str:
@@ -117,25 +120,53 @@ def build_report(sandboxes: list[Obj], heartbeats: dict[str, leases.LeaseState],
             for item in _orphans(state):
                 report.orphans.append([node, item.get("name", "?"), str(item.get("errno", "?")), str(item.get("path"))])
             report.pressure.extend(_pressure_rows(node, state))
+            rows, more = _quarantine_rows(node, state)
+            report.quarantined.extend(rows)
+            if more:
+                report.notes.append(
+                    f"Node {node} has {more} more quarantined entries than listed (see its agent's log)."
+                )
     return report
 
 
-def _orphans(state: leases.LeaseState) -> list[dict[str, Any]]:
-    text = (state.raw.get("metadata", {}).get("annotations") or {}).get(ORPHANS_ANNOTATION)
+def _annotation(state: leases.LeaseState, key: str) -> Any:
+    """One of the agent's JSON annotations on its heartbeat Lease; None when absent or not JSON."""
+    text = (state.raw.get("metadata", {}).get("annotations") or {}).get(key)
     try:
-        items = json.loads(text) if text else []
+        return json.loads(text) if text else None
     except ValueError:
-        return []
+        return None
+
+
+def _quarantine_rows(node: str, state: leases.LeaseState) -> tuple[list[list[str]], int]:
+    """The agent's `sandkeep.io/quarantine` report, condition-like: entry, cause (the reason code), since
+    when, when it is deleted ("never" with a grace of 0); and how many more it did not list."""
+    found = _annotation(state, c.ANN_QUARANTINE)
+    if not isinstance(found, dict):
+        return [], 0
+    items = [i for i in found.get("entries") or [] if isinstance(i, dict)]
+    rows = [
+        [
+            node,
+            str(i.get("entry", "?")),
+            str(i.get("reason", "?")),
+            str(i.get("since", "?")),
+            str(i.get("deleteAt") or "never"),
+        ]
+        for i in items
+    ]
+    total = found.get("total")
+    return rows, max(total - len(rows), 0) if isinstance(total, int) else 0
+
+
+def _orphans(state: leases.LeaseState) -> list[dict[str, Any]]:
+    items = _annotation(state, ORPHANS_ANNOTATION)
     return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
 
 
 def _pressure_rows(node: str, state: leases.LeaseState) -> list[list[str]]:
     """The agent's `sandkeep.io/pressure` report: over its high watermark with only pinned/held ones left."""
-    text = (state.raw.get("metadata", {}).get("annotations") or {}).get(c.ANN_PRESSURE)
-    try:
-        found = json.loads(text) if text else {}
-    except ValueError:
-        return []
+    found = _annotation(state, c.ANN_PRESSURE)
     if not isinstance(found, dict) or not found:
         return []
     usage = f"{found.get('usedPercent', '?')}% (high {found.get('high', '?')}%)"
@@ -169,6 +200,12 @@ def render(report: Report) -> str:
             "Disk pressure not relieved (the largest pinned and held sandboxes)",
             ["NODE", "USED", "SANDBOX", "SIZE", "KEPT BECAUSE"],
             report.pressure,
+            "none",
+        ),
+        _table(
+            "Quarantined entries (no object can own them; deleted after the agent's grace)",
+            ["NODE", "ENTRY", "CAUSE", "SINCE", "DELETED AT"],
+            report.quarantined,
             "none",
         ),
         _table("Agents not reporting", ["NODE", "LAST HEARTBEAT", "NOTE"], report.stale, "none"),

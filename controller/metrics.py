@@ -101,7 +101,12 @@ class AgentMetrics:
         self.scan_duration = histogram(c.M_SCAN_DURATION, "Seconds for one scan of the root (without sizes).", node_)
         self.inuse_scans = counter(c.M_INUSE_SCANS, "Passes over /proc answering whether sandboxes are in use.", node_)
         self.in_use_holds = gauge(c.M_IN_USE_HOLDS, "Sandboxes held because something uses them.", node_)
-        self.invalid_entries = gauge(c.M_INVALID_ENTRIES, "Root entries that are not valid sandboxes.", by_reason)
+        self.quarantined = gauge(
+            c.M_QUARANTINED, "Root entries no object can own (quarantined until their grace ends), by cause.", by_reason
+        )
+        self.quarantine_deletions = counter(
+            c.M_QUARANTINE_DELETIONS, "Unadoptable entries deleted after their quarantine grace, by cause.", by_reason
+        )
         self.root_size = gauge(c.M_ROOT_SIZE, "Size of the filesystem holding the root.", node_)
         self.root_avail = gauge(c.M_ROOT_AVAIL, "Bytes available on the filesystem holding the root.", node_)
         self.heartbeat = gauge(c.M_HEARTBEAT, "Unix time of the agent's last completed pass.", node_)

@@ -8,6 +8,8 @@ They differ only in who asks and how they report; every step below exists once, 
                       killed -> in use? -> still that run (a fresh read)? (the pure `next_step`) ->
                       rename to a tombstone -> the run, read back through the tombstone? -> delete
                       the tombstone (Stuck if it will not go)
+    reap_unadoptable  a root entry no object can own, past its quarantine: still that inode (and that
+                      manifest)? -> in use? -> rename it as a name to a tombstone -> read back -> delete
     leftover(tomb)    a young tombstone of another live process? -> readable? -> the caller's fate for
                       it: Finish (read back, delete), Keep (put back under its name) or Clear (delete)
 
@@ -34,7 +36,17 @@ from pathlib import Path
 from controller import commands, logs
 from controller.contracts import Reason
 from controller.inuse import Usage, pid_alive
-from controller.store import Mismatch, Present, Read, Root, StoreError, Tombstone, Transient, same_read
+from controller.store import (
+    Mismatch,
+    Present,
+    Read,
+    Root,
+    StoreError,
+    Tombstone,
+    Transient,
+    same_read,
+    standalone_id,
+)
 
 log = logging.getLogger("sandkeep.reaper")
 
@@ -96,6 +108,24 @@ class Target:
     @property
     def key(self) -> Key:
         return (self.namespace, self.name)
+
+
+@dataclass(frozen=True)
+class Unadoptable:
+    """A root entry no object can own, past its quarantine: `rel` as the scan names it (`ns`, `ns/name`),
+    `ident` its (st_dev, st_ino) when it was quarantined (a replacement under the name is another entry),
+    and for a sandbox-shaped one (a directory with valid names) `claim`, the read it was refused on, so a
+    manifest fixed meanwhile holds it."""
+
+    rel: str
+    ident: tuple[int, int]
+    claim: Claim | None = None
+    cause: Reason = Reason.QUARANTINE_EXPIRED
+
+    @property
+    def key(self) -> Key | None:
+        ns, _, name = self.rel.partition("/")
+        return (ns, name) if self.claim is not None and name else None
 
 
 # --- what a caller says about a leftover tombstone ---------------------------------------------------
@@ -420,6 +450,54 @@ class Reaper:
             return {i: Held(Reason.IN_USE_UNKNOWN, error=str(err)[:300]) for i in paths}
         return {i: _hold(answers[i]) for i in paths}
 
+    # --- an unadoptable entry ----------------------------------------------------------------------
+
+    def reap_unadoptable(self, entries: Sequence[Unadoptable]) -> list[Outcome]:
+        """Delete root entries no object can own, as names, never following anything; one outcome each.
+
+        Each must still be the entry that was quarantined (the same inode; for a sandbox-shaped one the same
+        manifest, read fresh), and nothing may use it (one in-use pass for all; unknown holds); then it is
+        renamed to a tombstone (a link or a file is renamed itself, never followed), read back, and the
+        tombstone deleted like any other. Recorded orphans are not reaped: records in an entry no object
+        vouches for are not trusted to name processes, and one still inside holds it as in use.
+        """
+        out: list[Outcome | None] = [self._still(e) for e in entries]
+        pending = {i: self.root.path / e.rel for i, e in enumerate(entries) if out[i] is None}
+        for i, hold in (self._check_in_use(pending) if pending else {}).items():
+            out[i] = hold or self._still(entries[i]) or self._tombstone_unadoptable(entries[i])
+        return [step for step in out if step is not None]
+
+    def _still(self, entry: Unadoptable) -> Held | Refused | None:
+        """None while `entry` is what was quarantined; else why not (gone, replaced, fixed, unreadable now)."""
+        try:
+            st = self.root.lstat_entry(entry.rel)
+        except OSError as err:
+            return Held(Reason.MANIFEST_UNREAD, errno=err.errno)
+        if st is None:
+            return Refused(Reason.LOST)
+        if (st.st_dev, st.st_ino) != entry.ident:
+            return Refused(Reason.MANIFEST_CHANGED)
+        if entry.claim is None or entry.key is None:
+            return None
+        same = entry.claim.matches(self.root.read(*entry.key))
+        if same is None:
+            return Held(Reason.MANIFEST_UNREAD)
+        return None if same else Refused(Reason.MANIFEST_CHANGED)
+
+    def _tombstone_unadoptable(self, entry: Unadoptable) -> Outcome:
+        if self.dry_run:
+            return WouldDelete(entry.cause, "")
+        try:
+            tomb = self.root.tombstone_entry(entry.rel, entry.ident, id=standalone_id(), now=self.clock())
+        except StoreError as err:
+            if err.reason == Reason.MANIFEST_CHANGED:
+                return Refused(err.reason)
+            return Held(err.reason, errno=err.errno, error=str(err))
+        logs.say(log, "tombstoned", reason=Reason.TOMBSTONED, entry=entry.rel, tombstone=tomb.name)
+        if entry.key is None or entry.claim is None:
+            return self._delete(tomb, entry.cause, None)
+        return self._read_back_and_delete(entry.key, entry.claim, tomb, entry.cause, owned=False)
+
     # --- a tombstone -----------------------------------------------------------------------------
 
     def leftover(self, tomb: Tombstone, fate: Callable[[Read], Fate]) -> Outcome:
@@ -446,7 +524,7 @@ class Reaper:
         return self._delete(tomb, chosen.cause, None)
 
     def _read_back_and_delete(
-        self, key: Key, claim: Claim, tomb: Tombstone, cause: Reason, read: Read | None = None
+        self, key: Key, claim: Claim, tomb: Tombstone, cause: Reason, read: Read | None = None, *, owned: bool = True
     ) -> Outcome:
         """Read the manifest through the tombstone before deleting it: the one change a rename cannot see
         is a pin or a re-retain landing between the fresh read and the rename. Another run (or another
@@ -458,7 +536,7 @@ class Reaper:
             if not self.dry_run and self.root.restore(tomb, *key):
                 return Restored(Reason.MANIFEST_CHANGED, tomb.name, key)
             return Held(Reason.MANIFEST_CHANGED, tombstone=tomb.name, key=key)
-        return self._delete(tomb, cause, key)
+        return self._delete(tomb, cause, key if owned else None)  # not owned: stuck, it is an orphan tombstone
 
     def _delete(self, tomb: Tombstone, cause: Reason, key: Key | None) -> Deleted | Stuck | WouldDelete:
         """Delete the tombstone's tree (fsdelete: no link followed, no mount crossed); a failure is Stuck.

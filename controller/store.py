@@ -24,8 +24,11 @@ Public API (names are stable; the node agent builds on them):
   now) -> Tombstone`, `.read_tombstone(t) -> Read`, `.restore(t, ns, name) -> bool`, `.tombstones()`,
   `.delete_tombstone(t) -> fsdelete.DeleteResult` (sync; the agent awaits
   `fsdelete.delete_tree_async(root.path, t.name)` instead), `.remove_stray(stray) -> bool`,
-  `.remove_empty_namespace(ns) -> bool`, `.size(ns, name) -> int` (allocated bytes), `.usage(ns, name) ->
-  fsdelete.TreeSize(bytes, files)` (what the agent's size thread reports; bounded memory on any tree).
+  `.remove_empty_namespace(ns) -> bool`, `.lstat_entry(rel)`, `.tombstone_entry(rel, ident, *, id, now)` (any
+  entry a scan names, renamed as a name and only when it is still the inode `ident`), `.read_private(name)` /
+  `.write_private(name, data)` (the root's own files beside the lock), `.size(ns, name) -> int` (allocated
+  bytes), `.usage(ns, name) -> fsdelete.TreeSize(bytes, files)` (what the agent's size thread reports;
+  bounded memory on any tree).
   Store failures raise `StoreError` (e.g. RENAME_FAILED with `.errno`); bad names raise ValueError.
 - Reads: `Present(manifest, text)`, `Absent(reason)`, `Unparsed(text)`, `Unreadable(errno)`,
   `Transient(errno)`, `Mismatch(manifest, text)`; each has `.reason`. `same_read(a, b)` is the
@@ -66,6 +69,7 @@ from controller.contracts import (
     COMMANDS_DIR,
     LOCK_NAME,
     MANIFEST_NAME,
+    QUARANTINE_FILE,
     TOMBSTONE_PREFIX,
     WORKSPACE_DIR,
     Reason,
@@ -84,6 +88,9 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 _TOMBSTONE = re.compile(re.escape(TOMBSTONE_PREFIX) + r"([A-Za-z0-9][A-Za-z0-9-]{0,63})-([0-9]{1,15})")
 _STANDALONE_ID = re.compile(r"p([0-9]{1,10})-[0-9a-f]{4,32}(?:-[a-z]{1,8})?")
 _STAGE_SUFFIX = "stage"  # staging directories are tombstone-named: a crash mid-retain leaves a plain leftover
+_PRIVATE = frozenset({LOCK_NAME, QUARANTINE_FILE})  # the root's own files: never a stray, never renamed
+_FILESYSTEMS = frozenset({"lost+found"})  # the filesystem's own, where the root is a mount point: left alone
+MAX_PRIVATE_BYTES = 4 << 20  # a private file read back larger than this is not ours: ignored
 
 
 class StoreError(Exception):
@@ -596,7 +603,7 @@ class Root:
 
     def _scan_root_entry(self, root_fd: int, entry: os.DirEntry[str], out: Scan) -> None:
         name = entry.name
-        if name == LOCK_NAME:
+        if name in _PRIVATE or name in _FILESYSTEMS:
             return
         if name.startswith("."):
             t = parse_tombstone(name, self.path)
@@ -658,6 +665,72 @@ class Root:
         except OSError:
             return False
         return True
+
+    # --- the root's own files and any entry by its scan name ----------------------------------------
+
+    def read_private(self, name: str) -> bytes | None:
+        """One of the root's own files (`.sandkeep-quarantine.json`): None when absent, not a regular file,
+        unreadable or larger than MAX_PRIVATE_BYTES (never through a link, never a FIFO)."""
+        if name not in _PRIVATE:
+            raise ValueError(f"{name!r} is not one of the root's own files")
+        try:
+            with _fd(self._open()) as root_fd:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root_fd)
+            with _fd(fd):
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return None
+                data = os.read(fd, MAX_PRIVATE_BYTES + 1)
+        except OSError:
+            return None
+        return data if len(data) <= MAX_PRIVATE_BYTES else None
+
+    def write_private(self, name: str, data: bytes) -> None:
+        """Replace one of the root's own files atomically (0600, beside the lock; never through a link)."""
+        if name not in _PRIVATE or name == LOCK_NAME:
+            raise ValueError(f"{name!r} is not one of the root's own files")
+        with _fd(self._open()) as root_fd:
+            _write_atomic(root_fd, name, data, mode=0o600)
+
+    def lstat_entry(self, rel: str) -> os.stat_result | None:
+        """lstat of a root entry named as a scan names it (`ns` or `ns/name`); None when it is gone."""
+        parent, base = _split_rel(rel)
+        try:
+            with _fd(self._open()) as root_fd, _fd(_open_dir(parent, root_fd) if parent else os.dup(root_fd)) as p_fd:
+                return os.lstat(base, dir_fd=p_fd)
+        except FileNotFoundError:
+            return None
+
+    def tombstone_entry(self, rel: str, ident: tuple[int, int], *, id: str, now: datetime) -> Tombstone:
+        """Rename the root entry `rel` (`ns` or `ns/name`, as a scan names it) to a tombstone, as a name.
+
+        A link or a file is renamed itself, never followed. Only the inode `ident` (st_dev, st_ino) is
+        renamed: checked before the rename and on the tombstone after it, and one swapped in between is
+        put back. Raises StoreError: MANIFEST_CHANGED when the entry is another one, else RENAME_FAILED.
+        """
+        parent, base = _split_rel(rel)
+        tname = tombstone_name(id, now)
+        where = self.path / rel
+        try:
+            with _fd(self._open()) as root_fd, _fd(_open_dir(parent, root_fd) if parent else os.dup(root_fd)) as p_fd:
+                if _ident(os.lstat(base, dir_fd=p_fd)) != ident:
+                    raise StoreError(Reason.MANIFEST_CHANGED, f"{where}: replaced since it was decided on", path=where)
+                _rename_noreplace(p_fd, base, root_fd, tname)
+                if _ident(os.lstat(tname, dir_fd=root_fd)) != ident:
+                    with contextlib.suppress(OSError):
+                        _rename_noreplace(root_fd, tname, p_fd, base)
+                    raise StoreError(Reason.MANIFEST_CHANGED, f"{where}: swapped during the rename", path=where)
+                os.fsync(root_fd)
+        except OSError as err:
+            raise StoreError(
+                Reason.RENAME_FAILED,
+                f"{where}: could not rename it to tombstone {tname} ({os.strerror(_errno_of(err))}); "
+                "it stays under its own name and is retried next pass",
+                errno=_errno_of(err),
+                path=where,
+            ) from err
+        parsed = parse_tombstone(tname, self.path)
+        assert parsed is not None
+        return parsed
 
     # --- tombstones --------------------------------------------------------------------------------
 
@@ -1102,6 +1175,27 @@ def _remove_excluded(held: _Source, patterns: Sequence[str]) -> None:
             "nothing was retained. Retain it without --exclude, or remove the excluded files first",
             path=held.path,
         ) from err
+
+
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return (st.st_dev, st.st_ino)
+
+
+def _split_rel(rel: str) -> tuple[str | None, str]:
+    """(namespace directory or None, entry name) of a root entry as a scan names it; ValueError otherwise.
+
+    Never one of the root's own files, never a tombstone, never `.`/`..`: only what a scan can report.
+    """
+    parts = rel.split("/")
+    bad = (
+        len(parts) > 2
+        or any(not p or p in (".", "..") or "\0" in p for p in parts)
+        or (len(parts) == 2 and not is_namespace_name(parts[0]))
+        or (len(parts) == 1 and (rel in _PRIVATE | _FILESYSTEMS or parse_tombstone(rel) is not None))
+    )
+    if bad:
+        raise ValueError(f"{rel!r} is not a root entry a scan reports")
+    return (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0])
 
 
 def _stray_reason(entry: os.DirEntry[str], good_name: bool) -> Reason | None:

@@ -44,6 +44,7 @@ T = TypeVar("T")
 
 
 IGNORE = sorted(uninspectable_pids())
+DOCTOR = [sys.executable, "-m", "controller.cli", "doctor"]
 
 
 def wait_for(check: Callable[[], T], timeout: float = 30.0, what: str = "condition") -> T:
@@ -311,16 +312,8 @@ def test_untrusted_manifests_are_refused_and_a_missing_directory_is_reported(clu
         )
     )
     assert ghost["metadata"]["finalizers"] == [c.FINALIZER]
-    wait_for(lambda: "reason=ManifestMismatch" in a.log() and "reason=NamespaceMissing" in a.log())
-
-    def both_counted() -> bool:  # the gauge is set at the end of the pass that logged the refusals
-        text = a.metrics()
-        return all(
-            re.search(rf'sandkeep_invalid_entries\{{[^}}]*reason="{reason}"\}} 1\.0', text)
-            for reason in ("ManifestMismatch", "NamespaceMissing")
-        )
-
-    wait_for(both_counted, what="invalid entries counted by reason")
+    wait_for(lambda: "cause=ManifestMismatch" in a.log() and "cause=NamespaceMissing" in a.log())
+    wait_for(lambda: quarantined(a) == {"ManifestMismatch": 1, "NamespaceMissing": 1}, what="quarantined by cause")
     assert get(cluster, namespace, "liar") is None and get(cluster, namespace, "victim") is None
     assert "victim" not in cluster.kubectl("get", "rsb", "-A", "-o", "name").stdout
 
@@ -330,6 +323,114 @@ def test_untrusted_manifests_are_refused_and_a_missing_directory_is_reported(clu
     delete(cluster, namespace, "pointer")  # the agent works on <root>/<ns>/pointer only, never on the spec's path
     wait_for(lambda: get(cluster, namespace, "pointer") is None, what="pointer deleted")
     assert (outside / "data").read_text() == "not the agent's"
+
+
+def quarantined(a: AgentProcess) -> dict[str, int]:
+    """The agent's sandkeep_quarantined_entries by reason, as Prometheus would scrape it."""
+    found = re.findall(rf'{c.M_QUARANTINED}\{{[^}}]*reason="([^"]+)"[^}}]*\}} ([0-9.]+)', a.metrics())
+    return {reason: int(float(n)) for reason, n in found if float(n)}
+
+
+def quarantine_file(node: Node) -> dict[str, Any]:
+    path = node.root.path / c.QUARANTINE_FILE
+    return json.loads(path.read_text())["entries"] if path.exists() else {}
+
+
+def test_unadoptable_entries_are_quarantined_deleted_after_the_grace_held_in_use_or_adopted_once_fixed(
+    cluster, namespace, nodes, agents, procs, tmp_path
+):
+    n1, _ = nodes
+    ns_dir = n1.retain(namespace, "fine").parent  # an ordinary sandbox: adopted, never quarantined
+    (ns_dir / "bare" / "workspace").mkdir(parents=True)  # no manifest
+    (ns_dir / "bare" / "workspace" / "f").write_text("x")
+    (ns_dir / "garbage").mkdir()
+    (ns_dir / "garbage" / c.MANIFEST_NAME).write_text("{not json")
+    undated = n1.retain(namespace, "undated")
+    body = json.loads((undated / c.MANIFEST_NAME).read_text())
+    del body["createdAt"], body["retainUntil"]
+    (undated / c.MANIFEST_NAME).write_text(json.dumps(body))
+    gone_ns = f"{namespace[:40]}-none"
+    n1.retain(gone_ns, "lost")  # a namespace that does not exist
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "data").write_text("not the agent's")
+    (ns_dir / "link").symlink_to(victim)
+    (ns_dir / "busy").mkdir()
+    holder = subprocess.Popen(["sleep", "120"], cwd=ns_dir / "busy")
+    procs.append(holder)
+    fixable = n1.retain(namespace, "fixable")
+    good = (fixable / c.MANIFEST_NAME).read_text()
+    (fixable / c.MANIFEST_NAME).write_text("garbage")
+    late_ns = f"{namespace[:40]}-late"
+    n1.retain(late_ns, "run")
+    a = agents(n1, extra=["--quarantine-grace", "8s"])
+
+    want = {"ManifestAbsent": 2, "ManifestUnparsed": 2, "NoCreatedAt": 1, "NamespaceMissing": 2, "Symlink": 1}
+    wait_for(lambda: quarantined(a) == want, what="every unadoptable entry quarantined by its cause")
+    for entry in ("bare", "garbage", "undated", "link", "busy", "fixable"):
+        assert re.search(rf"quarantined reason=Quarantined cause=\S+ entry={namespace}/{entry} ", a.log()), entry
+    lease = cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace, "-o", "json")
+    published = json.loads(json.loads(lease.stdout)["metadata"]["annotations"][c.ANN_QUARANTINE])
+    assert published["total"] == 8 and published["grace"] == 8
+    doctor = subprocess.run(
+        [*DOCTOR, "--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace, "--sandbox-namespace", namespace],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    table = doctor.stdout.split("Quarantined entries")[1].split("\n\n")[0]
+    for entry, cause in (("garbage", "ManifestUnparsed"), ("undated", "NoCreatedAt"), ("link", "Symlink")):
+        assert re.search(rf"{n1.name}\s+{namespace}/{entry}\s+{cause}\s", table), table
+    assert re.search(rf"{gone_ns}/lost\s+NamespaceMissing", table), table
+
+    # Within the grace a person fixes one manifest and creates the other namespace: both are adopted.
+    (fixable / c.MANIFEST_NAME).write_text(good)
+    cluster.kubectl("create", "namespace", late_ns)
+    try:
+        adopted(cluster, namespace, "fixable")
+        adopted(cluster, late_ns, "run")
+        gone = ("bare", "garbage", "undated", "link")
+        wait_for(lambda: not any(os.path.lexists(ns_dir / e) for e in gone), 60, "the rest deleted after the grace")
+        assert not (n1.root.path / gone_ns / "lost").exists()
+        assert (victim / "data").read_text() == "not the agent's", "the link went as a name, never followed"
+        assert (ns_dir / "fine" / "workspace").is_dir() and (fixable / "workspace").is_dir()
+        assert (n1.root.path / late_ns / "run" / "workspace").is_dir()
+        wait_for(lambda: "quarantine_held reason=InUse" in a.log(), what="the busy one held")
+        wait_for(lambda: quarantined(a) == {"ManifestAbsent": 1}, what="only the busy one left")
+        assert (ns_dir / "busy").is_dir()
+        deleted = a.metrics()
+        for cause, n in (("ManifestAbsent", 1), ("ManifestUnparsed", 1), ("NamespaceMissing", 1), ("Symlink", 1)):
+            assert re.search(rf'{c.M_QUARANTINE_DELETIONS}\{{[^}}]*reason="{cause}"[^}}]*\}} {n}\.0', deleted), cause
+        assert re.search(r"quarantine_deleted reason=QuarantineExpired cause=NoCreatedAt", a.log())
+
+        holder.kill()
+        holder.wait()
+        wait_for(lambda: not (ns_dir / "busy").exists(), 30, "the busy one deleted once its holder exited")
+        wait_for(lambda: quarantined(a) == {} and quarantine_file(n1) == {}, what="quarantine empty")
+        assert tombstones(n1) == []
+    finally:
+        cluster.kubectl("delete", "namespace", late_ns, "--timeout=60s")  # the agent does its disk work
+
+
+def test_the_quarantine_clock_survives_a_restart_and_a_zero_grace_never_deletes(cluster, namespace, nodes, agents):
+    n1, _ = nodes
+    n1.retain(namespace, "fine")
+    bare = n1.root.path / namespace / "bare"
+    bare.mkdir()
+    first = agents(n1, extra=["--quarantine-grace", "0"])
+    rel = f"{namespace}/bare"
+    wait_for(lambda: quarantine_file(n1).get(rel, {}).get("watched", 0) >= 4, 30, "four seconds watched")
+    assert bare.is_dir() and "delete_after=never" in first.log()
+    first.stop()
+    watched = quarantine_file(n1)[rel]["watched"]
+
+    second = agents(n1, extra=["--quarantine-grace", "4s"])  # already watched for as long: due at once
+    wait_for(lambda: not bare.exists(), 15, "deleted by the restarted agent")
+    assert f"quarantine_deleted reason=QuarantineExpired cause=ManifestAbsent entry={rel}" in second.log()
+    assert watched >= 4
+    wait_for(lambda: rel not in quarantine_file(n1), what="its record dropped")
 
 
 # --- deletion ------------------------------------------------------------------------------------------
@@ -377,7 +478,7 @@ def test_deleting_a_namespace_deletes_its_sandboxes_from_disk_and_the_namespace_
     gone = cluster.kubectl("wait", "--for=delete", f"namespace/{doomed}", "--timeout=90s", check=False)
     assert gone.returncode == 0, gone.stderr
     assert not busy.exists() and tombstones(n1) == []
-    wait_for(lambda: "reason=NamespaceMissing" in a.log(), what="the late directory reported")
+    wait_for(lambda: "cause=NamespaceMissing" in a.log(), what="the late directory quarantined")
     assert (late / "workspace").is_dir() and (kept / "workspace").is_dir()
     assert get(cluster, namespace, "run-kept") is not None
 

@@ -89,6 +89,7 @@ REQUIRED_ALERTS = {
     "SandkeepControllerDown",
     "SandkeepExpiryLagging",
     "SandkeepPressureUnrelieved",
+    "SandkeepQuarantineNotEmpty",
 }
 _METRIC = re.compile(r"\bsandkeep_[a-z0-9_]+")
 
@@ -383,6 +384,8 @@ def test_promtool_fires_the_overridden_rules_as_configured(tools: Path, tmp_path
         ("controller.watchNamespaces[0]=Team_A", "/controller/watchNamespaces/0"),
         ("controller.workers=0", "/controller/workers"),
         ("controller.leaseDuration=15s", "/controller/leaseDuration"),
+        ("agent.quarantineGrace=1 day", "/agent/quarantineGrace"),
+        ("agent.quarantineGrace=-1h", "/agent/quarantineGrace"),
         ("criticalPriorityQuota.pods=many", "/criticalPriorityQuota/pods"),
         ("monitoring.serviceMonitor.enabled=yes", "/monitoring/serviceMonitor/enabled"),
         ("monitoring.podMonitor.enabeld=false", "enabeld"),
@@ -1023,6 +1026,7 @@ def test_promtool_tests_fail_when_a_threshold_moves(tools: Path, tmp_path: Path)
         ("for: 15m", "for: 20m"),
         ("> 0.90", "> 0.99"),
         ("vector(0)", "vector(1)"),
+        ("for: 1h", "for: 2h"),
         # `cluster` dropped: one cluster hides another's outage (tests/promtool/cluster_label.yaml)
         ("sum by (cluster) (sandkeep_controller_leader", "sum(sandkeep_controller_leader"),
         ("by (cluster, node)", "by (node)"),

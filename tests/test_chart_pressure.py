@@ -121,3 +121,13 @@ def test_the_client_rate_limits_reach_both_components(tools: Path) -> None:
     assert (settings.kube_qps, settings.kube_burst) == (7.5, 40)
     ctl = parsed_args(manifest, "Deployment", controller_mod, "--kube-")
     assert (ctl.kube_qps, ctl.kube_burst) == (-1, 300)  # no client-side limit by default: the server's APF
+
+
+def test_the_quarantine_grace_reaches_the_agent_and_zero_means_never(tools: Path) -> None:
+    settings: agent.AgentSettings = parsed_args(render(tools), "DaemonSet", agent, "--quarantine-")
+    assert settings.quarantine_grace.total_seconds() == 24 * 3600
+    never: agent.AgentSettings = parsed_args(
+        render(tools, "--set-string=agent.quarantineGrace=0"), "DaemonSet", agent, "--quarantine-"
+    )
+    assert never.quarantine_grace.total_seconds() == 0
+    refused(tools, "--set-string=agent.quarantineGrace=1.5h", "/agent/quarantineGrace")

@@ -18,7 +18,7 @@ from own_cluster import own_cluster
 from controller import contracts as c
 from controller import kube, leases
 from controller.agent import stuck_message
-from controller.doctor import choose_install
+from controller.doctor import build_report, choose_install, render
 from controller.durations import format_instant
 from controller.kube import AGENT_MANAGER, Kube
 from controller.store import tombstone_name
@@ -215,3 +215,33 @@ def test_doctor_finds_an_install_in_namespace_sandkeep_and_names_leftovers_in_sa
     assert "namespaces other, sandkeep all hold live sandkeep Leases" in ambiguous.stderr
     assert "--namespace" in ambiguous.stderr
     client.close()
+
+
+def test_quarantined_entries_are_listed_per_node_with_when_they_go_and_how_many_more() -> None:
+    def heartbeat(node: str, report: dict[str, Any]) -> leases.LeaseState:
+        raw = {
+            "metadata": {"resourceVersion": "1", "annotations": {c.ANN_QUARANTINE: json.dumps(report)}},
+            "spec": {"holderIdentity": f"agent-{node}", "renewTime": kube.micro_time(datetime.now(UTC))},
+        }
+        return leases._state(raw)
+
+    a = {
+        "total": 3,
+        "grace": 86400,
+        "entries": [{"entry": "team/x", "reason": "ManifestAbsent", "since": "s", "deleteAt": "d"}],
+    }
+    b = {
+        "total": 1,
+        "grace": 0,
+        "entries": [{"entry": "Bad_Name", "reason": "BadName", "since": "s", "deleteAt": None}],
+    }
+    report = build_report(
+        [], {"node-a": heartbeat("node-a", a), "node-b": heartbeat("node-b", b)}, timedelta(minutes=2)
+    )
+    assert report.quarantined == [
+        ["node-a", "team/x", "ManifestAbsent", "s", "d"],
+        ["node-b", "Bad_Name", "BadName", "s", "never"],
+    ]
+    assert report.needs_a_person
+    assert any("node-a has 2 more quarantined entries" in n for n in report.notes)
+    assert "Quarantined entries" in render(report) and "never" in render(report)

@@ -8,6 +8,7 @@ Its parts, each named for its job (the data flow is drawn in docs/architecture.m
     watch.py      this node's objects: one LIST to start, then kopf's watch (server-side field selector)
     decide.py     pure: what an object needs next (`next_step`), what a tombstone is for (`fate`)
     adoption.py   a retained directory without an object gets one
+    quarantine.py what no object can own: timed by the agent's own clock, reported, deleted after the grace
     report.py     status, conditions, Events, metrics, log lines; one pipeline outcome at a time
     relief.py     releasing for space: above the high watermark, the oldest releasable sandboxes' guarded DELETE
     sizer.py      sandbox sizes, measured off the loop

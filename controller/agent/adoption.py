@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 from controller import contracts as c
 from controller import logs
@@ -17,11 +15,22 @@ from controller.agent.state import Part, Shared
 from controller.contracts import FINALIZER, Reason
 from controller.kube import KubeError, Obj
 from controller.models import label_value
-from controller.store import Entry, Mismatch, Present, Transient
+from controller.store import Entry, Mismatch, Present, Read, Transient
 
 log = logging.getLogger("sandkeep.agent")
 
 Each = Callable[[list[Key], Callable[[Key], Awaitable[None]]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A sandbox-shaped entry no object can be made for: why (`reason`), the read it was refused on, and
+    what a person can do (`action`)."""
+
+    entry: Entry
+    reason: Reason
+    read: Read
+    action: str
 
 
 class Adopter(Part):
@@ -30,20 +39,17 @@ class Adopter(Part):
         self.report = report
         self.each = each  # runs one coroutine per key, a bounded number at once
 
-    async def adopt(self, entries: Iterable[Entry]) -> dict[str, int]:
-        """Create the missing objects for a scan's sandboxes.
+    async def adopt(self, entries: Iterable[Entry]) -> list[Refusal]:
+        """Create the missing objects for a scan's sandboxes; return the entries no object can be made for.
 
-        Returns the refused entries by reason (a bad, foreign or unreadable manifest, a missing
-        namespace) for the invalid-entries metric; each is logged with its reason code.
+        Refused (quarantined by the caller, `quarantine.py`): a manifest that is missing, does not parse,
+        cannot be read or names another sandbox, one without a usable createdAt (the CRD requires one), a
+        namespace that does not exist. A read that failed for a moment, or an API error, is neither: tried
+        again next pass.
         """
-        refused: Counter[str] = Counter()
+        refused: list[Refusal] = []
         namespaces: dict[str, bool] = {}
         todo: dict[Key, Present] = {}
-
-        def refuse(key: Key, reason: Reason, path: Path, **kv: Any) -> None:
-            refused[reason] += 1
-            self.report.say_limited(f"adopt:{key}", "adoption_refused", reason=reason, path=path, **kv)
-
         for entry in entries:
             key = (entry.namespace, entry.name)
             if key in self.state.objects:
@@ -52,32 +58,28 @@ class Adopter(Part):
             if isinstance(read, Transient):
                 continue
             if isinstance(read, Mismatch):
-                refuse(
-                    key,
-                    Reason.MANIFEST_MISMATCH,
-                    entry.path,
-                    claims=f"{read.manifest.namespace}/{read.manifest.name}",
-                    action="the manifest names another sandbox than its path; fix or remove the directory",
-                )
+                claims = f"{read.manifest.namespace}/{read.manifest.name}"
+                why = f"the manifest names another sandbox ({claims}) than its path; fix or remove the directory"
+                refused.append(Refusal(entry, Reason.MANIFEST_MISMATCH, read, why))
                 continue
             if not isinstance(read, Present):
-                refuse(key, read.reason, entry.path)
+                refused.append(Refusal(entry, read.reason, read, "no readable manifest; fix or remove the directory"))
+                continue
+            if read.manifest.facts().created_at is None:
+                why = "the manifest has no usable createdAt; fix it or remove the directory"
+                refused.append(Refusal(entry, Reason.NO_CREATED_AT, read, why))
                 continue
             if entry.namespace not in namespaces:
-                namespaces[entry.namespace] = await asyncio.to_thread(self._namespace_exists, entry.namespace)
+                namespaces[entry.namespace] = await asyncio.to_thread(self.namespace_exists, entry.namespace)
             if not namespaces[entry.namespace]:
-                refuse(
-                    key,
-                    Reason.NAMESPACE_MISSING,
-                    entry.path,
-                    action=f"namespace {entry.namespace} does not exist; create it, or remove the directory",
-                )
+                why = f"namespace {entry.namespace} does not exist; create it, or remove the directory"
+                refused.append(Refusal(entry, Reason.NAMESPACE_MISSING, read, why))
                 continue
             todo[key] = read
         await self.each(list(todo), lambda key: self._create(key, todo[key]))
         return refused
 
-    def _namespace_exists(self, name: str) -> bool:
+    def namespace_exists(self, name: str) -> bool:
         try:
             self.kube.request("GET", f"/api/v1/namespaces/{name}")
         except KubeError as err:

@@ -35,6 +35,11 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relog-every", help="how often a stuck tombstone is logged again (default 24h)")
     parser.add_argument("--orphan-timeout", help="how long a killed orphan command may take to end (default 10s)")
     parser.add_argument("--lock-wait", help="give up after waiting this long for the root lock (default: forever)")
+    parser.add_argument(
+        "--quarantine-grace",
+        help="how long the agent watches an entry no object can own (no or a bad manifest, a missing namespace, "
+        "a link, a bad name) before deleting it (default 24h; 0: never delete, only report)",
+    )
     parser.add_argument("--ignore-pid", type=int, action="append", dest="ignore_pids", help="a pid vouched for")
     parser.add_argument(
         "--pressure-high",

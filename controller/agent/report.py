@@ -14,7 +14,6 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterable
 from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
@@ -326,21 +325,6 @@ class Reporter(Part):
         )
 
     # --- the node's metrics ----------------------------------------------------------------------------
-
-    def strays(self, strays: Iterable[Any], refused: dict[str, int]) -> None:
-        counts: dict[str, int] = dict(refused)
-        for stray in strays:
-            counts[str(stray.reason)] = counts.get(str(stray.reason), 0) + 1
-            self.say_limited(
-                f"stray:{stray.rel}",
-                "invalid_entry",
-                reason=stray.reason,
-                path=stray.path,
-                action="not a sandbox: never followed; remove it by hand if it is not needed",
-            )
-        self.m.invalid_entries.clear()
-        for reason, n in counts.items():
-            self.m.invalid_entries.labels(self.s.node, reason).set(n)
 
     def node_metrics(self, tombstones: list[Tombstone], reaper: Reaper) -> None:
         node = self.s.node

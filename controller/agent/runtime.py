@@ -4,8 +4,9 @@ One asyncio loop, one worker: every object is processed level-triggered (`proces
 number of times and always moves the object one safe step closer to what its state asks, as
 `decide.next_step` says). Blocking work runs in threads: API calls and disk reads in the default
 executor, the deletion pipeline (`controller/reaper.py`) in the agent's own reap threads. A pass:
-leftover tombstones first, then the disk scan, in-use, adoption, every object, metrics, the heartbeat.
-Between passes, queued keys (watch events, size changes, retries with per-key backoff) are processed.
+leftover tombstones first, then the disk scan, in-use, adoption, every object, relief, quarantine,
+metrics, the heartbeat. Between passes, queued keys (watch events, size changes, retries with per-key
+backoff) are processed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from controller import contracts as c
 from controller.agent import watch
 from controller.agent.adoption import Adopter
 from controller.agent.decide import Key, Step, claim_of, discount_orphans, fate, finalizers, next_step, observe
+from controller.agent.quarantine import Quarantine
 from controller.agent.relief import Relief
 from controller.agent.report import After, Reporter, orphan_report
 from controller.agent.settings import (
@@ -50,6 +52,7 @@ from controller.workqueue import WorkQueue
 
 log = logging.getLogger("sandkeep.agent")
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 class Agent:
@@ -88,6 +91,12 @@ class Agent:
             orphan_timeout=settings.orphan_timeout,
             kill=kill,
             hooks=Hooks(after_rename=self._after_rename, before_delete=self._before_delete),
+        )
+        self.quarantine = Quarantine(
+            shared,
+            self.report,
+            lambda entries: self._pipeline(self.reaper.reap_unadoptable, entries),
+            self.adopter.namespace_exists,
         )
         # The pipeline's own threads: a reap may wait on the loop (before_delete reports Deleting), whose
         # API calls use the default executor, so the two never wait on each other.
@@ -184,7 +193,8 @@ class Agent:
     # --- one pass --------------------------------------------------------------------------------------
 
     async def full_pass(self) -> None:
-        """Leftover tombstones first; then the disk scan, in-use, adoption, every object, metrics, heartbeat."""
+        """Leftover tombstones first; then the disk scan, in-use, adoption, every object, relief, quarantine,
+        metrics, heartbeat."""
         self.reaper.begin_pass()
         await self.clear_tombstones()
         t0 = time.monotonic()
@@ -201,7 +211,7 @@ class Agent:
         self._prune(set(keys))
         await self.process_many(list(self.state.objects))
         await self.relief.relieve()
-        self.report.strays(scan.strays, refused)
+        await self.quarantine.tend(scan.strays, refused)
         self.report.node_metrics(scan.tombstones, self.reaper)
         await self._heartbeat()
         self.last_pass = time.monotonic()
@@ -381,12 +391,22 @@ class Agent:
             self._later(key)
 
     def _in_use_indexed(self, paths: Mapping[int, Path]) -> dict[int, Usage]:
-        """The pipeline's in-use check for many at once (`Reaper.prepare`): one `_in_use_batch`."""
-        keys = {i: (p.parent.name, p.name) for i, p in paths.items()}
-        found = self._in_use_batch({keys[i]: p for i, p in paths.items()})
-        return {i: found[k] for i, k in keys.items()}
+        """The pipeline's in-use check for many at once (`Reaper.prepare`, `reap_unadoptable`): one
+        `_usage_of`, each answer by index (a quarantined entry's path need not be a sandbox's); a sandbox's
+        answer is also kept for its status."""
+        found = self._usage_of(paths)
+        for i, p in paths.items():
+            if p.parent.parent == self.root.path:
+                self.state.usage[(p.parent.name, p.name)] = found[i]
+        return found
 
     def _in_use_batch(self, paths: dict[Key, Path]) -> dict[Key, Usage]:
+        """`_usage_of` for sandboxes, each answer kept for its status."""
+        found = self._usage_of(paths)
+        self.state.usage.update(found)
+        return found
+
+    def _usage_of(self, paths: Mapping[K, Path]) -> dict[K, Usage]:
         """Whether anything uses each of `paths`, from one Pod list and one /proc pass for all of them.
 
         No Pod list, no way to rule out a Pod that mounts one: unknown, which holds.
@@ -397,7 +417,6 @@ class Agent:
         for key, usage in found.items():
             if pods is None and not usage.in_use:
                 found[key] = Usage(None, ("the Pods on this node could not be listed",), Reason.IN_USE_UNKNOWN)
-            self.state.usage[key] = found[key]
         return found
 
     def _after_rename(self, key: Key, tomb: Tombstone | None) -> None:
@@ -463,13 +482,14 @@ class Agent:
                 await asyncio.wait_for(stop.wait(), timeout=HEARTBEAT_EVERY)
 
     async def _heartbeat(self) -> None:
-        """Renew this node's Lease; publish, for `doctor`, the stuck tombstones no object owns and the disk
-        pressure nothing can relieve, when they change."""
+        """Renew this node's Lease; publish, for `doctor`, the stuck tombstones no object owns, the disk
+        pressure nothing can relieve and the quarantined entries, when they change."""
         try:
             await asyncio.to_thread(leases.renew_heartbeat, self.kube, self.s.namespace, self.s.node, self.identity)
             said = {
                 c.ANN_ORPHAN_TOMBSTONES: json.dumps(orphan_report(self.reaper), sort_keys=True),
                 c.ANN_PRESSURE: self.relief.published,
+                c.ANN_QUARANTINE: self.quarantine.published,
             }
             report = json.dumps(said, sort_keys=True)
             if report != self.last_published:

@@ -35,6 +35,9 @@ class AgentSettings(Settings):
     relog_every: HumanDuration = timedelta(hours=24)
     orphan_timeout: HumanDuration = timedelta(seconds=10)
     lock_wait: HumanDuration = timedelta(0)  # 0: wait for the root lock forever
+    # An entry no object can own (no or a bad manifest, a missing namespace, a link, a bad name) is deleted
+    # once the agent has watched it so for this long in all (controller/agent/quarantine.py). 0: never.
+    quarantine_grace: HumanDuration = timedelta(hours=24)
     ignore_pids: list[int] = Field(
         default_factory=list
     )  # processes vouched for that the agent cannot inspect (e.g. a runtime's init)
