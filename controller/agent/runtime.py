@@ -451,7 +451,7 @@ class Agent:
             if FINALIZER not in finalizers(obj):
                 return
             try:
-                await asyncio.to_thread(self.kube.remove_finalizer, obj)
+                released = await asyncio.to_thread(self.kube.remove_finalizer, obj)
             except KubeError as err:
                 if err.not_found:
                     return
@@ -463,6 +463,11 @@ class Agent:
                 obj = fresh
                 continue
             logs.say(log, "finalizer_removed", reason=Reason.DELETED, object=f"{key[0]}/{key[1]}", tombstone=tombstone)
+            if not finalizers(released):
+                # Deleted by this patch. The watch may never say so (an object gone between the agent's
+                # first LIST and the start of kopf's watch has no DELETED event), and a ghost in the cache
+                # would stop a new run retained under the same name from ever being adopted.
+                self.state.forget(released)
             self.queue.forget(key)
             return
         self._later(key)

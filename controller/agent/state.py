@@ -13,6 +13,7 @@ from controller.metrics import AgentMetrics
 from controller.store import Root
 
 Key = tuple[str, str]
+GONE_REMEMBERED = 4096  # uids of objects seen deleted, kept so a late answer cannot bring one back
 
 
 def slim(obj: Obj) -> Obj:
@@ -30,10 +31,17 @@ class AgentState:
     said: dict[str, tuple[float, str]] = field(default_factory=dict)  # rate-limited lines: subject -> (when, what)
     events: dict[tuple[str, str], str] = field(default_factory=dict)  # (uid, reason) -> message posted
     synced: bool = False
+    gone: dict[str, None] = field(default_factory=dict)  # uids seen deleted, oldest first (bounded)
 
     def remember(self, obj: Obj) -> None:
-        """Keep the newest version of an object (a watch event can arrive after our own write's answer)."""
+        """Keep the newest version of an object (a watch event can arrive after our own write's answer).
+
+        An object already seen deleted is never kept again: the answer of a write sent before the deletion
+        can arrive after the watch's DELETED, and a ghost in the cache would stop its directory from ever
+        being adopted again (a new run retained under the same name)."""
         slim(obj)
+        if obj["metadata"].get("uid") in self.gone:
+            return
         key = kube.key_of(obj)
         old = self.objects.get(key)
         new_rv = int(obj["metadata"].get("resourceVersion") or 0)
@@ -45,8 +53,13 @@ class AgentState:
     def forget(self, obj: Obj) -> None:
         """Drop an object that is gone (deleted, or answered 404); a newer one of the same name stays."""
         key = kube.key_of(obj)
+        uid = obj["metadata"].get("uid")
+        if uid:
+            self.gone[uid] = None
+            while len(self.gone) > GONE_REMEMBERED:
+                del self.gone[next(iter(self.gone))]
         cached = self.objects.get(key)
-        if cached is not None and cached["metadata"].get("uid") == obj["metadata"].get("uid"):
+        if cached is not None and cached["metadata"].get("uid") == uid:
             del self.objects[key]
 
     def newest(self, obj: Obj) -> Obj:
