@@ -400,22 +400,21 @@ def _remove(cfd: int, record: str) -> None:
 
 
 def _record_names(cfd: int) -> tuple[list[str], Refusal | None]:
-    """The record names in `.commands`, at most MAX_RECORDS of them out of at most MAX_ENTRIES entries
-    (the listing is never held whole); a Refusal says there were more, which holds the sandbox."""
+    """The record names in `.commands`: at most MAX_RECORDS, from at most MAX_ENTRIES entries (the listing
+    is never held whole); a Refusal when there were more, which holds the sandbox."""
     names: list[str] = []
     more = None
     with os.scandir(cfd) as entries:
         for n, entry in enumerate(entries):
-            if n >= MAX_ENTRIES or len(names) > MAX_RECORDS:
-                more = f"more than {MAX_RECORDS} records or {MAX_ENTRIES} entries: the rest are not read"
+            if n == MAX_ENTRIES:
+                more = f"more than {MAX_ENTRIES} entries: the rest are not read"
                 break
             if entry.name.endswith(".json") and not entry.name.startswith("."):
+                if len(names) == MAX_RECORDS:
+                    more = f"more than {MAX_RECORDS} records: the rest are not read"
+                    break
                 names.append(entry.name)
-    if len(names) > MAX_RECORDS:
-        names = names[:MAX_RECORDS]
-        more = more or f"more than {MAX_RECORDS} records: the rest are not read"
-    refusal = None if more is None else Refusal("", Reason.ORPHAN_RECORDS_OVER_LIMIT, more)
-    return sorted(names), refusal
+    return sorted(names), None if more is None else Refusal("", Reason.ORPHAN_RECORDS_OVER_LIMIT, more)
 
 
 # --- the proof: is this process the recorded command's, inside this sandbox, right now? ----------------
@@ -725,8 +724,9 @@ class Recorder:
         live = self.live()
         if not live:
             return False
-        if len(live) - (self.leader in live) < len(self.members):
-            self.members = {m.pid: m for m in live if m != self.leader}
+        live_members = {m.pid: m for m in live if m != self.leader}
+        if len(live_members) < len(self.members):
+            self.members = live_members
             self.dirty = True
         stack = [m.pid for m in live] + [os.getpid()]  # adopted orphans are our children (subreaper)
         seen: set[int] = set()

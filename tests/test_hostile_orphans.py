@@ -283,6 +283,23 @@ def test_a_record_another_account_could_have_written_is_not_acted_on(sandbox, pi
     assert result.hold == Reason.ORPHAN_RECORDS_UNTRUSTED and result.refused[0].record == f"{orphan.pid}-1.json"
 
 
+def test_exec_refuses_to_start_beside_records_it_does_not_trust_and_signals_nothing(sandbox, pids, capsys):
+    import argparse
+
+    root, box = sandbox
+    orphan = _orphan(box, pids, 342)
+    _record_leader(box, orphan.pid)
+    (box / COMMANDS_DIR).chmod(0o777)
+    marker = box / "workspace" / "ran"
+    args = argparse.Namespace(
+        rest=["ns/box", "--root", str(root), "--", "touch", str(marker)], root=None, orphan_timeout="1s"
+    )
+    assert commands.run("exec", args) == commands.EXIT_HELD
+    err = capsys.readouterr().err
+    assert "refused to start" in err and "others may write it" in err and "remove them" in err
+    assert not marker.exists() and _alive(orphan.pid)
+
+
 # --- generated garbage ---------------------------------------------------------------------------------------
 
 _json = st.recursive(
