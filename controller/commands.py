@@ -58,6 +58,7 @@ MAX_ENTRIES = 4 * MAX_RECORDS  # entries of `.commands` looked at (records, thei
 MAX_MEMBERS = 1024  # processes one record names besides its leader: ~50 KB of JSON at most
 MAX_RECORD_BYTES = 64 * 1024  # a longer record is not read, let alone trusted
 PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT
+_BATCH = 256  # pidfds held open at once while a reap proves, then signals, what it found
 _ANCESTORS = 1024  # parent links followed to prove a process descends from the recorded session
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never blocks the open
@@ -295,6 +296,7 @@ class _Record:
     boot: str
     leader: Mark | None  # None only in records written before the leader was always kept
     members: tuple[Mark, ...]
+    pruned: bool = False  # members that are gone were left out: the file on disk names more
 
     @property
     def session(self) -> int | None:
@@ -306,6 +308,11 @@ class _Record:
 
     def marks(self) -> list[Mark]:
         return [*([self.leader] if self.leader else []), *(m for m in self.members if m != self.leader)]
+
+    def alive(self, look: _Memo) -> _Record:
+        """This record with only its live members (the leader stays: it names the session)."""
+        members = tuple(m for m in self.members if look.same(m))
+        return _Record(self.name, self.boot, self.leader, members, len(members) < len(self.members))
 
 
 def _mark(value: object) -> Mark | None:
@@ -337,7 +344,7 @@ def _parse_record(name: str, raw: bytes) -> _Record | Refusal | None:
     marks = [_mark(m) for m in members]
     if any(m is None for m in marks):
         return None
-    return _Record(name, body["boot"], leader, tuple(m for m in marks if m is not None))
+    return _Record(name, body["boot"], leader, tuple(dict.fromkeys(m for m in marks if m is not None)))
 
 
 def _body(boot: str, leader: Mark | None, members: list[Mark]) -> dict[str, Any]:
@@ -420,45 +427,90 @@ def _record_names(cfd: int) -> tuple[list[str], Refusal | None]:
 # --- the proof: is this process the recorded command's, inside this sandbox, right now? ----------------
 
 
+class _Look:
+    """/proc read anew on every question: how a process is proven right before its signal."""
+
+    def __init__(self, proc: Path, sandbox: tuple[int, int]) -> None:
+        self.proc = proc
+        self.sandbox = sandbox  # (st_dev, st_ino) of the sandbox directory, held open by the reaper
+
+    def stat(self, pid: int) -> _Stat | None:
+        return _stat(self.proc, pid)
+
+    def inside(self, pid: int) -> bool:
+        """Its cwd or root is the sandbox or below it; unreadable (or gone) is not inside."""
+        for link in ("cwd", "root"):
+            with contextlib.suppress(OSError):
+                if within(str(self.proc / str(pid) / link), self.sandbox):
+                    return True
+        return False
+
+
+class _Memo(_Look):
+    """/proc as a plan reads it: a live pid's stat, and whether it works inside the sandbox, read once per
+    plan (a forged record may name one process 262,144 times)."""
+
+    def __init__(self, proc: Path, sandbox: tuple[int, int]) -> None:
+        super().__init__(proc, sandbox)
+        self._stats: dict[int, _Stat] = {}  # live processes only: bounded by the node's, not by the records
+        self._inside: dict[int, bool] = {}
+        # The pids alive before any record is read: a recorded process started before its record was
+        # written, so one not listed is gone (262,144 forged dead pids cost a set lookup each, not a read).
+        self.listed = frozenset(int(e.name) for e in os.scandir(proc) if e.name.isdigit())
+
+    def stat(self, pid: int) -> _Stat | None:
+        s = self._stats.get(pid)
+        if s is None:
+            s = _stat(self.proc, pid)
+            if s is not None:
+                self._stats[pid] = s
+        return s
+
+    def same(self, mark: Mark) -> bool:
+        s = self.stat(mark.pid) if mark.pid > 1 and mark.pid in self.listed else None
+        return s is not None and s.start == mark.start
+
+    def inside(self, pid: int) -> bool:
+        if pid not in self._inside:
+            self._inside[pid] = super().inside(pid)
+        return self._inside[pid]
+
+
 @dataclass(frozen=True)
 class _Scope:
-    """What a process must belong to: the recorded session, inside the sandbox, and not the reaper's own."""
+    """What a process must belong to: the recorded session, and not the reaper's own."""
 
-    proc: Path
     session: int
     since: int  # the leader's start ticks: nothing of its session started before it (0: not recorded)
-    sandbox: tuple[int, int]  # (st_dev, st_ino) of the sandbox directory, held open by the reaper
     own: _Stat | None  # the reaper's own /proc stat: its group and session are never signalled
 
 
-GONE = "gone"  # a verdict: the recorded process is no longer there (exited, or its pid is another's now)
+_GONE = "gone"  # a verdict: the recorded process is no longer there (exited, or its pid is another's now)
 
 
-def _verdict(scope: _Scope, mark: Mark) -> str | None:
-    """None when `mark` is, read fresh from /proc, the recorded process of the recorded session with its cwd
-    or root inside the sandbox; GONE when it is not that process any more; else why it is not proven."""
-    s = _stat(scope.proc, mark.pid)
+def _verdict(scope: _Scope, mark: Mark, look: _Look) -> str | None:
+    """None when `mark` is the recorded process, of the recorded session, with its cwd or root inside the
+    sandbox; _GONE when it is not that process any more; else why it is not proven."""
+    s = look.stat(mark.pid)
     if mark.pid <= 1 or s is None or s.start != mark.start:
-        return GONE
+        return _GONE
     own = scope.own
     if mark.pid == os.getpid() or (own is not None and (s.pgrp == own.pgrp or s.sid == own.sid)):
         return "it is the reaper itself or of its own process group or session"
-    if s.start < scope.since or not (s.sid == scope.session or _descends(scope, s)):
+    if s.start < scope.since or not (s.sid == scope.session or _descends(scope, s, look)):
         return f"it is not of the recorded session {scope.session} (its session is {s.sid})"
-    for link in ("cwd", "root"):
-        with contextlib.suppress(OSError):  # unreadable or gone: not proven, and gone is seen on the next look
-            if within(str(scope.proc / str(mark.pid) / link), scope.sandbox):
-                return None
-    return "neither its cwd nor its root is inside the sandbox (or they cannot be read)"
+    if not look.inside(mark.pid):
+        return "neither its cwd nor its root is inside the sandbox (or they cannot be read)"
+    return None
 
 
-def _descends(scope: _Scope, s: _Stat) -> bool:
+def _descends(scope: _Scope, s: _Stat, look: _Look) -> bool:
     """Whether an ancestor of the process is in the recorded session (a child that left it with setsid)."""
     pid = s.ppid
     for _ in range(_ANCESTORS):
         if pid <= 1:
             return False
-        parent = _stat(scope.proc, pid)
+        parent = look.stat(pid)
         if parent is None:
             return False
         if parent.sid == scope.session and parent.start >= scope.since:
@@ -496,6 +548,7 @@ class _Plan:
     judged: list[_Judged]
     dropped: list[str]  # torn or of another boot: they name nothing on this boot
     refused: list[Refusal]
+    fresh: _Look  # how a proven process is proven again right before its signal
 
 
 def _plan(sfd: int, cfd: int, proc: Path) -> _Plan:
@@ -504,9 +557,13 @@ def _plan(sfd: int, cfd: int, proc: Path) -> _Plan:
     One reading for the reaper and for `orphan_pids`, so what is reported as an orphan is exactly what a
     reap would signal. Torn records and records of another boot (or of an unknown boot) are dropped.
     """
+    st = os.fstat(sfd)
+    look = _Memo(proc, (st.st_dev, st.st_ino))
+    plan = _Plan([], [], [], _Look(proc, look.sandbox))
     boot = boot_id(proc)
     names, over = _record_names(cfd)
-    plan = _Plan([], [], [] if over is None else [over])
+    if over is not None:
+        plan.refused.append(over)
     records: list[_Record] = []
     for name in names:
         if _recorder_alive(cfd, name):
@@ -516,25 +573,24 @@ def _plan(sfd: int, cfd: int, proc: Path) -> _Plan:
         if isinstance(parsed, Refusal):
             plan.refused.append(parsed)
         elif isinstance(parsed, _Record) and boot is not None and parsed.boot == boot:
-            records.append(parsed)
+            records.append(parsed.alive(look))  # the dead forgotten at once: memory follows live processes
         elif raw is not None:
             plan.dropped.append(name)
-    st = os.fstat(sfd)
-    sandbox, own = (st.st_dev, st.st_ino), _stat(proc, os.getpid())
-    live = {r.name: [m for m in r.marks() if _same(proc, m)] for r in records}
-    scopes: dict[str, _Scope] = {}
-    for r in records:
-        session = r.session
-        if session is not None and live[r.name]:
-            scopes[r.name] = _Scope(proc, session, r.leader.start if r.leader else 0, sandbox, own)
+    own = _stat(proc, os.getpid())
+    live = {r.name: [m for m in r.marks() if look.same(m)] for r in records}
+    scopes = {
+        r.name: _Scope(r.session, r.leader.start if r.leader else 0, own)
+        for r in records
+        if r.session is not None and live[r.name]
+    }
     # A session is the recorded one while a recorded process is still in it: its number cannot be reused
     # while any process is of it. Only then are its unrecorded members reached.
     anchored = {
-        name: scope
+        name
         for name, scope in scopes.items()
-        if any((s := _stat(proc, m.pid)) is not None and s.sid == scope.session for m in live[name])
+        if any((s := look.stat(m.pid)) is not None and s.sid == scope.session for m in live[name])
     }
-    members = _session_members(proc, {s.session for s in anchored.values()})
+    members = _session_members(proc, {scopes[name].session for name in anchored})
     for r in records:
         scope = scopes.get(r.name)
         judged = _Judged(r, scope, [], [])
@@ -545,10 +601,10 @@ def _plan(sfd: int, cfd: int, proc: Path) -> _Plan:
         recorded = set(live[r.name])
         extra = [m for m in members.get(scope.session, []) if r.name in anchored and m not in recorded]
         for m in [*live[r.name], *extra]:
-            why = _verdict(scope, m)
+            why = _verdict(scope, m, look)
             if why is None:
                 judged.proven.append(m)
-            elif why != GONE and m in recorded:  # an unrecorded process that is not proven is not ours
+            elif why != _GONE and m in recorded:  # an unrecorded process that is not proven is not ours
                 judged.unproven.append((m, why))
     return plan
 
@@ -597,17 +653,17 @@ def reap_orphans(
         return _reap(_plan(sfd, cfd, proc), cfd, timeout, kill, proc)
 
 
-def _held_for_signal(scope: _Scope, mark: Mark) -> Handle | str:
+def _held_for_signal(scope: _Scope, mark: Mark, fresh: _Look) -> Handle | str:
     """A pidfd for `mark`, opened and then proven again (the pid cannot change hands after the open), or
-    why not (GONE, or no longer proven). Only where the kernel has no pidfd_open: a proof right before kill."""
+    why not (_GONE, or no longer proven). Only where the kernel has no pidfd_open: a proof right before kill."""
     try:
         fd = os.pidfd_open(mark.pid)
     except OSError as err:
         if err.errno != E.ENOSYS:
-            return GONE if err.errno == E.ESRCH else f"pidfd_open failed ({_errname(err)})"
-        why = _verdict(scope, mark)
+            return _GONE if err.errno == E.ESRCH else f"pidfd_open failed ({_errname(err)})"
+        why = _verdict(scope, mark, fresh)
         return Handle(mark.pid, None) if why is None else why
-    why = _verdict(scope, mark)
+    why = _verdict(scope, mark, fresh)
     if why is None:
         return Handle(mark.pid, fd)
     os.close(fd)
@@ -618,16 +674,30 @@ def _reap(plan: _Plan, cfd: int, timeout: float, kill: Kill, proc: Path) -> Reap
     for name in plan.dropped:
         _remove(cfd, name)
     signalled = 0
+    tried: set[Mark] = set()  # records may name one process many times: it is signalled once
+    killed: set[Mark] = set()
+    proven: list[tuple[_Judged, Mark]] = []
     for j in plan.judged:
         for m in j.proven:
+            if m not in tried:
+                tried.add(m)
+                proven.append((j, m))
+    # Every pidfd is opened and proven again before any signal: killing a leader first would re-parent its
+    # setsid'd child, which then no longer descends from the session. At most _BATCH fds are open at once.
+    for at in range(0, len(proven), _BATCH):
+        held: list[tuple[Mark, Handle]] = []
+        for j, m in proven[at : at + _BATCH]:
             assert j.scope is not None  # proven only within a scope
-            handle = _held_for_signal(j.scope, m)
+            handle = _held_for_signal(j.scope, m, plan.fresh)
             if isinstance(handle, str):
                 j.unproven.append((m, handle))  # never signalled: if it is still alive, it says why
-                continue
+            else:
+                held.append((m, handle))
+        for m, handle in held:
             try:
                 kill(handle, signal.SIGKILL)
                 signalled += 1
+                killed.add(m)
             except OSError:
                 pass  # gone between the proof and the kill: a survivor if it is still alive
             finally:
@@ -635,23 +705,26 @@ def _reap(plan: _Plan, cfd: int, timeout: float, kill: Kill, proc: Path) -> Reap
                     os.close(handle.fd)
 
     def alive() -> list[Mark]:
-        return [m for j in plan.judged for m in j.proven if _same(proc, m)]
+        return [m for m in tried if _same(proc, m)]
 
     deadline = time.monotonic() + timeout
     while alive() and time.monotonic() < deadline:
         time.sleep(0.02)
 
-    survivors: list[Survivor] = []
+    survivors: dict[Mark, Survivor] = {}
+    why = {m: w for j in plan.judged for m, w in j.unproven if m not in killed}  # never signalled: why not
     for j in plan.judged:
-        why = dict(j.unproven)
         live = [m for m in dict.fromkeys([*j.record.marks(), *j.proven]) if _same(proc, m)]
         if not live:
             _remove(cfd, j.record.name)
             continue
-        survivors.extend(Survivor(m.pid, command_line(proc, m.pid), why.get(m)) for m in live)
+        for m in live:
+            survivors.setdefault(m, Survivor(m.pid, command_line(proc, m.pid), why.get(m)))
         leader = j.record.leader
-        _write_record(cfd, j.record.name, _body(j.record.boot, leader, [m for m in live if m != leader]))
-    return ReapResult(signalled, tuple(survivors), len(plan.dropped), tuple(plan.refused))
+        members = [m for m in live if m != leader][:MAX_MEMBERS]  # unrecorded survivors join, within the cap
+        if j.record.pruned or set(members) != set(j.record.members):  # an unchanged record is not rewritten
+            _write_record(cfd, j.record.name, _body(j.record.boot, leader, members))
+    return ReapResult(signalled, tuple(survivors.values()), len(plan.dropped), tuple(plan.refused))
 
 
 def _some(items: tuple[Any, ...], text: Callable[[Any], str] = str, most: int = 10) -> str:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,47 @@ def test_a_directory_flooded_with_entries_is_not_listed_whole(sandbox, pids):
     result = reap_orphans(box, timeout=10)
 
     assert result.hold == Reason.ORPHAN_RECORDS_OVER_LIMIT and "entries" in result.refused[0].detail
+
+
+_WORST = """
+import json, resource, sys
+from pathlib import Path
+from controller.commands import orphan_pids, reap_orphans
+
+box = Path(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+pids = orphan_pids(box)
+result = reap_orphans(box, timeout=0)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps([grown, sorted(pids), result.signalled, result.hold, len(result.survivors)]))
+"""
+
+
+@pytest.mark.parametrize("named", ["live processes elsewhere", "distinct dead pids"])
+def test_the_most_a_forger_can_write_is_judged_in_bounded_memory(sandbox, pids, tmp_path, named):
+    # MAX_RECORDS records of MAX_MEMBERS members each (262,144 marks, 13 MB of JSON): each live process is
+    # read once per reap, each dead pid costs a set lookup, and nothing is held beyond what is alive.
+    _root, box = sandbox
+    victims = [_elsewhere(tmp_path, pids, 343) for _ in range(8)]
+    marks = [_mark(v.pid) for v in victims]
+    for i in range(MAX_RECORDS):
+        if named == "live processes elsewhere":
+            members = [marks[j % len(marks)] for j in range(MAX_MEMBERS)]
+        else:
+            members = [{"pid": 4_000_000 - i * MAX_MEMBERS - j, "start": 7} for j in range(MAX_MEMBERS)]
+        _write_record(box, f"r{i:03d}.json", {"boot": boot_id(), "leader": marks[i % len(marks)], "members": members})
+    out = subprocess.run(
+        [sys.executable, "-c", _WORST, str(box)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=120,
+    )
+    grown_kib, orphans, signalled, hold, survivors = json.loads(out.stdout)
+    assert grown_kib < 16 * 1024, f"peak RSS grew {grown_kib} KiB"
+    assert orphans == [] and signalled == 0 and hold == Reason.ORPHAN_UNPROVEN and survivors == len(victims)
+    assert all(_alive(v.pid) for v in victims)
 
 
 def test_the_largest_record_a_recorder_can_write_fits_the_cap() -> None:
