@@ -160,6 +160,9 @@ class Reason(StrEnum):
     POD_MOUNT = "PodMount"
     ORPHAN_REAPED = "OrphanReaped"
     ORPHAN_SURVIVOR = "OrphanSurvivor"
+    ORPHAN_UNPROVEN = "OrphanUnproven"  # a recorded live process not proven the command's inside it: never signalled
+    ORPHAN_RECORDS_UNTRUSTED = "OrphanRecordsUntrusted"  # `.commands` or a record another account could have written
+    ORPHAN_RECORDS_OVER_LIMIT = "OrphanRecordsOverLimit"  # more or longer records than a recorder writes: not read
     # agent bookkeeping
     ADOPTED = "Adopted"
     AGENT_STALE = "AgentStale"

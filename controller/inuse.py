@@ -456,3 +456,9 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def within(link: str, directory: tuple[int, int]) -> bool:
+    """Whether the directory `link` leads to (e.g. /proc/<pid>/cwd, resolved by the kernel) is `directory`
+    (st_dev, st_ino) or inside it: walked up by `..` and compared by identity, no path string trusted."""
+    return bool(_ancestors_in(link, {directory: [True]}, {}))

@@ -178,6 +178,7 @@ class Held:
     key: Key | None = None  # the sandbox a held tombstone belongs to
     usage: Usage | None = None
     survivors: tuple[commands.Survivor, ...] = ()
+    refused: tuple[commands.Refusal, ...] = ()  # orphan records not acted on (untrusted, over the caps)
     errno: int | None = None
     pid: int | None = None
     error: str | None = None
@@ -316,7 +317,7 @@ class Reaper:
     stuck_after: timedelta = timedelta(minutes=10)  # a younger tombstone of a live process is in progress
     orphan_timeout: timedelta = timedelta(seconds=10)
     dry_run: bool = False
-    kill: commands.Kill = os.kill
+    kill: commands.Kill = commands.send
     alive: Callable[[int], bool] = pid_alive
     clock: Clock = utcnow
     hooks: Hooks = field(default_factory=Hooks)
@@ -432,14 +433,18 @@ class Reaper:
 
     def _reap_orphans(self, key: Key, path: Path) -> Held | None:
         """Kill recorded orphans (before the in-use check: their cwd is inside, so checking first would
-        hold the sandbox forever on exactly the processes the reap exists to end). Survivors hold it."""
+        hold the sandbox forever on exactly the processes the reap exists to end). Survivors, recorded
+        processes not proven the command's (never signalled) and records not trusted hold it."""
         timeout = self.orphan_timeout.total_seconds()
         reaped = commands.reap_orphans(path, timeout=timeout, kill=self.kill)
         if reaped.signalled:
             logs.say(
                 log, "orphans_reaped", reason=Reason.ORPHAN_REAPED, object="/".join(key), signalled=reaped.signalled
             )
-        return Held(Reason.ORPHAN_SURVIVOR, survivors=reaped.survivors) if reaped.survivors else None
+        if reaped.hold is None:
+            return None
+        message = commands.held_message(f"sandbox {key[0]}/{key[1]}", reaped, timeout)
+        return Held(reaped.hold, survivors=reaped.survivors, refused=reaped.refused, error=message)
 
     def _check_in_use(self, paths: Mapping[int, Path]) -> dict[int, Held | None]:
         """Asked fresh right before the renames: in use, or unknown (a failed check too), holds."""

@@ -39,7 +39,7 @@ from types import FrameType
 from typing import Any
 
 from controller import logs
-from controller.commands import Kill
+from controller.commands import Kill, send
 from controller.contracts import Reason
 from controller.durations import Invalid, format_duration, format_instant, parse_duration, parse_instant
 from controller.flags import HumanDuration, settings_from
@@ -158,7 +158,7 @@ class Sweeper:
         clock: Clock = utcnow,
         in_use: InUse | None = None,
         alive: Callable[[int], bool] = pid_alive,
-        kill: Kill = os.kill,
+        kill: Kill = send,
         stuck_after: timedelta = STUCK_AFTER,
         relog_every: timedelta = RELOG_EVERY,
         orphan_timeout: timedelta = ORPHAN_TIMEOUT,

@@ -508,7 +508,7 @@ def hold_in_use(demo: Demo) -> Proc:
 def orphan(demo: Demo) -> list[tuple[int, int]]:
     demo.step(
         "Leave an orphan: run a command with `sandkeep exec`, then SIGKILL the recorder",
-        "`sandkeep exec` runs a command in a sandbox as its own process group and records every process "
+        "`sandkeep exec` runs a command in a sandbox as a session of its own and records every process "
         "of it (pid + start time + boot id) on disk while it runs. If the recorder is killed, the "
         "command's background processes live on, untracked by anyone else. They are debris, not users: "
         "the agent reports the sandbox not in use (naming the orphans), and before it is deleted kills "
@@ -691,7 +691,8 @@ def reap(demo: Demo, marks: list[tuple[int, int]]) -> None:
         "How the orphans' sandbox went: orphans killed first, then the directory",
         "agent-run-18 expired with its orphans still running in it. Orphans do not count as users, so the "
         "controller asked for the deletion at the deadline like for any other sandbox; before renaming "
-        "the directory, the agent killed the recorded orphan processes (whole group first), checked that "
+        "the directory, the agent killed the recorded orphan processes (each proven of the command's session "
+        "and working inside the sandbox, through a pidfd), checked that "
         "nothing else uses it, and only then deleted it.",
     )
     survivors = [pid for pid, ticks in marks if alive(pid, ticks)]

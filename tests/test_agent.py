@@ -29,8 +29,8 @@ import pytest
 from controller_harness import Controller, install_crds
 
 from controller import agent as agent_mod
+from controller import commands, kube, metrics, watching
 from controller import contracts as c
-from controller import kube, metrics, watching
 from controller.agent import watch as agent_watch
 from controller.inuse import uninspectable_pids
 from controller.reaper import Reaper
@@ -613,7 +613,7 @@ def _running(pid: int) -> bool:
 class InProcessAgent:
     """The agent in a thread of the test process, for seams only a constructor can take (`kill`)."""
 
-    def __init__(self, cluster: Any, node: Node, namespace: str, kill: Callable[[int, int], None]) -> None:
+    def __init__(self, cluster: Any, node: Node, namespace: str, kill: commands.Kill) -> None:
         settings = agent_mod.AgentSettings(
             node=node.name,
             root=node.root.path,
@@ -723,7 +723,7 @@ def test_an_agent_that_cannot_list_pods_holds_deletion_as_unknown(cluster, names
 def test_a_survivor_holds_deletion_with_a_clear_condition(cluster, namespace, nodes, procs):
     n1, _ = nodes
     path = n1.retain(namespace, "survivor")
-    victim = subprocess.Popen(["sleep", "203"], cwd="/", start_new_session=True)
+    victim = subprocess.Popen(["sleep", "203"], cwd=path / "workspace", start_new_session=True)  # a proven orphan
     procs.append(victim)
     stat = Path(f"/proc/{victim.pid}/stat").read_text()
     start = int(stat[stat.rfind(")") + 2 :].split()[19])
@@ -731,7 +731,7 @@ def test_a_survivor_holds_deletion_with_a_clear_condition(cluster, namespace, no
     (path / ".commands" / f"{victim.pid}-{start}.json").write_text(
         json.dumps({"boot": boot, "leader": {"pid": victim.pid, "start": start}, "members": []})
     )
-    a = InProcessAgent(cluster, n1, namespace, kill=lambda pid, sig: None)  # SIGKILL that does not kill
+    a = InProcessAgent(cluster, n1, namespace, kill=lambda handle, sig: None)  # SIGKILL that does not kill
     try:
         adopted(cluster, namespace, "survivor")
         delete(cluster, namespace, "survivor")

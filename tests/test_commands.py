@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from controller.commands import Mark, boot_id, orphan_pids, reap_orphans
+from controller.commands import Handle, Mark, boot_id, orphan_pids, reap_orphans
 from controller.store import Root
 
 SANDKEEP = [sys.executable, "-m", "controller.cli"]
@@ -59,6 +59,23 @@ def pids() -> Iterator[list[int]]:
     for pid in seen:
         if pid > 1 and pid != os.getpid() and _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def _victim(pids: list[int], seconds: int, cwd: Path) -> subprocess.Popen[bytes]:
+    """`sleep seconds` in a session of its own with its cwd in `cwd` (a sandbox's workspace, or elsewhere)."""
+    victim = subprocess.Popen(["sleep", str(seconds)], cwd=cwd, start_new_session=True)
+    pids.append(victim.pid)
+    return victim
+
+
+def _calls(calls: list[tuple[int, int]]) -> Callable[[Handle, int], None]:
+    """A kill seam that signals nothing and notes (pid, signal); it checks each came with a pidfd."""
+
+    def note(handle: Handle, sig: int) -> None:
+        assert handle.fd is not None and os.fstat(handle.fd)  # signalled through an open pidfd
+        calls.append((handle.pid, sig))
+
+    return note
 
 
 def _exec(root: Path, *cmd: str, **kw: object) -> subprocess.Popen[str]:
@@ -130,14 +147,13 @@ def test_a_killed_recorder_leaves_a_record_and_the_reaper_kills_group_and_descen
 
 def test_a_survivor_is_reported_with_its_command_line_and_stays_recorded(sandbox, pids):
     _root, box = sandbox
-    victim = subprocess.Popen(["sleep", "303"], start_new_session=True)
-    pids.append(victim.pid)
+    victim = _victim(pids, 303, box / "workspace")
     _record_leader(box, victim.pid)
     calls: list[tuple[int, int]] = []
 
-    result = reap_orphans(box, timeout=0.3, kill=lambda target, sig: calls.append((target, sig)))
+    result = reap_orphans(box, timeout=0.3, kill=_calls(calls))
 
-    assert calls == [(-victim.pid, signal.SIGKILL)]
+    assert calls == [(victim.pid, signal.SIGKILL)]
     assert [(s.pid, s.command) for s in result.survivors] == [(victim.pid, "sleep 303")]
     assert len(_records(box)) == 1  # the next reap tries again
     # ... and a real reap later ends it
@@ -166,14 +182,15 @@ records = {"a.json": {"boot": boot_id(), "leader": mark(group), "members": membe
 for name, body in records.items():
     (box / ".commands" / name).write_text(json.dumps(body))
 calls = []
-reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
-print(json.dumps(calls))
+result = reap_orphans(box, timeout=0.2, kill=lambda handle, sig: calls.append((handle.pid, sig)))
+print(json.dumps({"calls": calls, "hold": result.hold, "survivors": sorted(s.pid for s in result.survivors)}))
 """
 
 
-def test_never_pid_one_nor_itself_nor_its_own_group(sandbox):
-    # Run as the leader of a group of its own (as the agent is in its pod), so "its own group" is a
-    # live group whatever started the test run, and let it record itself, its group, pid 1, 0 and -1.
+def test_never_pid_one_nor_itself_nor_its_own_group_or_session(sandbox):
+    # Run as the leader of a session of its own (as the agent is in its pod), so "its own group" is a
+    # live group whatever started the test run, working inside the sandbox (so only that rule protects
+    # them), and let it record itself, its group's leader, pid 1, 0 and -1.
     _root, box = sandbox
     (box / ".commands").mkdir(mode=0o700, exist_ok=True)
     out = subprocess.run(
@@ -182,9 +199,12 @@ def test_never_pid_one_nor_itself_nor_its_own_group(sandbox):
         text=True,
         check=True,
         start_new_session=True,
+        cwd=box / "workspace",
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
     )
-    assert json.loads(out.stdout) == []
+    seen = json.loads(out.stdout)
+    assert seen["calls"] == []
+    assert seen["hold"] == "OrphanUnproven" and seen["survivors"]  # never signalled, and said so
 
 
 def test_records_of_another_boot_and_torn_records_are_dropped_without_signalling(sandbox, pids):
@@ -196,7 +216,7 @@ def test_records_of_another_boot_and_torn_records_are_dropped_without_signalling
     _write_record(box, "torn.json", '{"boot": "' + (boot_id() or "") + '", "lead')
     calls: list[tuple[int, int]] = []
 
-    result = reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
+    result = reap_orphans(box, timeout=0.2, kill=_calls(calls))
 
     assert calls == []
     assert result.dropped == 2
@@ -206,13 +226,12 @@ def test_records_of_another_boot_and_torn_records_are_dropped_without_signalling
 
 def test_a_record_of_a_pid_reused_by_another_process_is_not_signalled(sandbox, pids):
     _root, box = sandbox
-    victim = subprocess.Popen(["sleep", "305"], start_new_session=True)
-    pids.append(victim.pid)
+    victim = _victim(pids, 305, box / "workspace")  # inside, in a session of its own: only its start differs
     stale = Mark(victim.pid, _start_ticks(victim.pid) - 1)  # same pid, another start: another process
     _write_record(box, "x.json", {"boot": boot_id(), "leader": {"pid": stale.pid, "start": stale.start}, "members": []})
     calls: list[tuple[int, int]] = []
-    result = reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
-    assert calls == [] and result.survivors == ()
+    result = reap_orphans(box, timeout=0.2, kill=_calls(calls))
+    assert calls == [] and result.survivors == () and result.hold is None
     assert _alive(victim.pid)
 
 
@@ -224,7 +243,7 @@ def test_a_running_exec_is_not_an_orphan(sandbox, pids):
     leader = _records(box)[0]["leader"]["pid"]
     pids.append(leader)
     calls: list[tuple[int, int]] = []
-    reap_orphans(box, timeout=0.2, kill=lambda target, sig: calls.append((target, sig)))
+    reap_orphans(box, timeout=0.2, kill=_calls(calls))
     assert calls == []
     p.send_signal(signal.SIGTERM)  # forwarded to the command's group
     assert p.wait(timeout=10) == 128 + signal.SIGTERM
@@ -251,8 +270,7 @@ def test_exec_refuses_to_start_beside_a_survivor_and_names_it(sandbox, pids, mon
     from controller import commands
 
     root, box = sandbox
-    victim = subprocess.Popen(["sleep", "309"], start_new_session=True)
-    pids.append(victim.pid)
+    victim = _victim(pids, 309, box / "workspace")
     _record_leader(box, victim.pid)
     monkeypatch.setattr(commands, "EXEC_KILL", [lambda target, sig: None])  # SIGKILL that does not kill
     marker = box / "workspace" / "ran"
@@ -289,8 +307,7 @@ def test_orphan_pids_lists_a_killed_recorders_live_group_and_nothing_while_it_ru
 
 def test_orphan_pids_names_nothing_for_another_boot_a_torn_record_or_a_reused_pid(sandbox, pids):
     _root, box = sandbox
-    victims = [subprocess.Popen(["sleep", str(313 + i)], start_new_session=True) for i in range(2)]
-    pids.extend(v.pid for v in victims)
+    victims = [_victim(pids, 313 + i, box / "workspace") for i in range(2)]
     reused, orphan = ({"pid": v.pid, "start": _start_ticks(v.pid)} for v in victims)
     _write_record(box, "old.json", {"boot": "another-boot", "leader": reused, "members": []})
     _write_record(box, "torn.json", '{"boot": "' + (boot_id() or "") + '", "lead')

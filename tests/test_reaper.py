@@ -8,6 +8,7 @@ object is the request). Both must end the same way, said in one vocabulary (`Cal
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -196,6 +197,29 @@ def test_recorded_orphans_of_a_killed_exec_are_reaped_then_it_is_deleted(caller:
         for pid in pids:
             if _running(pid):
                 os.kill(pid, 9)
+
+
+def test_a_forged_record_naming_a_process_elsewhere_holds_it_and_never_signals_it(
+    caller: Caller, tmp_path: Path
+) -> None:
+    # issue 12, item 3: a record names a process that works outside the sandbox (as kubelet does). Both
+    # callers hold the sandbox, say why, and the process lives.
+    path = caller.retain("forged")
+    (tmp_path / "elsewhere").mkdir()
+    victim = subprocess.Popen(["sleep", "213"], cwd=tmp_path / "elsewhere", start_new_session=True)
+    try:
+        stat = Path(f"/proc/{victim.pid}/stat").read_text()
+        mark = {"pid": victim.pid, "start": int(stat[stat.rfind(")") + 2 :].split()[19])}
+        body = {"boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(), "leader": mark, "members": []}
+        (path / c.COMMANDS_DIR / f"{victim.pid}-1.json").write_text(json.dumps(body))
+        caller.start()
+        caller.ask("forged")
+        until(caller, "forged", f"held {Reason.ORPHAN_UNPROVEN}")
+        assert path.is_dir() and tombstones(caller.root) == []
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 @pytest.mark.root

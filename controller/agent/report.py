@@ -237,8 +237,8 @@ class Reporter(Part):
         if obj is None:
             return After.NOTHING
         key = kube.key_of(obj)
-        if held.survivors:
-            await self._held_by_survivors(obj, held.survivors)
+        if held.survivors or held.refused:
+            await self._held_by_orphans(obj, held)
         elif held.usage is not None or held.reason in (Reason.IN_USE, Reason.IN_USE_UNKNOWN, Reason.POD_MOUNT):
             usage = held.usage or Usage(None, (held.error or "the in-use check failed",), Reason.IN_USE_UNKNOWN)
             await self._held_in_use(obj, usage)
@@ -254,22 +254,25 @@ class Reporter(Part):
             await self.apply(obj, self.deleting_status(obj, Phase.DELETING), deleting=True)
         return After.RETRY  # a manifest that could not be read just now: decided again on a read that works
 
-    async def _held_by_survivors(self, obj: Obj, survivors: tuple[commands.Survivor, ...]) -> None:
+    async def _held_by_orphans(self, obj: Obj, held: Held) -> None:
+        """Held by what the orphan records name: survivors of SIGKILL, processes not proven the recorded
+        command's (never signalled), or records not trusted; condition OrphansSurvived says which."""
         key = kube.key_of(obj)
         where = f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held"
-        message = commands.survivors_message(where, survivors, self.s.orphan_timeout.total_seconds())
-        cond = kube.condition(
-            Condition.ORPHANS_SURVIVED, True, Reason.ORPHAN_SURVIVOR, message, previous=conditions(obj)
-        )
-        status = self.deleting_status(obj, Phase.HELD, extra=[cond], held_by=[str(s) for s in survivors])
+        result = commands.ReapResult(survivors=held.survivors, refused=held.refused)
+        message = commands.held_message(where, result, self.s.orphan_timeout.total_seconds())
+        cond = kube.condition(Condition.ORPHANS_SURVIVED, True, held.reason, message, previous=conditions(obj))
+        held_by = [str(h)[:256] for h in (*held.survivors, *held.refused)]  # heldBy items are at most 512 long
+        status = self.deleting_status(obj, Phase.HELD, extra=[cond], held_by=held_by)
         await self.apply(obj, status, deleting=True)
-        await self.event(obj, Reason.ORPHAN_SURVIVOR, message, "Warning")
+        await self.event(obj, held.reason, message, "Warning")
         self.say_limited(
             f"survivors:{obj['metadata']['uid']}",
             "deletion_held",
-            reason=Reason.ORPHAN_SURVIVOR,
+            reason=held.reason,
             object="/".join(key),
-            survivors=" ".join(str(s.pid) for s in survivors),
+            survivors=" ".join(str(s.pid) for s in held.survivors) or None,
+            records=len(held.refused) or None,
         )
 
     async def _held_in_use(self, obj: Obj, usage: Usage) -> None:

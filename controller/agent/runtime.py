@@ -63,7 +63,7 @@ class Agent:
         root: Root,
         agent_metrics: metrics.AgentMetrics,
         *,
-        kill: commands.Kill = os.kill,
+        kill: commands.Kill = commands.send,
     ) -> None:
         self.s = settings
         self.kube = client
