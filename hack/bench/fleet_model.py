@@ -6,7 +6,8 @@
 Four sections, each line with the machine's load average beside it (nothing is asserted):
 
 - objects: N RetainedSandboxes as a real node writes them (the agent's create with its finalizer and
-  labels, the agent's status apply, the controller's status apply from its own `decide()`), and at each N:
+  labels, the agent's status apply, the controller's status apply from its own `decide()`); past
+  `--api-objects`, copies of a real one's stored bytes written straight into etcd; and at each N:
   etcd's db size (`etcd_mvcc_db_total_size_in_bytes`) as it is and after a compaction and defrag through
   etcd's HTTP gateway, the bytes of one object as kube-apiserver returns it and as etcd stores it, and
   kube-apiserver's RSS and Go heap.
