@@ -65,8 +65,8 @@ def crd(cluster: Any) -> None:
 
 
 class Node:
-    def __init__(self, cluster: Any, tmp: Path, label: str) -> None:
-        self.name = f"{label}-{secrets.token_hex(3)}"
+    def __init__(self, cluster: Any, tmp: Path, label: str, name: str | None = None) -> None:
+        self.name = name or f"{label}-{secrets.token_hex(3)}"
         cluster.create_node(self.name)
         self.root = Root(tmp / f"root-{label}")
         self.cluster = cluster
@@ -160,7 +160,7 @@ def agents(cluster: Any, namespace: str, tmp_path: Path) -> Iterator[Callable[..
     def start(
         node: Node, env: dict[str, str] | None = None, kubeconfig: Path | None = None, extra: list[str] | None = None
     ) -> AgentProcess:
-        log = tmp_path / f"agent-{node.name}-{len(started)}.log"
+        log = tmp_path / f"agent-{node.name[:60]}-{len(started)}.log"
         a = AgentProcess(cluster, node, namespace, log, env, kubeconfig, extra)
         started.append(a)
         return a
@@ -983,3 +983,49 @@ def test_the_agents_watch_gets_only_its_nodes_objects_from_the_api_server(cluste
     finally:
         client.close()
     assert {name for _, name in seen} == {"mine", "mine-later"}
+
+
+def test_the_longest_names_are_retained_adopted_opened_pinned_and_deleted(cluster, crd, namespace, tmp_path, agents):
+    """Every valid Kubernetes name works end to end (issue 12, item 11): a 253-character sandbox in a
+    63-character namespace on a 253-character node is retained on disk, adopted by the real agent (its node
+    label bounded), opened with `sandkeep exec`, pinned with kubectl, and deleted from disk on request."""
+    seed = secrets.token_hex(3)
+    sandkeep_exec = [sys.executable, "-m", "controller.cli", "exec"]
+
+    def longest(prefix: str) -> str:  # a 253-character DNS-1123 subdomain
+        part = (prefix + seed + "x" * 63)[:63]
+        return ".".join([part, part, part, part[:61]])
+
+    long_ns = (f"l{seed}" + "n" * 63)[:63]
+    name, node_name = longest("s"), longest("o")
+    cluster.kubectl("create", "namespace", long_ns)
+    node = Node(cluster, tmp_path, "long", name=node_name)
+    try:
+        src = tmp_path / "job-long"  # Node.retain names the source after both names: too long for one component
+        src.mkdir()
+        (src / "data.txt").write_text("payload")
+        node.root.retain(
+            src, long_ns, name, job_id="job-long", created_at=datetime.now(UTC), retention=timedelta(hours=1)
+        )
+        path = node.root.path / long_ns / name
+        a = agents(node)
+        obj = adopted(cluster, long_ns, name)
+        label = obj["metadata"]["labels"][c.LABEL_NODE]
+        assert len(label) <= 63 and obj["spec"]["nodeName"] == node_name
+        opened = subprocess.run(
+            [*sandkeep_exec, f"{long_ns}/{name}", "--root", str(node.root.path), "--", "cat", "data.txt"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert opened.returncode == 0 and opened.stdout == "payload", opened.stderr
+        cluster.kubectl("annotate", "rsb", name, "-n", long_ns, f"{c.ANN_PIN_FOR}=72h")
+        assert get(cluster, long_ns, name)["metadata"]["annotations"][c.ANN_PIN_FOR] == "72h"  # type: ignore[index]
+        delete(cluster, long_ns, name)
+        wait_for(lambda: get(cluster, long_ns, name) is None and not path.exists(), what="deleted from disk")
+        assert tombstones(node) == []
+        assert not re.search(r"(?<![.\d])422(?!\d)|Unprocessable", a.log())
+    finally:
+        cluster.kubectl("delete", "namespace", long_ns, "--wait=false", "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "node", node_name, "--wait=false", "--ignore-not-found", check=False)
