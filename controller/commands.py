@@ -774,9 +774,14 @@ def held_message(where: str, result: ReapResult, timeout: float) -> str:
 class Recorder:
     """Records one command's session (leader + every live descendant seen, at most MAX_MEMBERS) while it runs."""
 
-    def __init__(self, cfd: int, leader: Mark, boot: str, proc: Path = Path("/proc")) -> None:
+    def __init__(
+        self, cfd: int, leader: Mark, boot: str, proc: Path = Path("/proc"), *, subreaper: bool = False
+    ) -> None:
         self.cfd = cfd
         self.leader = leader
+        # `sandkeep exec` is the command's subreaper, so its orphans become the recorder's children and are
+        # walked from it; a recorder that is not (a test's, in a process with children of its own) is not.
+        self.subreaper = subreaper
         self.boot = boot
         self.proc = proc
         self.members: dict[int, Mark] = {}
@@ -801,7 +806,7 @@ class Recorder:
         if len(live_members) < len(self.members):
             self.members = live_members
             self.dirty = True
-        stack = [m.pid for m in live] + [os.getpid()]  # adopted orphans are our children (subreaper)
+        stack = [m.pid for m in live] + ([os.getpid()] if self.subreaper else [])  # adopted orphans: ours
         seen: set[int] = set()
         while stack:
             parent = stack.pop()
@@ -983,7 +988,7 @@ def _run_recorded(sandbox: Path, workspace: str, argv: list[str], label: str) ->
         leader_stat = _stat(Path("/proc"), child.pid)
         recorder = None
         if cfd is not None and boot is not None and leader_stat is not None:
-            recorder = Recorder(cfd, Mark(child.pid, leader_stat.start), boot)
+            recorder = Recorder(cfd, Mark(child.pid, leader_stat.start), boot, subreaper=True)
         elif cfd is None:
             logs.say(log, "commands_unrecorded", level=logging.WARNING, reason=Reason.IN_USE_UNKNOWN, sandbox=label)
         previous = {sig: signal.signal(sig, _forward(child)) for sig in _FORWARDED}

@@ -4,7 +4,9 @@ The hook's ServiceAccount, ClusterRole, Role and bindings are rendered by the re
 release and applied; `sandkeep uninstall` runs as a real process with a kubeconfig holding that
 ServiceAccount's TokenRequest token, so the RBAC is proven sufficient as well as needed. The agents'
 DaemonSet is a real DaemonSet (kube-controller-manager gives it a Pod on a Ready node, which no kubelet
-runs). The whole hook, Job and all, runs on the real node in tests/test_e2e.py.
+runs). The whole hook, Job and all, runs on the real node in tests/test_e2e.py. `sandkeep uninstall` acts
+on every RetainedSandbox of the cluster, so the module has a cluster of its own (the worker's shared one
+holds other tests' sandboxes).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controller_harness import install_crds, render_templates, wait_for
+from controller_harness import kube_for, render_templates, wait_for
 from localcluster import LocalCluster
+from own_cluster import own_cluster
 
 from controller import contracts as c
 from controller.durations import format_instant
@@ -93,9 +96,32 @@ class Bed:
         self.cluster.kubectl("delete", "node", self.node, "--ignore-not-found", "--wait=false", check=False)
 
 
+pytestmark = pytest.mark.xdist_group("uninstall")  # one cluster for the module, on one worker
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """This module's own control plane, with the CRDs (shadows the worker's shared one)."""
+    yield from own_cluster(tmp_path_factory.mktemp("uninstall-cluster"))
+
+
+@pytest.fixture
+def kube(cluster: LocalCluster) -> Iterator[Kube]:
+    client = kube_for(cluster)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster) -> Iterator[str]:
+    name = f"un-{secrets.token_hex(4)}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
 @pytest.fixture
 def hook_bed(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Callable[..., Bed]]:
-    install_crds(cluster)
     made: list[Bed] = []
 
     def make(*values: str) -> Bed:
