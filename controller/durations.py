@@ -97,8 +97,13 @@ def shift(when: datetime, delta: timedelta) -> datetime:
 
 
 def format_instant(when: datetime) -> str:
-    """The canonical form sandkeep writes: UTC, whole seconds, `Z`."""
-    return when.astimezone(UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """The canonical form sandkeep writes: UTC, whole seconds, `Z`. Total: an aware time at the very edge of
+    datetime's range (year 1 at +14:00) has no UTC inside it, and is written as that edge."""
+    try:
+        utc = when.astimezone(UTC)
+    except OverflowError:
+        utc = (datetime.min if when.year == datetime.min.year else datetime.max).replace(tzinfo=UTC)
+    return utc.replace(microsecond=0, tzinfo=None).isoformat() + "Z"
 
 
 def format_duration(delta: timedelta) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from hypothesis import given
@@ -226,3 +226,11 @@ def test_shift_is_total_and_saturates(when: datetime, delta: timedelta) -> None:
     moved = shift(when, delta)
     assert moved.tzinfo is UTC
     assert (moved >= when) if delta >= timedelta(0) else (moved <= when)
+
+
+def test_format_instant_is_total_at_the_edges_of_datetimes_range() -> None:
+    # Found by the rule's property test: year 1 at +14:00 is before UTC's year 1.
+    assert format_instant(datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=14)))) == "0001-01-01T00:00:00Z"
+    late = datetime(9999, 12, 31, 23, 59, tzinfo=timezone(-timedelta(hours=12)))
+    assert format_instant(late) == "9999-12-31T23:59:59Z"
+    assert format_instant(datetime(2026, 12, 2, 18, 0, 5, 999, tzinfo=UTC)) == "2026-12-02T18:00:05Z"
