@@ -405,6 +405,11 @@ def annotations_of(obj: Obj) -> dict[str, str]:
     return dict(obj.get("metadata", {}).get("annotations") or {})
 
 
+def finalizers(obj: Obj) -> list[str]:
+    """The object's finalizers (a copy; none is an empty list)."""
+    return list(obj.get("metadata", {}).get("finalizers") or [])
+
+
 def is_deleting(obj: Obj) -> bool:
     return bool(obj.get("metadata", {}).get("deletionTimestamp"))
 

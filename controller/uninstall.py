@@ -29,16 +29,12 @@ from collections.abc import Callable, Iterator
 from controller import contracts as c
 from controller import kube, logs
 from controller.durations import Invalid, parse_duration
-from controller.kube import Kube, KubeError, Obj
+from controller.kube import Kube, KubeError, Obj, finalizers
 
 log = logging.getLogger("sandkeep.uninstall")
 POLL = 1.0  # seconds between looks while waiting
 SHOWN = 20  # sandboxes named when some are left
 PAGE = 500  # objects per list request: memory stays bounded however many sandboxes there are
-
-
-def finalizers(obj: Obj) -> list[str]:
-    return list(obj["metadata"].get("finalizers") or [])
 
 
 def _ref(obj: Obj) -> str:

@@ -22,17 +22,13 @@ from controller import kube
 from controller.contracts import FINALIZER, Condition, Reason, ReleasePriority
 from controller.durations import instant_or_none
 from controller.inuse import Usage
-from controller.kube import Obj
+from controller.kube import Obj, finalizers
 from controller.pressure import Candidate
 from controller.reaper import Claim, Clear, Fate, Finish, Keep
 
 Key = tuple[str, str]
 OWNED_CONDITIONS = (Condition.DISK_PRESENT, Condition.IN_USE, Condition.TOMBSTONE_STUCK, Condition.ORPHANS_SURVIVED)
 OWNED_FIELDS = ("sizeBytes", "size", "fileCount", "inUse", "heldBy", "tombstone")
-
-
-def finalizers(obj: Obj) -> list[str]:
-    return list(obj.get("metadata", {}).get("finalizers") or [])
 
 
 # --- one object ----------------------------------------------------------------------------------------

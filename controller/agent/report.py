@@ -19,11 +19,11 @@ from enum import Enum
 from typing import Any
 
 from controller import commands, kube, logs
-from controller.agent.decide import finalizers, status_changed
+from controller.agent.decide import status_changed
 from controller.agent.state import Part
 from controller.contracts import FINALIZER, Condition, Phase, Reason
 from controller.inuse import Usage
-from controller.kube import AGENT_MANAGER, KubeError, Obj
+from controller.kube import AGENT_MANAGER, KubeError, Obj, finalizers
 from controller.reaper import Deleted, Held, Outcome, Reaper, Refused, Restored, Stuck
 from controller.sizes import human_size
 from controller.store import Tombstone

@@ -29,7 +29,7 @@ from controller import commands, kube, leases, logs, metrics, watching
 from controller import contracts as c
 from controller.agent import watch
 from controller.agent.adoption import Adopter
-from controller.agent.decide import Key, Step, claim_of, discount_orphans, fate, finalizers, next_step, observe
+from controller.agent.decide import Key, Step, claim_of, discount_orphans, fate, next_step, observe
 from controller.agent.quarantine import Quarantine
 from controller.agent.relief import Relief
 from controller.agent.report import After, Reporter, orphan_report
@@ -45,7 +45,7 @@ from controller.agent.sizer import Sizer
 from controller.agent.state import AgentState, Shared, slim
 from controller.contracts import FINALIZER, Phase, Reason
 from controller.inuse import Usage, scan_usage
-from controller.kube import Kube, KubeError, Obj
+from controller.kube import Kube, KubeError, Obj, finalizers
 from controller.reaper import Held, Hooks, Outcome, Reaper, Refused, Renamed, Target
 from controller.store import Root, Tombstone
 from controller.workqueue import WorkQueue
