@@ -21,6 +21,10 @@ POLICY_KIND = "SandboxPolicy"
 POLICY_PLURAL = "sandboxpolicies"
 POLICY_SINGULAR = "sandboxpolicy"
 POLICY_SHORT = "sbp"
+SESSION_KIND = "SandboxSession"
+SESSION_PLURAL = "sandboxsessions"
+SESSION_SINGULAR = "sandboxsession"
+SESSION_SHORT = "sbs"
 CATEGORY = "sandkeep"
 
 # --- Annotations, labels, finalizer, leases ------------------------------------------------------------
@@ -39,6 +43,15 @@ AGENT_LEASE_PREFIX = "sandkeep-agent-"  # + node name: the per-node heartbeat
 ANN_ORPHAN_TOMBSTONES = f"{GROUP}/orphan-tombstones"  # on an agent's heartbeat Lease: JSON list, for doctor
 ANN_PRESSURE = f"{GROUP}/pressure"  # on an agent's heartbeat Lease: JSON, the node's unrelieved disk pressure
 ANN_QUARANTINE = f"{GROUP}/quarantine"  # on an agent's heartbeat Lease: JSON, the node's unadoptable entries
+
+# A session's Pod (controller/sessions.py), in the namespace the chart owns for them: labels the controller
+# selects its Pods, Roles and RoleBindings by, and the one container and mount path the agent verifies.
+LABEL_SESSION_UID = f"{GROUP}/session-uid"  # the SandboxSession's uid
+LABEL_SANDBOX_UID = f"{GROUP}/sandbox-uid"  # the RetainedSandbox's uid: how the agent finds a session's Pod
+ANN_SESSION = f"{GROUP}/session"  # on a session's Pod, Role, RoleBinding: `<namespace>/<name>` of the session
+ANN_SANDBOX = f"{GROUP}/sandbox"  # on a session's Pod: `<namespace>/<name>` of the sandbox it mounts
+SESSION_CONTAINER = "session"
+SESSION_MOUNT = "/sandbox"  # where a session's container sees the sandbox's workspace
 
 # --- On disk -------------------------------------------------------------------------------------------
 MANIFEST_NAME = "manifest.json"
@@ -59,6 +72,23 @@ class Phase(StrEnum):
     DELETING = "Deleting"
     STUCK = "Stuck"
     LOST = "Lost"
+
+
+class SessionPhase(StrEnum):
+    """`status.phase` of a SandboxSession."""
+
+    PENDING = "Pending"  # accepted; its Pod is being started, or started and not yet verified by the agent
+    RUNNING = "Running"  # its Pod runs on the sandbox's node with the workspace verified; exec is granted
+    REFUSED = "Refused"  # never started: the reason says why (expired, being deleted, ...)
+    ENDED = "Ended"  # started, then ended: lifetime over, the Pod ended, or the mount was not the sandbox's
+
+
+class MountCheck(StrEnum):
+    """`status.sessions[].mount` of a RetainedSandbox: what the node agent found a session's Pod mounted."""
+
+    VERIFIED = "Verified"  # the container's /sandbox is the sandbox's workspace (same device and inode)
+    MISMATCH = "Mismatch"  # it is some other directory: the session is ended, nothing is granted
+    UNKNOWN = "Unknown"  # the container's processes could not be read yet: checked again
 
 
 class ReleasePriority(StrEnum):
@@ -183,6 +213,18 @@ class Reason(StrEnum):
     # unadoptable entries (issue 12)
     QUARANTINED = "Quarantined"  # no object can own it (its cause says why): kept for the grace, then deleted
     QUARANTINE_EXPIRED = "QuarantineExpired"  # deleted: unadoptable for the whole of --quarantine-grace
+    # sessions (issue 13): why a SandboxSession was refused or ended (with EXPIRED, LOST, TOMBSTONE_STUCK,
+    # ORPHAN_SURVIVOR of the sandbox it names)
+    SANDBOX_NOT_FOUND = "SandboxNotFound"  # no RetainedSandbox of that name in the session's namespace
+    SANDBOX_DELETING = "SandboxDeleting"  # the sandbox is being deleted: a deletion is final
+    SESSION_STARTING = "SessionStarting"  # its Pod is being created, started or verified
+    SESSION_RUNNING = "SessionRunning"  # its Pod runs with the sandbox's workspace verified
+    MOUNT_MISMATCH = "MountMismatch"  # the directory the Pod mounted is not the sandbox's workspace
+    LIFETIME_ENDED = "LifetimeEnded"  # the session's lifetime is over: its Pod is deleted
+    POD_ENDED = "PodEnded"  # its Pod ended or was deleted
+    IMAGE_PULL_FAILED = "ImagePullFailed"  # its Pod's image cannot be pulled (a typo? a private registry?)
+    SESSIONS_UNGUARDED = "SessionsUnguarded"  # the admission policy that proves who asked is not installed
+    BAD_SESSION = "BadSession"  # a field the controller cannot use (its lifetime, over the cap, ...)
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------

@@ -36,9 +36,9 @@ T = TypeVar("T")
 
 
 def install_crds(cluster: Any) -> None:
-    """Apply both CRDs and wait until they are Established (idempotent: every test module calls it)."""
+    """Apply every CRD and wait until they are Established (idempotent: every test module calls it)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
-    crds = (f"crd/{c.SANDBOX_PLURAL}.{c.GROUP}", f"crd/{c.POLICY_PLURAL}.{c.GROUP}")
+    crds = (f"crd/{plural}.{c.GROUP}" for plural in (c.SANDBOX_PLURAL, c.POLICY_PLURAL, c.SESSION_PLURAL))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
 
 

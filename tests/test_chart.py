@@ -192,6 +192,7 @@ def test_defaults_render_every_component(tools: Path) -> None:
         "ConfigMap/sk-sandkeep-agent-seccomp",
         f"{CRD_KIND}/{c.SANDBOX_PLURAL}.{c.GROUP}",
         f"{CRD_KIND}/{c.POLICY_PLURAL}.{c.GROUP}",
+        f"{CRD_KIND}/{c.SESSION_PLURAL}.{c.GROUP}",
         "DaemonSet/sk-sandkeep-agent",
         "Deployment/sk-sandkeep-controller",
         "Job/sk-sandkeep-uninstall",

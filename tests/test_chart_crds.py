@@ -33,7 +33,7 @@ HAND_OVER = "# Hand the CRDs to the release sandkeep in namespace sandkeep (once
 
 pytestmark = pytest.mark.xdist_group("chart-crds")  # one cluster for the module, on one worker
 
-CRDS = (f"{c.SANDBOX_PLURAL}.{c.GROUP}", f"{c.POLICY_PLURAL}.{c.GROUP}")
+CRDS = tuple(f"{plural}.{c.GROUP}" for plural in (c.SANDBOX_PLURAL, c.POLICY_PLURAL, c.SESSION_PLURAL))
 
 
 @pytest.fixture(scope="module")
