@@ -50,6 +50,7 @@ LABEL_SESSION_UID = f"{GROUP}/session-uid"  # the SandboxSession's uid
 LABEL_SANDBOX_UID = f"{GROUP}/sandbox-uid"  # the RetainedSandbox's uid: how the agent finds a session's Pod
 ANN_SESSION = f"{GROUP}/session"  # on a session's Pod, Role, RoleBinding: `<namespace>/<name>` of the session
 ANN_SANDBOX = f"{GROUP}/sandbox"  # on a session's Pod: `<namespace>/<name>` of the sandbox it mounts
+ANN_VERIFY_SESSION = f"{GROUP}/verify-session"  # on a sandbox: a session Pod's uid the agent should verify now
 SESSION_CONTAINER = "session"
 SESSION_MOUNT = "/sandbox"  # where a session's container sees the sandbox's workspace
 

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, TypeVar
 
 import kopf
@@ -61,6 +61,7 @@ from controller.policy import Ceiling, Policy, Quota, Verdict, deadline, effecti
 from controller.policyset import in_force, write_statuses
 from controller.pressure import Candidate
 from controller.quota import choose as quota_plan
+from controller.sessions import Sessions, SessionSettings
 from controller.workqueue import WorkQueue
 
 log = logging.getLogger("sandkeep.controller")
@@ -118,6 +119,27 @@ class ControllerSettings(models.Settings):
     quota_max_count: Annotated[int, Field(ge=0)] | None = None
     quota_ceiling_bytes: HumanSize | None = None
     quota_ceiling_count: Annotated[int, Field(ge=0)] | None = None
+    # SandboxSessions (controller/sessions.py): the namespace their Pods run in (empty: sessions are not
+    # served), the nodes' sandbox root, the default image, the longest lifetime, the uid a session runs
+    # as when its workspace's owner is not known, and the admission policy binding proving who asked.
+    sessions_namespace: str = ""
+    sessions_root: str = "/var/lib/sandkeep"
+    sessions_image: str = ""
+    sessions_max_lifetime: HumanDuration = timedelta(hours=8)
+    sessions_run_as_user: Annotated[int, Field(ge=1)] = 65534
+    sessions_admission_binding: str = ""
+
+    def session_settings(self) -> SessionSettings | None:
+        if not self.sessions_namespace:
+            return None
+        return SessionSettings(
+            namespace=self.sessions_namespace,
+            root=PurePosixPath(self.sessions_root),
+            image=self.sessions_image,
+            max_lifetime=self.sessions_max_lifetime,
+            run_as_user=self.sessions_run_as_user,
+            admission_binding=self.sessions_admission_binding,
+        )
 
     def policy(self) -> Policy:
         return replace(super().policy(), quota=Quota(self.quota_max_bytes, self.quota_max_count))
@@ -426,10 +448,18 @@ class Reconciler:
         self._dropping: float | None = None  # since when Events are being dropped (the backlog is full)
         # Events get their own few threads: under load they queue there, never in front of a DELETE.
         self._events_pool = ThreadPoolExecutor(4, "events")
+        session_settings = settings.session_settings()
+        self.sessions = None if session_settings is None else Sessions(kube, session_settings, self.expired)
 
     # --- feeding the view ----------------------------------------------------------------------------------
+    def expired(self, obj: Obj, now: datetime) -> bool:
+        """The one rule's answer for a sandbox, as this controller applies it (its namespace's policy)."""
+        return decide(obj, self.context(obj, now), now).verdict.expired
+
     def on_sandbox(self, event_type: str | None, obj: Obj) -> None:
         key = key_of(obj)
+        if self.sessions is not None:
+            self.sessions.on_sandbox(obj)
         self.check_quota(key[0])
         if event_type == "DELETED":
             self._would_release.discard(obj["metadata"].get("uid", ""))
@@ -535,6 +565,10 @@ class Reconciler:
             return {"object": f"{key[0]}/{key[1]}"}
 
         await self._serve(self.queue, self.reconcile, "controller", "reconcile_failed", failed)
+
+    async def sessions_worker(self) -> None:
+        assert self.sessions is not None
+        await self._serve(self.sessions.queue, self.sessions.reconcile, "sessions", "session_failed", _session_fields)
 
     async def _serve(
         self,
@@ -942,6 +976,10 @@ async def _seam(obj: Obj) -> None:
         await asyncio.sleep(0.02)
 
 
+def _session_fields(key: Key) -> dict[str, Any]:
+    return {"session": f"{key[0]}/{key[1]}"}
+
+
 # --- the watches -----------------------------------------------------------------------------------------
 def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
     """The controller's watches (controller/watching.py): each event feeds the view and never writes to the
@@ -957,14 +995,19 @@ def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
     async def node_event(event_type: str | None, obj: Obj) -> None:
         rec.on_node(event_type, obj)
 
-    return watching.registry(
-        rec.kube,
-        {
-            (c.GROUP, c.VERSION, c.SANDBOX_PLURAL): sandbox_event,
-            (c.GROUP, c.VERSION, c.POLICY_PLURAL): policy_event,
-            ("v1", "nodes"): node_event,
-        },
-    )
+    watches: dict[tuple[str, ...], watching.Handler] = {
+        (c.GROUP, c.VERSION, c.SANDBOX_PLURAL): sandbox_event,
+        (c.GROUP, c.VERSION, c.POLICY_PLURAL): policy_event,
+        ("v1", "nodes"): node_event,
+    }
+    if rec.sessions is not None:
+        sessions = rec.sessions
+
+        async def session_event(event_type: str | None, obj: Obj) -> None:
+            sessions.on_session(event_type, obj)
+
+        watches[c.GROUP, c.VERSION, c.SESSION_PLURAL] = session_event
+    return watching.registry(rec.kube, watches)
 
 
 async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None) -> Reconciler:
@@ -986,6 +1029,8 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
         if leading:
             rec.enqueue_all()
             rec.check_all_quotas()
+            if rec.sessions is not None:
+                rec.sessions.collect_all()
             # Off the election's loop: renewing the Lease never waits on these writes.
             statuses.add(task := asyncio.create_task(rec.write_all_policy_statuses(), name="policy-statuses"))
             task.add_done_callback(statuses.discard)
@@ -994,6 +1039,9 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
     rec.is_leader = lambda: elector.is_leader
     tasks = [asyncio.create_task(rec.worker(), name=f"worker-{i}") for i in range(settings.workers)]
     tasks.append(asyncio.create_task(rec.quota_worker(), name="quotas"))
+    if rec.sessions is not None:
+        rec.sessions.is_leader = rec.is_leader
+        tasks.append(asyncio.create_task(rec.sessions_worker(), name="sessions"))
 
     def healthy() -> bool:
         return all(not t.done() for t in tasks)
@@ -1057,6 +1105,14 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kube-burst", type=int, help="API requests at once above the average (default 200)")
     parser.add_argument("--identity", help="leader-election identity (default hostname_pid)")
+    parser.add_argument("--sessions-namespace", help="namespace session Pods run in (default: sessions off)")
+    parser.add_argument("--sessions-root", help="the nodes' sandbox root, as the agents' --root")
+    parser.add_argument("--sessions-image", help="image of a session that names none")
+    parser.add_argument("--sessions-max-lifetime", help="longest session lifetime (default 8h)")
+    parser.add_argument("--sessions-run-as-user", type=int, help="uid of a session whose workspace owner is unknown")
+    parser.add_argument(
+        "--sessions-admission-binding", help="ValidatingAdmissionPolicyBinding that proves a session's user"
+    )
 
 
 def settings_from(args: argparse.Namespace) -> ControllerSettings:

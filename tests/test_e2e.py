@@ -288,6 +288,52 @@ def test_killing_the_agent_mid_delete_and_the_leader_loses_nothing(bed: Bed) -> 
     assert holder.split("_")[0] != leader
 
 
+def open_session(bed: Bed, sandbox: str, user: str, *, as_user: str | None = None, **spec: Any) -> dict[str, Any]:
+    """Create a SandboxSession as `as_user` (admin: None) and wait until it runs; its status."""
+    body = {
+        "apiVersion": c.API_VERSION,
+        "kind": c.SESSION_KIND,
+        "metadata": {"name": f"look-{sandbox}", "namespace": NS},
+        "spec": {"sandbox": sandbox, "user": user, **spec},
+    }
+    impersonate = [f"--as={as_user}"] if as_user else []
+    bed.kubectl(*impersonate, "create", "-f", "-", input=json.dumps(body))
+
+    def running() -> dict[str, Any] | None:
+        status = bed.get(c.SESSION_PLURAL, f"look-{sandbox}", "-n", NS).get("status") or {}
+        assert status.get("phase") not in (c.SessionPhase.REFUSED, c.SessionPhase.ENDED), status
+        return status if status.get("phase") == c.SessionPhase.RUNNING else None
+
+    return eventually(running, f"session look-{sandbox} Running", timeout=120)
+
+
+def test_a_session_opens_a_retained_sandbox_read_only_for_its_user_alone(bed: Bed) -> None:
+    path = retain_job(bed, "run-9", "1h")
+    eventually(lambda: rsb(bed, "run-9"), "adoption")
+    alice = "alice@example.com"
+    bed.kubectl("create", "rolebinding", "alice-edits", "--clusterrole=edit", f"--user={alice}", "-n", NS)
+    say(f"{alice} (edit in {NS}) opens run-9: a Pod on {bed.node_name} with its workspace at /sandbox")
+    status = open_session(bed, "run-9", alice, as_user=alice)
+    pod, pod_ns = status["podName"], status["podNamespace"]
+    obj = rsb(bed, "run-9")
+    assert obj is not None
+    (check,) = obj["status"]["sessions"]
+    assert check["mount"] == c.MountCheck.VERIFIED and check["pod"] == f"{pod_ns}/{pod}"
+    as_alice = (f"--as={alice}", "exec", "-n", pod_ns, pod, "-c", c.SESSION_CONTAINER, "--")
+    assert bed.kubectl(*as_alice, "cat", "/sandbox/logs/result.txt").stdout == "build ok\n"
+    refused = bed.kubectl(*as_alice, "touch", "/sandbox/new-file", check=False)
+    assert refused.returncode != 0 and "Read-only file system" in refused.stderr
+    assert not bed.exists(path / "workspace" / "new-file")
+    bob = ("--as=bob@example.com", "exec", "-n", pod_ns, pod, "-c", c.SESSION_CONTAINER, "--", "true")
+    assert "forbidden" in bed.kubectl(*bob, check=False).stderr, "exec is granted to the session's user alone"
+    eventually(lambda: any(pod in h for h in (rsb(bed, "run-9") or {}).get("status", {}).get("heldBy", [])), "the hold")
+    say("end the session: its Pod and its grant go, and nothing holds run-9 any more")
+    bed.kubectl("delete", c.SESSION_PLURAL, "look-run-9", "-n", NS)
+    eventually(lambda: bed.kubectl("get", "pod", pod, "-n", pod_ns, check=False).returncode != 0, "the Pod gone")
+    assert bed.kubectl("get", "rolebinding", pod, "-n", pod_ns, check=False).returncode != 0
+    assert bed.exists(path)
+
+
 def test_helm_uninstall_stops_the_agents_and_strands_nothing(bed: Bed) -> None:
     """Last, since it removes the chart: the pre-delete hook Job runs `sandkeep uninstall` on the node, so the
     agents stop before their finalizer is removed; the sandbox's directory stays (uninstall.sandboxes=keep),

@@ -20,14 +20,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from controller import commands, kube, leases, logs, metrics, watching
 from controller import contracts as c
-from controller.agent import watch
+from controller.agent import sessions, watch
 from controller.agent.adoption import Adopter
 from controller.agent.decide import Key, Step, claim_of, discount_orphans, fate, next_step, observe
 from controller.agent.quarantine import Quarantine
@@ -43,9 +43,9 @@ from controller.agent.settings import (
 )
 from controller.agent.sizer import Sizer
 from controller.agent.state import AgentState, Shared, slim
-from controller.contracts import FINALIZER, Phase, Reason
+from controller.contracts import FINALIZER, MountCheck, Phase, Reason
 from controller.inuse import Usage, scan_usage
-from controller.kube import Kube, KubeError, Obj, finalizers
+from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj, finalizers, now_utc
 from controller.reaper import Held, Hooks, Outcome, Reaper, Refused, Renamed, Target
 from controller.store import Root, Tombstone
 from controller.workqueue import WorkQueue
@@ -202,7 +202,8 @@ class Agent:
         self.m.scan_duration.labels(self.s.node).observe(time.monotonic() - t0)
         keys = {(e.namespace, e.name): e.path for e in scan.sandboxes}
         self.state.present = set(keys)
-        pods = await asyncio.to_thread(self._pod_paths) or []  # a deletion asks again, and holds without them
+        listed = await asyncio.to_thread(self._pods)
+        pods = self._pod_paths(listed) or []  # a deletion asks again, and holds without them
         usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
         self.m.inuse_scans.labels(self.s.node).inc()
         self.state.usage = await asyncio.to_thread(discount_orphans, usage, keys, commands.orphan_pids)
@@ -210,6 +211,7 @@ class Agent:
         self.sizer.request(keys)
         self._prune(set(keys))
         await self.process_many(list(self.state.objects))
+        await self.verify_sessions(listed)
         await self.relief.relieve()
         await self.quarantine.tend(scan.strays, refused)
         self.report.node_metrics(scan.tombstones, self.reaper)
@@ -242,21 +244,81 @@ class Agent:
 
         await asyncio.gather(*(one(k) for k in keys))
 
-    def _pod_paths(self) -> list[tuple[str, Path]] | None:
-        """hostPath volumes of the Pods on this node: a Pod that mounts a sandbox uses it. None: unlisted."""
+    def _pods(self) -> list[Obj] | None:
+        """The Pods on this node. None: unlisted."""
         try:
             pods = self.kube.request("GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={self.s.node}"})
         except KubeError as err:
             # Without the Pod list a mount cannot be ruled out: holds come from /proc alone this pass.
             self.report.say_limited("pods", "pods_unlisted", reason=Reason.IN_USE_UNKNOWN, error=str(err)[:200])
             return None
+        items: list[Obj] = pods.get("items", [])
+        return items
+
+    def _pod_paths(self, pods: list[Obj] | None = None) -> list[tuple[str, Path]] | None:
+        """hostPath volumes of the Pods on this node: a Pod that mounts a sandbox uses it. None: unlisted."""
+        pods = self._pods() if pods is None else pods
+        if pods is None:
+            return None
         out = []
-        for pod in pods.get("items", []):
+        for pod in pods:
             meta = pod.get("metadata", {})
             for vol in (pod.get("spec") or {}).get("volumes") or []:
                 hp = (vol.get("hostPath") or {}).get("path")
                 if hp:
                     out.append((f"{meta.get('namespace')}/{meta.get('name')}", Path(hp)))
+        return out
+
+    async def verify_sessions(self, pods: list[Obj] | None, keys: Iterable[Key] | None = None) -> None:
+        """Write `status.sessions` of these sandboxes (all: None) from the session Pods on this node."""
+        if pods is None or not self.s.sessions_namespace:
+            return
+        by_uid = sessions.session_pods(pods, self.s.sessions_namespace)
+        for key in list(self.state.objects) if keys is None else keys:
+            obj = self.state.objects.get(key)
+            if obj is None or kube.is_deleting(obj):
+                continue
+            current = (obj.get("status") or {}).get("sessions") or []
+            mine = by_uid.get(obj["metadata"]["uid"], [])
+            if not mine and not current:
+                continue
+            known = {e.get("podUID"): e for e in current}
+            proc, root = Path("/proc"), Path(self.root.path)
+            found = await asyncio.to_thread(sessions.entries, obj, mine, root, proc, now_utc(), known)
+            if found == current:
+                continue
+            manager = AGENT_MANAGER + sessions.SESSIONS_MANAGER_SUFFIX
+            updated = await asyncio.to_thread(self.kube.apply_status, obj, {"sessions": found}, manager)
+            self.state.remember(updated)
+            for entry in found:
+                if known.get(entry["podUID"], {}).get("mount") != entry["mount"]:
+                    logs.say(
+                        log,
+                        "session_mount_checked",
+                        level=logging.INFO if entry["mount"] == MountCheck.VERIFIED else logging.WARNING,
+                        reason=Reason.SESSION_RUNNING
+                        if entry["mount"] == MountCheck.VERIFIED
+                        else Reason.MOUNT_MISMATCH,
+                        object="/".join(key),
+                        pod=entry["pod"],
+                        mount=entry["mount"],
+                    )
+
+    def _unverified(self, keys: list[Key]) -> list[Key]:
+        """The keys whose sandbox the controller asked to verify a session Pod of, not yet settled."""
+        out = []
+        for key in keys:
+            obj = self.state.objects.get(key)
+            asked = kube.annotations_of(obj or {}).get(c.ANN_VERIFY_SESSION)
+            if obj is None or not asked:
+                continue
+            settled = {
+                e.get("podUID")
+                for e in (obj.get("status") or {}).get("sessions") or []
+                if e.get("mount") != MountCheck.UNKNOWN
+            }
+            if asked not in settled:
+                out.append(key)
         return out
 
     # --- one object ------------------------------------------------------------------------------------
@@ -270,6 +332,8 @@ class Agent:
         the pipeline's looks together, so a wave of deletions shares one /proc pass instead of one each.
         A failed key is retried with backoff and said (`raising`: the error is raised instead)."""
         steps: dict[Key, tuple[Obj, Tombstone | None, Step]] = {}
+        if asked := self._unverified(keys):
+            await self.verify_sessions(await asyncio.to_thread(self._pods), asked)
 
         async def look(key: Key) -> None:
             obj = self.state.objects.get(key)

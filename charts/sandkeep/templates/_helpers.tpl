@@ -114,3 +114,8 @@ sandkeep/{{ include "sandkeep.agentSeccompFile" . }}
 {{- define "sandkeep.agentSeccompFile" -}}
 {{ include "sandkeep.fullname" . }}-agent.json
 {{- end }}
+
+{{/* The namespace session Pods run in. */}}
+{{- define "sandkeep.sessionsNamespace" -}}
+{{- default (printf "%s-sessions" .Release.Namespace) .Values.sessions.namespace }}
+{{- end }}

@@ -1,0 +1,132 @@
+"""The node's half of a SandboxSession: prove that a session Pod's /sandbox is its sandbox's workspace.
+
+The kubelet resolves a hostPath through links, so the directory a session's container sees may not be
+the sandbox's (its workspace swapped for a link, or the sandbox swept and another retained under the same
+name). The controller grants exec only once this module has compared, by device and inode, what one of
+the container's own processes sees at /sandbox (through `/proc/<pid>/root`) with the workspace opened
+here without following any link. Only Pods of the sessions namespace the agent is configured with are
+looked at (nobody else may create Pods there); the answer lands in the sandbox's `status.sessions`,
+written by the agent alone (its own field manager, so the main status apply never drops it).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from pathlib import Path
+
+from controller import contracts as c
+from controller.contracts import MountCheck
+from controller.durations import format_instant
+from controller.fsdelete import open_no_symlinks
+from controller.kube import Obj
+
+SESSIONS_MANAGER_SUFFIX = "-sessions"
+MAX_CGROUP_BYTES = 64 * 1024  # a cgroup file is a few lines; more is not one
+MAX_SESSIONS = 16  # per sandbox, as the CRD allows
+_CONTAINER_ID = re.compile(r"^[a-z0-9]+://([0-9a-f]{64})$")
+
+Identity = tuple[int, int]  # (st_dev, st_ino)
+
+
+def container_id(pod: Obj) -> str | None:
+    """The running session container's id (64 hex digits), None while it is not running."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == c.SESSION_CONTAINER and "running" in (status.get("state") or {}):
+            found = _CONTAINER_ID.match(str(status.get("containerID") or ""))
+            return found.group(1) if found else None
+    return None
+
+
+def pids_of(container: str, proc: Path) -> list[int]:
+    """The processes whose cgroup names the container (every cgroup driver puts its id in the path)."""
+    found = []
+    with os.scandir(proc) as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with (Path(entry.path) / "cgroup").open("rb") as f:
+                    text = f.read(MAX_CGROUP_BYTES)
+            except OSError:
+                continue  # ended meanwhile, or not ours to read
+            if container.encode() in text:
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def seen_by(pid: int, proc: Path) -> Identity | None:
+    """What the process sees at /sandbox, by device and inode (its mount namespace, its root)."""
+    try:
+        st = (proc / str(pid) / f"root{c.SESSION_MOUNT}").lstat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def workspace_of(root: Path, namespace: str, name: str) -> Identity | OSError | None:
+    """The sandbox's workspace by device and inode, no link followed anywhere; None: it is not there."""
+    try:
+        fd = open_no_symlinks(root / namespace / name / c.WORKSPACE_DIR)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:  # ELOOP (a link on the way) is an answer too: it is not the sandbox's
+        return None if err.errno == errno.ELOOP else err
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def check(pod: Obj, root: Path, namespace: str, name: str, proc: Path) -> MountCheck:
+    """Verified, Mismatch, or Unknown (not readable yet: asked again on the next pass)."""
+    container = container_id(pod)
+    if container is None:
+        return MountCheck.UNKNOWN
+    want = workspace_of(root, namespace, name)
+    if isinstance(want, OSError):
+        return MountCheck.UNKNOWN
+    for pid in pids_of(container, proc):
+        got = seen_by(pid, proc)
+        if got is not None:
+            return MountCheck.VERIFIED if want is not None and got == want else MountCheck.MISMATCH
+    return MountCheck.UNKNOWN
+
+
+def session_pods(pods: Iterable[Obj], namespace: str) -> dict[str, list[Obj]]:
+    """The sessions namespace's Pods on this node, by the uid of the sandbox they mount."""
+    out: dict[str, list[Obj]] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        uid = (meta.get("labels") or {}).get(c.LABEL_SANDBOX_UID)
+        if namespace and meta.get("namespace") == namespace and uid:
+            out.setdefault(uid, []).append(pod)
+    return out
+
+
+def entries(
+    sandbox: Obj, pods: list[Obj], root: Path, proc: Path, now: datetime, known: Mapping[str, Obj]
+) -> list[Obj]:
+    """`status.sessions` for this sandbox: one entry per session Pod; a settled answer is not read again."""
+    namespace, name = sandbox["metadata"]["namespace"], sandbox["metadata"]["name"]
+    out = []
+    for pod in pods[:MAX_SESSIONS]:
+        meta = pod["metadata"]
+        old = known.get(meta["uid"])
+        if old is not None and old.get("mount") in (MountCheck.VERIFIED, MountCheck.MISMATCH):
+            out.append(old)
+            continue
+        mount = check(pod, root, namespace, name, proc)
+        out.append(
+            {
+                "pod": f"{meta['namespace']}/{meta['name']}",
+                "podUID": meta["uid"],
+                "mount": str(mount),
+                "checkedAt": format_instant(now),
+            }
+        )
+    return out

@@ -1,0 +1,389 @@
+"""SandboxSessions: the pure decision, then a real controller against the real API server with the chart's
+session objects (namespace, Roles, admission policy) applied for one release.
+
+There is no kubelet here, so a session's Pod never starts: these tests cover every refusal, the Pod as the
+controller writes it, lifetime expiry, tear-down and who may do what. A Pod that really starts, is verified
+by the real agent and is opened with exec is tested on the real node (tests/test_e2e.py).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+from controller_harness import Controller, install_crds, instant, kube_for, only_in, render_templates, wait_for
+from localcluster import LocalCluster
+
+from controller import contracts as c
+from controller.contracts import MountCheck, Reason, SessionPhase
+from controller.durations import format_instant
+from controller.sessions import SessionSettings, decide, pod_body, session_path
+
+NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+SETTINGS = SessionSettings(namespace="sk-sessions", root=PurePosixPath("/var/lib/sandkeep"), image="sandkeep:test")
+
+
+# --- the pure decision ------------------------------------------------------------------------------------
+def session(lifetime: str = "1h", created: datetime = NOW, **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "namespace": "team",
+            "name": "s1",
+            "uid": "u-1",
+            "generation": 1,
+            "creationTimestamp": format_instant(created),
+            "resourceVersion": "1",
+        },
+        "spec": {"sandbox": "run-1", "user": "alice", "lifetime": lifetime},
+        "status": status,
+    }
+
+
+def sandbox(
+    phase: str = "Retained", deleting: bool = False, sessions: list[Any] | None = None, **extra: Any
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"namespace": "team", "name": "run-1", "uid": "sb-1"}
+    if deleting:
+        meta["deletionTimestamp"] = format_instant(NOW)
+    return {
+        "metadata": meta,
+        "spec": {"nodeName": "node-a"},
+        "status": {"phase": phase, "sessions": sessions or [], **extra},
+    }
+
+
+def pod(phase: str = "Running", running: bool = True, waiting: str | None = None) -> dict[str, Any]:
+    state: dict[str, Any] = {"running": {}} if running else {"waiting": {"reason": waiting or "ContainerCreating"}}
+    return {
+        "metadata": {"name": "session-u-1", "uid": "pod-1"},
+        "status": {"phase": phase, "containerStatuses": [{"name": c.SESSION_CONTAINER, "state": state}]},
+    }
+
+
+def plan(
+    s: dict[str, Any],
+    sb: dict[str, Any] | None,
+    p: dict[str, Any] | None = None,
+    *,
+    expired: bool = False,
+    guarded: bool = True,
+    now: datetime = NOW,
+) -> Any:
+    return decide(s, sb, p, expired=expired, guarded=guarded, now=now, settings=SETTINGS)
+
+
+@pytest.mark.parametrize(
+    ("sb", "expired", "reason"),
+    [
+        (None, False, Reason.SANDBOX_NOT_FOUND),
+        (sandbox(deleting=True), False, Reason.SANDBOX_DELETING),
+        (sandbox("Lost"), False, Reason.LOST),
+        (sandbox("Stuck"), False, Reason.TOMBSTONE_STUCK),
+        (
+            sandbox(conditions=[{"type": c.Condition.ORPHANS_SURVIVED, "status": "True", "message": "pid 7"}]),
+            False,
+            Reason.ORPHAN_SURVIVOR,
+        ),
+        (sandbox("Expired"), True, Reason.EXPIRED),
+    ],
+)
+def test_a_sandbox_that_cannot_be_opened_refuses_the_session_and_creates_nothing(
+    sb: dict[str, Any] | None, expired: bool, reason: Reason
+) -> None:
+    p = plan(session(), sb, expired=expired)
+    assert (p.status["phase"], p.status["reason"]) == (SessionPhase.REFUSED, reason)
+    assert not p.create_pod and not p.grant and p.teardown
+
+
+def test_unguarded_over_the_cap_and_unparsed_lifetimes_are_refused() -> None:
+    assert plan(session(), sandbox(), guarded=False).status["reason"] == Reason.SESSIONS_UNGUARDED
+    over = plan(session("9h"), sandbox())
+    assert over.status["reason"] == Reason.BAD_SESSION and "cap of 8h" in over.status["message"]
+    assert plan(session("soon"), sandbox()).status["reason"] == Reason.BAD_SESSION
+
+
+def test_a_session_starts_its_pod_then_waits_for_the_agent_then_grants() -> None:
+    first = plan(session(), sandbox())
+    assert first.create_pod and not first.grant and first.status["phase"] == SessionPhase.PENDING
+    starting = plan(session(), sandbox(), pod("Pending", running=False))
+    assert not starting.create_pod and "ContainerCreating" in starting.status["message"]
+    unverified = plan(session(), sandbox(), pod())
+    assert unverified.verify == "pod-1" and not unverified.grant and unverified.status["phase"] == SessionPhase.PENDING
+    verified = sandbox(sessions=[{"pod": "x/session-u-1", "podUID": "pod-1", "mount": MountCheck.VERIFIED}])
+    running = plan(session(), verified, pod())
+    assert running.grant and running.status["phase"] == SessionPhase.RUNNING
+    assert running.status["startedAt"] == format_instant(NOW)
+    assert running.wake_at == NOW + timedelta(hours=1)
+
+
+def test_a_mount_that_is_not_the_sandboxs_ends_the_session_without_a_grant() -> None:
+    swapped = sandbox(sessions=[{"pod": "x/session-u-1", "podUID": "pod-1", "mount": MountCheck.MISMATCH}])
+    p = plan(session(), swapped, pod())
+    assert (p.status["phase"], p.status["reason"]) == (SessionPhase.ENDED, Reason.MOUNT_MISMATCH)
+    assert not p.grant and p.teardown
+
+
+def test_lifetime_pod_end_pull_failure_and_deletion_end_a_started_session() -> None:
+    late = plan(session(), sandbox(), pod(), now=NOW + timedelta(hours=1))
+    assert (late.status["phase"], late.status["reason"]) == (SessionPhase.ENDED, Reason.LIFETIME_ENDED)
+    assert plan(session(), sandbox(), pod("Failed", running=False)).status["reason"] == Reason.POD_ENDED
+    pull = plan(session(), sandbox(), pod("Pending", running=False, waiting="ImagePullBackOff"))
+    assert pull.status["reason"] == Reason.IMAGE_PULL_FAILED and "sandkeep:test" in pull.status["message"]
+    assert plan(session(), sandbox(deleting=True), pod()).status["reason"] == Reason.SANDBOX_DELETING
+    gone = plan(session(phase=SessionPhase.RUNNING), sandbox(), None)
+    assert gone.status["reason"] == Reason.POD_ENDED
+
+
+def test_an_expired_sandbox_stays_open_for_a_running_session_and_a_settled_one_stays_settled() -> None:
+    verified = sandbox("Held", sessions=[{"pod": "x/session-u-1", "podUID": "pod-1", "mount": MountCheck.VERIFIED}])
+    assert plan(session(), verified, pod(), expired=True).status["phase"] == SessionPhase.RUNNING
+    ended = session(phase=SessionPhase.ENDED, reason=Reason.LIFETIME_ENDED)
+    assert plan(ended, sandbox(), pod()).status == ended["status"]
+
+
+def test_the_pod_mounts_the_workspace_from_the_configured_root_never_from_the_object() -> None:
+    sb = sandbox()
+    sb["spec"]["workspace"] = {"path": "/etc"}  # an editor can write spec; it is never read
+    body = pod_body(session(), sb, SETTINGS, NOW + timedelta(hours=1), NOW)
+    volume = body["spec"]["volumes"][0]["hostPath"]
+    assert volume == {"path": "/var/lib/sandkeep/team/run-1/workspace", "type": "Directory"}
+    container = body["spec"]["containers"][0]
+    assert container["volumeMounts"][0] == {"name": "workspace", "mountPath": "/sandbox", "readOnly": True}
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert body["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert body["spec"]["nodeName"] == "node-a" and body["spec"]["activeDeadlineSeconds"] == 3600
+    assert body["metadata"]["labels"][c.LABEL_SANDBOX_UID] == "sb-1"
+
+
+# --- a real controller, the chart's session objects --------------------------------------------------------
+@pytest.fixture
+def sbed(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Bed]:
+    install_crds(cluster)
+    release = f"ss{secrets.token_hex(3)}"
+    sessions_ns = f"{namespace}-s"[:63]
+    docs = render_templates(
+        release,
+        namespace,
+        ("sessions.yaml",),
+        only_in(namespace),
+        f"--set=sessions.namespace={sessions_ns}",
+        "--set=sessions.maxLifetime=1h",
+    )
+    cluster.apply(docs)
+    b = Bed(cluster, namespace, sessions_ns, release, tmp_path)
+    # A new admission policy takes effect a moment after it is created: wait until a forged user is refused.
+    wait_for("the session policy in force", lambda: b.open("x", "someone-else", dry_run=True).returncode or None)
+    yield b
+    b.stop()
+    # No kubelet here finishes a Pod's graceful deletion: remove them outright, then the namespace can go.
+    cluster.kubectl("delete", "pods", "--all", "-n", sessions_ns, "--grace-period=0", "--force", check=False)
+    for doc in docs:
+        if doc["kind"] in ("Namespace", "ClusterRole", "ClusterRoleBinding") or doc["kind"].startswith("Validating"):
+            cluster.kubectl("delete", doc["kind"], doc["metadata"]["name"], "--wait=false", check=False)
+
+
+class Bed:
+    def __init__(self, cluster: LocalCluster, namespace: str, sessions_ns: str, release: str, tmp: Path) -> None:
+        self.cluster, self.namespace, self.sessions_ns, self.release, self.tmp = (
+            cluster,
+            namespace,
+            sessions_ns,
+            release,
+            tmp,
+        )
+        self.kube = kube_for(cluster)
+        self.controllers: list[Controller] = []
+        self.admin = cluster.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout.strip()
+
+    def controller(self, *flags: str, binding: str | None = None) -> Controller:
+        ctl = Controller(
+            self.cluster,
+            self.namespace,
+            self.tmp / f"controller-{len(self.controllers)}.log",
+            f"--sessions-namespace={self.sessions_ns}",
+            "--sessions-image=sandkeep:test",
+            "--sessions-max-lifetime=1h",
+            f"--sessions-admission-binding={binding or self.release + '-sandkeep-sessions'}",
+            *flags,
+        )
+        self.controllers.append(ctl)
+        ctl.wait_leader()
+        return ctl
+
+    def stop(self) -> None:
+        for ctl in self.controllers:
+            ctl.stop()
+            print(f"----- {ctl.log_path.name}\n" + "\n".join(ctl.log().splitlines()[-60:]))
+
+    def sandbox(self, name: str, created: timedelta = timedelta(0), finalizer: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "apiVersion": c.API_VERSION,
+            "kind": c.SANDBOX_KIND,
+            "metadata": {"name": name, "namespace": self.namespace},
+            "spec": {"nodeName": "node-a", "createdAt": instant(-created)},
+        }
+        if finalizer:
+            body["metadata"]["finalizers"] = ["sandkeep.io/test-hold"]
+        return self.kube.create_sandbox(self.namespace, body)
+
+    def open(
+        self, sandbox: str, user: str | None = None, as_user: str | None = None, dry_run: bool = False, **spec: Any
+    ) -> subprocess.CompletedProcess[str]:
+        body = {
+            "apiVersion": c.API_VERSION,
+            "kind": c.SESSION_KIND,
+            "metadata": {"name": f"open-{sandbox}", "namespace": self.namespace},
+            "spec": {"sandbox": sandbox, "user": user or as_user or self.admin, **spec},
+        }
+        dry = ["--dry-run=server"] if dry_run else []
+        return self.cluster.kubectl("create", *dry, "-f", "-", input=json.dumps(body), as_user=as_user, check=False)
+
+    def session(self, name: str) -> dict[str, Any] | None:
+        try:
+            found: dict[str, Any] = self.kube.request("GET", session_path(self.namespace, name))
+        except Exception:
+            return None
+        return found
+
+    def phase(self, name: str, phase: SessionPhase, timeout: float = 30) -> dict[str, Any]:
+        def probe() -> dict[str, Any] | None:
+            s = self.session(name)
+            return s if s is not None and (s.get("status") or {}).get("phase") == phase else None
+
+        return wait_for(f"session {name} {phase}", probe, timeout)["status"]
+
+    def pods(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.cluster.kubectl_json("get", "pods", "-n", self.sessions_ns)["items"]
+        return items
+
+    def rbac(self) -> list[str]:
+        out = self.cluster.kubectl("get", "roles,rolebindings", "-n", self.sessions_ns, "-o", "name").stdout.split()
+        return [n for n in out if "/session-" in n]
+
+
+def test_refused_sessions_say_why_and_create_no_pod(sbed: Bed) -> None:
+    sbed.controller("--retention=1h", "--dry-run")  # dry-run: the expired sandbox stays to be refused
+    sbed.sandbox("old", created=timedelta(hours=2))
+    sbed.sandbox("going", finalizer=True)
+    sbed.kube.request("DELETE", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{sbed.namespace}/{c.SANDBOX_PLURAL}/going")
+    for sandbox, reason in (
+        ("nope", Reason.SANDBOX_NOT_FOUND),
+        ("old", Reason.EXPIRED),
+        ("going", Reason.SANDBOX_DELETING),
+    ):
+        assert sbed.open(sandbox).returncode == 0
+        status = sbed.phase(f"open-{sandbox}", SessionPhase.REFUSED)
+        assert status["reason"] == reason, status["message"]
+    assert "kubectl sandkeep pin old" in sbed.phase("open-old", SessionPhase.REFUSED)["message"]
+    assert sbed.pods() == [] and sbed.rbac() == []
+    sbed.cluster.kubectl(
+        "patch",
+        c.SANDBOX_PLURAL,
+        "going",
+        "-n",
+        sbed.namespace,
+        "--type=json",
+        "-p",
+        '[{"op":"remove","path":"/metadata/finalizers"}]',
+    )
+
+
+def test_a_session_runs_its_pod_on_the_sandboxs_node_and_ends_with_its_lifetime(sbed: Bed) -> None:
+    sbed.controller()
+    sb = sbed.sandbox("run-1")
+    assert sbed.open("run-1", lifetime="4s").returncode == 0
+    status = sbed.phase("open-run-1", SessionPhase.PENDING)
+    assert status["reason"] == Reason.SESSION_STARTING and status["nodeName"] == "node-a"
+    (p,) = wait_for("the session's Pod", lambda: sbed.pods() or None)
+    assert p["metadata"]["name"] == status["podName"] and p["spec"]["nodeName"] == "node-a"
+    assert p["metadata"]["labels"][c.LABEL_SANDBOX_UID] == sb["metadata"]["uid"]
+    hostpath = p["spec"]["volumes"][0]["hostPath"]
+    assert hostpath == {"path": f"/var/lib/sandkeep/{sbed.namespace}/run-1/workspace", "type": "Directory"}
+    assert p["spec"]["containers"][0]["volumeMounts"][0]["readOnly"] is True
+    assert sbed.rbac() == [], "no grant before the agent has verified the mount"
+    ended = sbed.phase("open-run-1", SessionPhase.ENDED, timeout=30)
+    assert ended["reason"] == Reason.LIFETIME_ENDED
+    wait_for("the Pod deleted", lambda: all("deletionTimestamp" in q["metadata"] for q in sbed.pods()) or None)
+
+
+def test_deleting_a_session_deletes_its_pod(sbed: Bed) -> None:
+    sbed.controller()
+    sbed.sandbox("run-2")
+    assert sbed.open("run-2", readWrite=True).returncode == 0
+    (p,) = wait_for("the session's Pod", lambda: sbed.pods() or None)
+    assert p["spec"]["containers"][0]["volumeMounts"][0].get("readOnly", False) is False
+    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "open-run-2", "-n", sbed.namespace)
+    wait_for("the Pod deleted", lambda: all("deletionTimestamp" in q["metadata"] for q in sbed.pods()) or None)
+
+
+def test_without_the_admission_policy_bound_sessions_are_refused(sbed: Bed) -> None:
+    sbed.controller(binding="not-installed")
+    sbed.sandbox("run-3")
+    assert sbed.open("run-3").returncode == 0
+    assert sbed.phase("open-run-3", SessionPhase.REFUSED)["reason"] == Reason.SESSIONS_UNGUARDED
+    assert sbed.pods() == []
+
+
+def test_an_editor_opens_for_themselves_only_and_gets_nothing_in_the_sessions_namespace(sbed: Bed) -> None:
+    alice = f"alice-{secrets.token_hex(2)}"
+    sbed.cluster.kubectl(
+        "create", "rolebinding", "alice-edits", "--clusterrole=edit", f"--user={alice}", "-n", sbed.namespace
+    )
+    wait_for(
+        "edit aggregating sessions",
+        lambda: "sandboxsessions" in sbed.cluster.kubectl("get", "clusterrole", "edit", "-o", "json").stdout or None,
+        timeout=30,
+    )
+    sbed.sandbox("run-4")
+    forged = sbed.open("run-4", user="bob", as_user=alice)
+    assert forged.returncode != 0
+    assert f'spec.user must be your own user name, "{alice}" (it is "bob")' in forged.stderr
+    over = sbed.open("run-4", as_user=alice, lifetime="2h")
+    assert over.returncode != 0 and "is over the cap of 1h" in over.stderr
+    bad = sbed.open("run-4", as_user=alice, lifetime="soon")
+    assert bad.returncode != 0 and "is not a duration" in bad.stderr
+    assert sbed.cluster.kubectl("get", c.SESSION_PLURAL, "-n", sbed.namespace, "-o", "name").stdout == ""
+    assert sbed.open("run-4", as_user=alice).returncode == 0
+
+    def can(*args: str) -> bool:
+        return bool(sbed.cluster.kubectl("auth", "can-i", *args, as_user=alice, check=False).stdout.strip() == "yes")
+
+    assert can("create", c.SESSION_PLURAL, "-n", sbed.namespace)
+    for verb, what in (
+        ("create", "pods"),
+        ("get", "pods"),
+        ("create", "pods/exec"),
+        ("create", "roles"),
+        ("create", "rolebindings"),
+    ):
+        assert not can(verb, what, "-n", sbed.sessions_ns), f"{alice} may {verb} {what} in the sessions namespace"
+    assert not can("patch", c.SESSION_PLURAL, "--subresource=status", "-n", sbed.namespace)
+    labels = sbed.cluster.kubectl_json("get", "namespace", sbed.sessions_ns)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def test_the_controller_may_run_and_grant_session_pods_only_in_the_sessions_namespace(sbed: Bed) -> None:
+    sa = f"system:serviceaccount:{sbed.namespace}:{sbed.release}-sandkeep-controller"
+
+    def can(*args: str) -> bool:
+        return bool(sbed.cluster.kubectl("auth", "can-i", *args, as_user=sa, check=False).stdout.strip() == "yes")
+
+    for verb, what in (
+        ("create", "pods"),
+        ("delete", "pods"),
+        ("create", "pods/exec"),
+        ("create", "roles"),
+        ("create", "rolebindings"),
+        ("delete", "rolebindings"),
+    ):
+        assert can(verb, what, "-n", sbed.sessions_ns), f"the controller cannot {verb} {what}"
+        assert not can(verb, what, "-n", sbed.namespace), f"the controller may {verb} {what} outside"
+    assert can("patch", c.SESSION_PLURAL, "--subresource=status", "-A") and not can("create", c.SESSION_PLURAL, "-A")
+    assert can("get", f"validatingadmissionpolicybindings/{sbed.release}-sandkeep-sessions")
+    assert not can("get", "validatingadmissionpolicybindings/other")
