@@ -195,6 +195,7 @@ class Bed:
             "image": {"repository": repo, "tag": tag},
             "agent": {"root": str(self.root), "scanInterval": "2s", "stuckAfter": "15s"},
             "monitoring": {"enabled": True, "interval": "5s"},
+            "sessions": {"enabled": True},
         }
         values_file = self.workdir / "values.yaml"
         values_file.write_text(yaml.safe_dump(values))

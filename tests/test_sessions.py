@@ -172,6 +172,7 @@ def sbed(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Bed]
         namespace,
         ("sessions.yaml",),
         only_in(namespace),
+        "--set=sessions.enabled=true",
         f"--set=sessions.namespace={sessions_ns}",
         "--set=sessions.maxLifetime=1h",
     )

@@ -117,5 +117,5 @@ sandkeep/{{ include "sandkeep.agentSeccompFile" . }}
 
 {{/* The namespace session Pods run in. */}}
 {{- define "sandkeep.sessionsNamespace" -}}
-{{- default (printf "%s-sessions" .Release.Namespace) .Values.sessions.namespace }}
+{{- default (printf "%s-sessions" .Release.Namespace | trunc 63 | trimSuffix "-") .Values.sessions.namespace }}
 {{- end }}
