@@ -237,8 +237,10 @@ def pod_body(session: Obj, sandbox: Obj, settings: SessionSettings, expires: dat
     namespace, name = key_of(sandbox)
     workspace = settings.root / namespace / name / c.WORKSPACE_DIR  # from our root, never from the object
     seconds = max(1, int((expires - now).total_seconds()))
-    owner = ((sandbox.get("status") or {}).get("owner") or {}).get("uid")
-    uid = owner if isinstance(owner, int) and owner > 0 else settings.run_as_user
+    # As the workspace's owner (the agent reads it) where that is a person's uid, never root.
+    owner = (sandbox.get("status") or {}).get("owner") or {}
+    known = isinstance(owner.get("uid"), int) and owner["uid"] > 0 and isinstance(owner.get("gid"), int)
+    uid, gid = (owner["uid"], owner["gid"]) if known else (settings.run_as_user, settings.run_as_user)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -258,7 +260,7 @@ def pod_body(session: Obj, sandbox: Obj, settings: SessionSettings, expires: dat
             "tolerations": [{"operator": "Exists"}],
             "securityContext": {
                 "runAsUser": uid,
-                "runAsGroup": uid,
+                "runAsGroup": gid,
                 "runAsNonRoot": True,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },

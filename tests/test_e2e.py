@@ -71,12 +71,13 @@ def run_job(bed: Bed, name: str, script: str) -> None:
     bed.kubectl("wait", "-n", NS, f"job/{name}", "--for=condition=Complete", "--timeout=120s", timeout=130)
 
 
-def retain_job(bed: Bed, name: str, retention: str, files: int = 3) -> Path:
-    """A Job that writes a workspace on the node and retains it; returns the sandbox's directory."""
+def retain_job(bed: Bed, name: str, retention: str, files: int = 3, owner: int | None = None) -> Path:
+    """A Job that writes a workspace on the node (owned by `owner`) and retains it; the sandbox's directory."""
     work = bed.disk / "jobs" / name
+    chown = f"chown -R {owner}:{owner} {work}; " if owner is not None else ""
     script = (
         f"set -e; mkdir -p {work}/logs; echo 'build ok' > {work}/logs/result.txt; "
-        f'python -c \'import sys; [open(f"{work}/f%d" % i, "w").close() for i in range({files})]\'; '
+        f'python -c \'import sys; [open(f"{work}/f%d" % i, "w").close() for i in range({files})]\'; {chown}'
         f"sandkeep retain --root {bed.root} --namespace {NS} --name {name} --retention {retention} {work}"
     )
     say(f"Job job-{name} writes a workspace on {bed.node_name} and runs: sandkeep retain ... --retention {retention}")
@@ -308,8 +309,8 @@ def open_session(bed: Bed, sandbox: str, user: str, *, as_user: str | None = Non
 
 
 def test_a_session_opens_a_retained_sandbox_read_only_for_its_user_alone(bed: Bed) -> None:
-    path = retain_job(bed, "run-9", "1h")
-    eventually(lambda: rsb(bed, "run-9"), "adoption")
+    path = retain_job(bed, "run-9", "1h", owner=1234)
+    eventually(lambda: (rsb(bed, "run-9") or {}).get("status", {}).get("owner"), "adoption and the owner read")
     alice = "alice@example.com"
     bed.kubectl("create", "rolebinding", "alice-edits", "--clusterrole=edit", f"--user={alice}", "-n", NS)
     say(f"{alice} (edit in {NS}) opens run-9: a Pod on {bed.node_name} with its workspace at /sandbox")
@@ -321,6 +322,7 @@ def test_a_session_opens_a_retained_sandbox_read_only_for_its_user_alone(bed: Be
     assert check["mount"] == c.MountCheck.VERIFIED and check["pod"] == f"{pod_ns}/{pod}"
     as_alice = (f"--as={alice}", "exec", "-n", pod_ns, pod, "-c", c.SESSION_CONTAINER, "--")
     assert bed.kubectl(*as_alice, "cat", "/sandbox/logs/result.txt").stdout == "build ok\n"
+    assert bed.kubectl(*as_alice, "id", "-u").stdout == "1234\n", "a session runs as the workspace's owner"
     refused = bed.kubectl(*as_alice, "touch", "/sandbox/new-file", check=False)
     assert refused.returncode != 0 and "Read-only file system" in refused.stderr
     assert not bed.exists(path / "workspace" / "new-file")
@@ -332,6 +334,32 @@ def test_a_session_opens_a_retained_sandbox_read_only_for_its_user_alone(bed: Be
     eventually(lambda: bed.kubectl("get", "pod", pod, "-n", pod_ns, check=False).returncode != 0, "the Pod gone")
     assert bed.kubectl("get", "rolebinding", pod, "-n", pod_ns, check=False).returncode != 0
     assert bed.exists(path)
+    say("a read-write session: the owner's uid writes into the workspace")
+    rw = open_session(bed, "run-9", alice, as_user=alice, readWrite=True, lifetime="10m")
+    as_owner = (f"--as={alice}", "exec", "-n", rw["podNamespace"], rw["podName"], "-c", c.SESSION_CONTAINER, "--")
+    bed.kubectl(*as_owner, "sh", "-c", "echo notes > /sandbox/notes.txt")
+    assert bed.on_node(f"stat -c %u '{path}/workspace/notes.txt'").stdout == "1234\n"
+    bed.kubectl("delete", c.SESSION_PLURAL, "look-run-9", "-n", NS)
+
+
+def test_a_session_with_an_image_that_cannot_be_pulled_ends_saying_so(bed: Bed) -> None:
+    retain_job(bed, "run-10", "1h")
+    eventually(lambda: rsb(bed, "run-10"), "adoption")
+    user = bed.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout
+    body = {
+        "apiVersion": c.API_VERSION,
+        "kind": c.SESSION_KIND,
+        "metadata": {"name": "look-run-10", "namespace": NS},
+        "spec": {"sandbox": "run-10", "user": user, "image": "registry.invalid/no-such-image:1"},
+    }
+    bed.kubectl("create", "-f", "-", input=json.dumps(body))
+
+    def ended() -> dict[str, Any] | None:
+        status = bed.get(c.SESSION_PLURAL, "look-run-10", "-n", NS).get("status") or {}
+        return status if status.get("phase") == c.SessionPhase.ENDED else None
+
+    status = eventually(ended, "the session ended", timeout=120)
+    assert status["reason"] == c.Reason.IMAGE_PULL_FAILED and "registry.invalid/no-such-image:1" in status["message"]
 
 
 def test_helm_uninstall_stops_the_agents_and_strands_nothing(bed: Bed) -> None:

@@ -135,6 +135,9 @@ class Reporter(Part):
         if size is not None and key in self.state.present:
             status["sizeBytes"], status["fileCount"] = size
             status["size"] = human_size(size[0])
+        who = self.owners().get(key)
+        if who is not None and key in self.state.present:
+            status["owner"] = {"uid": who[0], "gid": who[1]}
         return status
 
     def deleting_status(

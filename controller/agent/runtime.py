@@ -73,7 +73,9 @@ class Agent:
         self.queue: WorkQueue[Key] = WorkQueue()  # a held or failed key comes back with per-key backoff
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sizer = Sizer(root, self._size_changed)
-        shared = Shared(settings, client, root, agent_metrics, self.state, lambda: self.sizer.sizes)
+        shared = Shared(
+            settings, client, root, agent_metrics, self.state, lambda: self.sizer.sizes, lambda: self.sizer.owners
+        )
         self.report = Reporter(shared)
         self.adopter = Adopter(shared, self.report, self._each)
         self.identity = leases.default_identity()
@@ -223,6 +225,7 @@ class Agent:
         for key in list(self.sizer.sizes):  # list(): one C-level copy, safe beside the sizer thread
             if key not in present:
                 self.sizer.sizes.pop(key, None)
+                self.sizer.owners.pop(key, None)
         uids = {o["metadata"].get("uid") for o in self.state.objects.values()}
         self.relief.forget(uids)
         for event_key in [k for k in self.state.events if k[0] not in uids]:

@@ -67,8 +67,8 @@ def seen_by(pid: int, proc: Path) -> Identity | None:
     return (st.st_dev, st.st_ino)
 
 
-def workspace_of(root: Path, namespace: str, name: str) -> Identity | OSError | None:
-    """The sandbox's workspace by device and inode, no link followed anywhere; None: it is not there."""
+def workspace_stat(root: Path, namespace: str, name: str) -> os.stat_result | OSError | None:
+    """The sandbox's workspace as fstat sees it, no link followed anywhere; None: it is not there."""
     try:
         fd = open_no_symlinks(root / namespace / name / c.WORKSPACE_DIR)
     except (FileNotFoundError, NotADirectoryError):
@@ -76,10 +76,15 @@ def workspace_of(root: Path, namespace: str, name: str) -> Identity | OSError | 
     except OSError as err:  # ELOOP (a link on the way) is an answer too: it is not the sandbox's
         return None if err.errno == errno.ELOOP else err
     try:
-        st = os.fstat(fd)
+        return os.fstat(fd)
     finally:
         os.close(fd)
-    return (st.st_dev, st.st_ino)
+
+
+def workspace_of(root: Path, namespace: str, name: str) -> Identity | OSError | None:
+    """The sandbox's workspace by device and inode; None: it is not there."""
+    st = workspace_stat(root, namespace, name)
+    return st if st is None or isinstance(st, OSError) else (st.st_dev, st.st_ino)
 
 
 def check(pod: Obj, root: Path, namespace: str, name: str, proc: Path) -> MountCheck:

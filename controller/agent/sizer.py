@@ -5,7 +5,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
+from controller.agent.sessions import workspace_stat
 from controller.store import Root
 
 Key = tuple[str, str]
@@ -21,14 +23,21 @@ def measure(root: Root, namespace: str, name: str) -> tuple[int, int]:
     return size.bytes, size.files
 
 
+def owner(root: Root, namespace: str, name: str) -> tuple[int, int] | None:
+    """(uid, gid) of a sandbox's workspace, read without following links: whom a session runs as."""
+    st = workspace_stat(Path(root.path), namespace, name)
+    return None if st is None or isinstance(st, OSError) else (st.st_uid, st.st_gid)
+
+
 class Sizer(threading.Thread):
-    """Measures sandbox sizes off the loop; tells the loop when a size changed."""
+    """Measures sandbox sizes (and workspace owners) off the loop; tells the loop when one changed."""
 
     def __init__(self, root: Root, changed: Callable[[Key], None]) -> None:
         super().__init__(name="sizes", daemon=True)
         self.root = root
         self.changed = changed
         self.sizes: dict[Key, tuple[int, int]] = {}
+        self.owners: dict[Key, tuple[int, int]] = {}
         self.todo: queue.Queue[Key | None] = queue.Queue()  # None: stop
         self.pending: set[Key] = set()
         self.lock = threading.Lock()
@@ -50,7 +59,9 @@ class Sizer(threading.Thread):
                 return
             with self.lock:
                 self.pending.discard(key)
-            size = measure(self.root, *key)
-            if self.sizes.get(key) != size:
+            size, who = measure(self.root, *key), owner(self.root, *key)
+            if self.sizes.get(key) != size or (who is not None and self.owners.get(key) != who):
                 self.sizes[key] = size
+                if who is not None:
+                    self.owners[key] = who
                 self.changed(key)

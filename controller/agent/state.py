@@ -79,6 +79,7 @@ class Shared:
     metrics: AgentMetrics
     state: AgentState
     sizes: Callable[[], dict[Key, tuple[int, int]]]
+    owners: Callable[[], dict[Key, tuple[int, int]]] = dict  # (uid, gid) of each workspace, as last measured
 
 
 class Part:
@@ -91,3 +92,4 @@ class Part:
         self.m = shared.metrics
         self.state = shared.state
         self.sizes = shared.sizes
+        self.owners = shared.owners
