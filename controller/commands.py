@@ -19,6 +19,13 @@ uid in a `.commands` of this uid that nobody else can write) or that is over the
 (`OrphanRecordsOverLimit`). Never pid <= 1, never this process, its group or its session. A record
 whose recorder is still alive (its lock is held) is not an orphan. `orphan_pids` answers, without
 signalling, which pids a reap would end: the agent does not count them as users of an expired sandbox.
+
+`sandkeep exec` starts nothing in a sandbox the opener's rule refuses (`opener.refusal`: expired by the
+sweep's own rule with `ls`'s policy flags, being deleted, stuck, lost, unreadable) or that recorded
+orphans still hold: one paragraph on stderr and EXIT_REFUSED. After launch it asks the rule again, with
+the workspace it started the command in (`_PostLaunch`), and stops the command's session on a refusal.
+A sandbox retained for a cluster node is judged on its manifest, as `ls` judges it (see opener.py).
+Exit codes: the command's own, EXIT_REFUSED (76), EXIT_USAGE (2), 127 when the command cannot start.
 """
 
 from __future__ import annotations
