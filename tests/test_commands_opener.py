@@ -222,16 +222,19 @@ def test_a_sandbox_swept_while_its_command_starts_ends_the_command_with_the_reas
     argv = ["exec", "ns/box", "--root", str(root.path), "--orphan-timeout", "1s", "--", "sh", "-c", script]
     env = {**os.environ, "READY": str(ready), "OUT": str(out)}
     started = time.monotonic()
-    p = subprocess.run(
-        [sys.executable, str(driver), str(root.path), other, str(ready), when, *argv],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    try:
+        p = subprocess.run(
+            [sys.executable, str(driver), str(root.path), other, str(ready), when, *argv],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:  # the command is a session of its own: cleaned up by pid even when exec never ended it
+        if ready.exists() and ready.read_text().strip().isdigit():
+            pids.append(int(ready.read_text()))
     leader = int(ready.read_text())
-    pids.append(leader)
 
     assert p.returncode == EXIT_REFUSED, p.stdout + p.stderr
     assert f"sandkeep exec: sandbox ns/box: the command was stopped right after it started ({reason}):" in p.stderr
