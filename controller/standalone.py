@@ -45,7 +45,8 @@ from controller.durations import Invalid, format_duration, format_instant, parse
 from controller.flags import HumanDuration, settings_from
 from controller.inuse import Usage, pid_alive, scan_usage
 from controller.models import Settings, is_namespace_name, is_object_name
-from controller.policy import Policy, Verdict, deadline
+from controller.opener import expiry
+from controller.policy import Policy, deadline
 from controller.reaper import (
     Claim,
     Clear,
@@ -66,7 +67,6 @@ from controller.reaper import (
 )
 from controller.sizes import human_size
 from controller.store import (
-    Absent,
     Entry,
     Mismatch,
     Present,
@@ -78,8 +78,6 @@ from controller.store import (
     Stray,
     Tombstone,
     Transient,
-    Unparsed,
-    Unreadable,
     standalone_id,
 )
 
@@ -286,7 +284,7 @@ class Sweeper:
                 key, "refused", Reason.MANIFEST_MISMATCH, names=f"{read.manifest.namespace}/{read.manifest.name}"
             )
             return
-        cause, verdict = _expiry(read, self.policy, now)
+        cause, verdict = expiry(read, self.policy, now)
         if cause is None:
             assert verdict is not None
             left = verdict.time_left(now)
@@ -379,20 +377,6 @@ def _strerror(code: int | None) -> str | None:
 
 def _ref(key: Key | None) -> str | None:
     return "/".join(key) if key is not None else None
-
-
-def _expiry(read: Read, policy: Policy, now: datetime) -> tuple[Reason | None, Verdict | None]:
-    """The cause to delete on, or (None, verdict) to keep. No usable manifest is expired, as in the reference."""
-    if isinstance(read, Present):
-        verdict = deadline(read.manifest.facts(), policy, now)
-        if not verdict.expired:
-            return None, verdict
-        return (verdict.reasons[-1] if verdict.reasons else Reason.EXPIRED), verdict
-    if isinstance(read, Absent):
-        return read.reason, None
-    if isinstance(read, Unparsed | Unreadable):
-        return read.reason, None
-    return Reason.EXPIRED, None
 
 
 # --- a retain that replaces a previous sandbox ---------------------------------------------------------

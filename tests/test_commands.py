@@ -279,9 +279,10 @@ def test_exec_refuses_to_start_beside_a_survivor_and_names_it(sandbox, pids, mon
         root=None,
         orphan_timeout="10s",
     )
-    assert commands.run("exec", args) == commands.EXIT_HELD
+    assert commands.run("exec", args) == commands.EXIT_REFUSED
     err = capsys.readouterr().err
-    assert "refused to start" in err and f"pid {victim.pid} (sleep 309)" in err and f"kill -9 {victim.pid}" in err
+    assert "refused to start (OrphanSurvivor)" in err and f"pid {victim.pid} (sleep 309)" in err
+    assert f"kill -9 {victim.pid}" in err
     assert not marker.exists()
 
 

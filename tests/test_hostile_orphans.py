@@ -336,7 +336,7 @@ def test_exec_refuses_to_start_beside_records_it_does_not_trust_and_signals_noth
     args = argparse.Namespace(
         rest=["ns/box", "--root", str(root), "--", "touch", str(marker)], root=None, orphan_timeout="1s"
     )
-    assert commands.run("exec", args) == commands.EXIT_HELD
+    assert commands.run("exec", args) == commands.EXIT_REFUSED
     err = capsys.readouterr().err
     assert "refused to start" in err and "others may write it" in err and "remove them" in err
     assert not marker.exists() and _alive(orphan.pid)
