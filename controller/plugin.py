@@ -403,7 +403,7 @@ def end_session(client: Kube, session: Session) -> None:
                     f"kubectl delete {c.SESSION_SHORT} {session.name} -n {session.namespace}"
                 )
                 return
-    say(f"{SESSION_RESOURCE}/{session.name} ended")
+    say(f"{SESSION_RESOURCE}/{session.name} deleted")
 
 
 def cmd_open(target: Target, args: argparse.Namespace) -> int:
@@ -443,6 +443,8 @@ def extract(stream: Any, dest: Path) -> list[str]:
     names: list[str] = []
     with tarfile.open(fileobj=stream, mode="r|") as archive:
         for member in archive:
+            if member.name.startswith("/"):  # tar's own filters would strip the slash; a copy out never has one
+                raise Refused(f"refused to unpack {member.name!r}: an absolute path")
             try:
                 archive.extract(member, dest, filter="data")
             except tarfile.FilterError as err:
@@ -454,7 +456,7 @@ def extract(stream: Any, dest: Path) -> list[str]:
 def copy_from_session(target: Target, session: Session, path: str, dest: Path) -> int:
     """`tar cf -` in the session's container piped into a safe local extraction (the step needing a Pod)."""
     directory, entry = workspace_path(path)
-    source = posixpath.join(c.SESSION_MOUNT, directory)
+    source = c.SESSION_MOUNT if directory == "." else posixpath.join(c.SESSION_MOUNT, directory)
     argv = exec_argv(target, session, ["tar", "cf", "-", "-C", source, "--", entry], stdin=False, tty=False)
     dest.mkdir(parents=True, exist_ok=True)
     with subprocess.Popen(argv, stdout=subprocess.PIPE) as proc:
