@@ -281,6 +281,68 @@ def _install_notes(install: Install, explicit: bool) -> list[str]:
     return notes
 
 
+class DoctorError(Exception):
+    """Doctor cannot say which namespace to read, or cannot read the cluster: the words a person reads."""
+
+
+def examine(
+    client: Kube, stale_after: timedelta, *, install_namespace: str | None = None, sandbox_namespace: str | None = None
+) -> Report:
+    """The whole report, read from the cluster: `sandkeep doctor` and `kubectl sandkeep doctor` both call this.
+
+    The install's namespace is found from sandkeep's Leases unless `install_namespace` names it.
+    """
+    try:
+        sandboxes = client.list_sandboxes(namespace=sandbox_namespace)
+        install = Install(install_namespace) if install_namespace else choose_install(sandkeep_leases(client), _now())
+        if install.ambiguous:
+            raise DoctorError(
+                f"namespaces {', '.join(install.ambiguous)} all hold live sandkeep Leases; "
+                "name the one to read with --namespace"
+            )
+        heartbeats = leases.agent_heartbeats(client, install.namespace) if install.namespace else {}
+    except DoctorError:
+        raise
+    except Exception as err:  # no route, no access: all the same to a person here
+        raise cannot_read(err) from err
+    report = build_report(sandboxes, heartbeats, stale_after)
+    report.notes = _install_notes(install, explicit=bool(install_namespace))
+    return report
+
+
+def cannot_read(err: Exception) -> DoctorError:
+    """A bad kubeconfig, no route, no access: all the same to a person reading doctor's answer."""
+    return DoctorError(
+        f"cannot read the cluster: {err}; check --kubeconfig and your access "
+        "(finding the install lists Leases cluster-wide; --namespace reads one namespace only)"
+    )
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+_SECTIONS = {
+    "stuck": ["sandbox", "node", "age", "errno", "path"],
+    "held": ["sandbox", "node", "state", "why"],
+    "orphans": ["node", "tombstone", "errno", "path"],
+    "pressure": ["node", "used", "sandbox", "size", "keptBecause"],
+    "quarantined": ["node", "entry", "cause", "since", "deletedAt"],
+    "stale": ["node", "lastHeartbeat", "note"],
+    "lapsing": ["sandbox", "node", "pinnedUntil", "left"],
+}
+
+
+def as_json(report: Report) -> str:
+    """The report for scripts: each table as a list of objects keyed like its columns, and the verdict."""
+    doc: dict[str, Any] = {
+        name: [dict(zip(keys, row, strict=True)) for row in getattr(report, name)] for name, keys in _SECTIONS.items()
+    }
+    doc["notes"] = report.notes
+    doc["needsAPerson"] = report.needs_a_person
+    return json.dumps(doc, indent=2) + "\n"
+
+
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument(
@@ -290,6 +352,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stale-after", default="2m", help="a heartbeat older than this is stale (default 2m)")
     parser.add_argument("--sandbox-namespace", default=None, help="only sandboxes of this namespace (default: all)")
+    parser.add_argument("-o", "--output", choices=("text", "json"), default="text", help="text (default) or json")
 
 
 def run(command: str, args: argparse.Namespace) -> int:
@@ -298,28 +361,15 @@ def run(command: str, args: argparse.Namespace) -> int:
         print(f"sandkeep doctor: --stale-after {stale_after}", file=sys.stderr)
         return 2
     try:
-        client = Kube(kube.load_config(args.kubeconfig), component="sandkeep-doctor")
-        sandboxes = client.list_sandboxes(namespace=args.sandbox_namespace)
-        if args.namespace:
-            install = Install(args.namespace)
-        else:
-            install = choose_install(sandkeep_leases(client), datetime.now(UTC))
-        if install.ambiguous:
-            print(
-                f"sandkeep doctor: namespaces {', '.join(install.ambiguous)} all hold live sandkeep Leases; "
-                "name the one to read with --namespace",
-                file=sys.stderr,
-            )
-            return 2
-        heartbeats = leases.agent_heartbeats(client, install.namespace) if install.namespace else {}
-    except Exception as err:  # a bad kubeconfig, no route, no access: all the same to a person here
-        print(
-            f"sandkeep doctor: cannot read the cluster: {err}; check --kubeconfig and your access "
-            "(finding the install lists Leases cluster-wide; --namespace reads one namespace only)",
-            file=sys.stderr,
+        try:
+            client = Kube(kube.load_config(args.kubeconfig), component="sandkeep-doctor")
+        except Exception as err:  # a kubeconfig that does not load
+            raise cannot_read(err) from err
+        report = examine(
+            client, stale_after, install_namespace=args.namespace, sandbox_namespace=args.sandbox_namespace
         )
+    except DoctorError as err:
+        print(f"sandkeep doctor: {err}", file=sys.stderr)
         return 2
-    report = build_report(sandboxes, heartbeats, stale_after)
-    report.notes = _install_notes(install, explicit=bool(args.namespace))
-    print(render(report), end="")
+    print(as_json(report) if args.output == "json" else render(report), end="")
     return 1 if report.needs_a_person else 0

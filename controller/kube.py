@@ -64,21 +64,41 @@ class KubeError(Exception):
 
 
 # --- configuration ---------------------------------------------------------------------------------------
-def load_config(kubeconfig: str | os.PathLike[str] | None = None) -> k8s.Configuration:
+def load_config(kubeconfig: str | os.PathLike[str] | None = None, context: str | None = None) -> k8s.Configuration:
     """The client configuration: an explicit kubeconfig, else in-cluster, else $KUBECONFIG / ~/.kube/config.
 
     An explicit path always wins, so a test or a person can point a process at a cluster even when it
-    happens to run inside another one.
+    happens to run inside another one; so does a `context` (a kubeconfig context's name, as kubectl's
+    `--context`), which only a kubeconfig has.
     """
     configuration = k8s.Configuration()
-    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+    if kubeconfig is None and context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     else:
-        path = str(kubeconfig) if kubeconfig is not None else os.environ.get("KUBECONFIG") or None
-        k8s_config.load_kube_config(config_file=path, client_configuration=configuration)  # type: ignore[no-untyped-call]
+        k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=_kubeconfig_path(kubeconfig), context=context, client_configuration=configuration
+        )
     # Workers issue requests from a thread pool: one connection per thread, never a pool-full warning.
     configuration.connection_pool_maxsize = 32
     return configuration
+
+
+def _kubeconfig_path(kubeconfig: str | os.PathLike[str] | None) -> str | None:
+    return str(kubeconfig) if kubeconfig is not None else os.environ.get("KUBECONFIG") or None
+
+
+def config_namespace(kubeconfig: str | os.PathLike[str] | None = None, context: str | None = None) -> str:
+    """The namespace kubectl would use without `-n`: the context's, else in a Pod its own, else `default`."""
+    if kubeconfig is None and context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        with (
+            contextlib.suppress(OSError),
+            open("/var/run/secrets/kubernetes.io/serviceaccount/namespace", encoding="utf-8") as f,
+        ):
+            return f.read().strip() or "default"
+        return "default"
+    contexts, current = k8s_config.list_kube_config_contexts(_kubeconfig_path(kubeconfig))  # type: ignore[no-untyped-call]
+    chosen = next((ctx for ctx in contexts if ctx.get("name") == context), None) if context else current
+    return str(((chosen or {}).get("context") or {}).get("namespace") or "default")
 
 
 def now_utc() -> datetime:
