@@ -31,7 +31,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
-from urllib.parse import quote
 
 import yaml
 
@@ -46,6 +45,7 @@ from controller.durations import (
     parse_instant,
 )
 from controller.kube import Kube, KubeError, Obj
+from controller.sessions import session_path
 from controller.sizes import human_size
 
 RESOURCE = f"{c.SANDBOX_SINGULAR}.{c.GROUP}"  # how kubectl names the kind in its messages
@@ -249,11 +249,6 @@ def cmd_doctor(target: Target, args: argparse.Namespace) -> int:
 
 
 # --- sessions ---------------------------------------------------------------------------------------------
-def session_path(namespace: str, name: str | None = None) -> str:
-    path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{quote(namespace)}/{c.SESSION_PLURAL}"
-    return path if name is None else f"{path}/{quote(name)}"
-
-
 def whoami(client: Kube) -> str:
     """The caller's own user name, from the SelfSubjectReview API (what `kubectl auth whoami` asks)."""
     review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import quote
 
 from controller import contracts as c
 from controller import logs
@@ -332,13 +333,14 @@ def binding_body(session: Obj, settings: SessionSettings) -> Obj:
 
 # --- the adapter ------------------------------------------------------------------------------------------
 def session_path(namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+    """The API path of SandboxSessions (all, one namespace's, one, or one's subresource)."""
     path = (
-        f"{SESSIONS_PATH}/namespaces/{namespace}/{c.SESSION_PLURAL}"
+        f"{SESSIONS_PATH}/namespaces/{quote(namespace)}/{c.SESSION_PLURAL}"
         if namespace
         else f"{SESSIONS_PATH}/{c.SESSION_PLURAL}"
     )
     if name:
-        path += f"/{name}"
+        path += f"/{quote(name)}"
     return f"{path}/{subresource}" if subresource else path
 
 

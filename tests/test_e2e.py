@@ -10,6 +10,9 @@ image's console script); everything after that happens through the API and the c
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -340,6 +343,28 @@ def test_a_session_opens_a_retained_sandbox_read_only_for_its_user_alone(bed: Be
     bed.kubectl(*as_owner, "sh", "-c", "echo notes > /sandbox/notes.txt")
     assert bed.on_node(f"stat -c %u '{path}/workspace/notes.txt'").stdout == "1234\n"
     bed.kubectl("delete", c.SESSION_PLURAL, "look-run-9", "-n", NS)
+
+
+def kubectl_sandkeep(bed: Bed, *args: str) -> subprocess.CompletedProcess[str]:
+    """`kubectl sandkeep ...` as a person runs it: the real kubectl finds the plugin on PATH."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{bed.bin}:{os.environ['PATH']}"}
+    command = [str(bed.bin / "kubectl"), "sandkeep", f"--kubeconfig={bed.kubeconfig}", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, stdin=subprocess.DEVNULL)
+
+
+def test_kubectl_sandkeep_open_and_cp_read_a_retained_sandbox(bed: Bed, tmp_path: Path) -> None:
+    retain_job(bed, "run-11", "1h")
+    eventually(lambda: rsb(bed, "run-11"), "adoption")
+    say("kubectl sandkeep open run-11 -- cat logs/result.txt")
+    opened = kubectl_sandkeep(bed, "open", "run-11", "-n", NS, "--", "cat", "logs/result.txt")
+    assert (opened.returncode, opened.stdout) == (0, "build ok\n"), opened.stderr
+    written = kubectl_sandkeep(bed, "open", "run-11", "-n", NS, "--", "touch", "new-file")
+    assert written.returncode != 0 and "Read-only file system" in written.stderr
+    say("kubectl sandkeep cp run-11:logs DEST")
+    copied = kubectl_sandkeep(bed, "cp", "run-11:logs", str(tmp_path), "-n", NS)
+    assert copied.returncode == 0, copied.stderr
+    assert (tmp_path / "logs" / "result.txt").read_text() == "build ok\n"
+    assert bed.get(c.SESSION_PLURAL, "-n", NS)["items"] == [], "each session ended on exit"
 
 
 def test_a_session_with_an_image_that_cannot_be_pulled_ends_saying_so(bed: Bed) -> None:

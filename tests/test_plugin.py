@@ -25,7 +25,7 @@ from controller_harness import install_crds, kube_for, wait_for
 from controller import contracts as c
 from controller.durations import format_instant
 from controller.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube
-from controller.plugin import session_path
+from controller.sessions import session_path
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
