@@ -483,6 +483,35 @@ def pin(demo: Demo) -> None:
     demo.ok(f"deadline moved from {before} to {obj['status']['deadline']} (source: pin)")
 
 
+def open_file(demo: Demo) -> None:
+    demo.step(
+        "Look inside it: kubectl sandkeep ls, then read a file of build-1043 with `sandkeep exec`",
+        "Keeping a workspace is for looking inside it. `kubectl sandkeep ls` lists sandboxes with their size, "
+        "deadline and pin. On the node, `sandkeep exec` opens one (refusing an expired or half-deleted one). "
+        "From the cluster, `kubectl sandkeep open build-1043 -- cat result.json` does the same through a "
+        "SandboxSession Pod on the sandbox's node; this demo's nodes have no kubelet, so `make demo-node` "
+        "shows that one.",
+    )
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{tools_bin(CLUSTER_TOOLS)}:{os.environ['PATH']}"}
+    listed = subprocess.run(
+        ["kubectl", "sandkeep", "ls", f"--kubeconfig={demo.cluster.kubeconfig}", "-n", NAMESPACE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    demo.show(f"kubectl sandkeep ls -n {NAMESPACE}", listed.stdout + listed.stderr)
+    if listed.returncode != 0 or "build-1043" not in listed.stdout:
+        raise DemoFailed(f"kubectl sandkeep ls failed: {listed.stderr.strip()}")
+    root = demo.roots["node-a"]
+    demo.before_deadline("build-1043", "opening it")
+    out = demo.run_sandkeep("exec", f"{NAMESPACE}/build-1043", f"--root={root}", "--", "cat", "result.json")
+    if json.loads(out) != {"status": "passed"}:
+        raise DemoFailed(f"build-1043's result.json read back as {out!r}")
+    demo.ok("read result.json from build-1043's workspace, where the job left it")
+
+
 def hold_in_use(demo: Demo) -> Proc:
     demo.step(
         "Keep one in use: a live process inside agent-run-17",
@@ -843,6 +872,7 @@ def play(demo: Demo) -> None:
     start_components(demo)
     retain_all(demo)
     pin(demo)
+    open_file(demo)
     sleeper = hold_in_use(demo)
     marks = orphan(demo)
     undeletable(demo)
