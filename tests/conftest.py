@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import signal
 import sys
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hack"))
 
 from controller_harness import install_crds, kube_for
 from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin, tools_dir
+from procs import alive
 
 from controller.kube import Kube
 
@@ -67,6 +69,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         cluster.failed = True
         report.sections.append(("local control plane logs", cluster.logs()))
     return report
+
+
+@pytest.fixture
+def pids() -> Iterator[list[int]]:
+    """Pids a test saw started; any still alive at the end are SIGKILLed by pid."""
+    seen: list[int] = []
+    yield seen
+    for pid in seen:
+        if pid > 1 and pid != os.getpid() and alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

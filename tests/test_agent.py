@@ -528,7 +528,8 @@ def test_an_open_file_descriptor_holds_deletion(cluster, namespace, nodes, agent
 def orphans_of_a_killed_exec(node: Node, namespace: str, name: str, script: str) -> list[int]:
     """Run `script` (which prints "ready" and leaves two children) with `sandkeep exec` in the sandbox,
     wait until its leader and both children are recorded, SIGKILL the recorder; the recorded pids."""
-    argv = ["exec", f"{namespace}/{name}", "--root", str(node.root.path), "--", "sh", "-c", script]
+    flags = getattr(node, "exec_flags", ())  # a caller whose sandbox is already expired opens it under its own window
+    argv = ["exec", f"{namespace}/{name}", "--root", str(node.root.path), *flags, "--", "sh", "-c", script]
     cli = [sys.executable, "-m", "controller.cli"]
     recorder = subprocess.Popen([*cli, *argv], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert recorder.stdout is not None and recorder.stdout.readline().strip() == "ready"

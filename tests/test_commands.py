@@ -8,12 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from procs import alive
 
 from controller.commands import Handle, Mark, boot_id, orphan_pids, reap_orphans
 from controller.store import Root
@@ -24,14 +25,6 @@ SANDKEEP = [sys.executable, "-m", "controller.cli"]
 def _start_ticks(pid: int) -> int:
     text = Path(f"/proc/{pid}/stat").read_text()
     return int(text[text.rfind(")") + 2 :].split()[19])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rfind(")") + 2] not in "ZX"
 
 
 def _wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -49,16 +42,6 @@ def sandbox(tmp_path: Path) -> tuple[Path, Path]:
     root = Root(tmp_path / "root")
     root.retain(src, "ns", "box", job_id="j1", created_at=datetime.now(UTC), retention=timedelta(hours=1))
     return root.path, root.path / "ns" / "box"
-
-
-@pytest.fixture
-def pids() -> Iterator[list[int]]:
-    """Pids a test saw started; any still alive at the end are SIGKILLed by pid."""
-    seen: list[int] = []
-    yield seen
-    for pid in seen:
-        if pid > 1 and pid != os.getpid() and _alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def _victim(pids: list[int], seconds: int, cwd: Path) -> subprocess.Popen[bytes]:
@@ -135,13 +118,13 @@ def test_a_killed_recorder_leaves_a_record_and_the_reaper_kills_group_and_descen
     assert record["boot"] == boot_id()
     p.kill()  # the recorder dies; its command's processes run on in their own group / session
     p.wait(timeout=10)
-    assert all(_alive(m["pid"]) for m in marks)
+    assert all(alive(m["pid"]) for m in marks)
 
     result = reap_orphans(box, timeout=10)
 
     assert result.survivors == ()
     assert result.signalled >= 2
-    assert not any(_alive(m["pid"]) for m in marks)
+    assert not any(alive(m["pid"]) for m in marks)
     assert _records(box) == []
 
 
@@ -221,7 +204,7 @@ def test_records_of_another_boot_and_torn_records_are_dropped_without_signalling
     assert calls == []
     assert result.dropped == 2
     assert _records(box) == []
-    assert _alive(victim.pid)
+    assert alive(victim.pid)
 
 
 def test_a_record_of_a_pid_reused_by_another_process_is_not_signalled(sandbox, pids):
@@ -232,7 +215,7 @@ def test_a_record_of_a_pid_reused_by_another_process_is_not_signalled(sandbox, p
     calls: list[tuple[int, int]] = []
     result = reap_orphans(box, timeout=0.2, kill=_calls(calls))
     assert calls == [] and result.survivors == () and result.hold is None
-    assert _alive(victim.pid)
+    assert alive(victim.pid)
 
 
 def test_a_running_exec_is_not_an_orphan(sandbox, pids):
@@ -247,7 +230,7 @@ def test_a_running_exec_is_not_an_orphan(sandbox, pids):
     assert calls == []
     p.send_signal(signal.SIGTERM)  # forwarded to the command's group
     assert p.wait(timeout=10) == 128 + signal.SIGTERM
-    assert not _alive(leader)
+    assert not alive(leader)
     _wait_for(lambda: _records(box) == [])
 
 
@@ -260,7 +243,7 @@ def test_exec_reaps_what_a_killed_exec_left_before_starting(sandbox, pids):
 
     second = _exec(root, "true")
     assert second.wait(timeout=30) == 0
-    assert not any(_alive(pid) for pid in left)
+    assert not any(alive(pid) for pid in left)
     assert _records(box) == []
 
 
@@ -299,7 +282,7 @@ def test_orphan_pids_lists_a_killed_recorders_live_group_and_nothing_while_it_ru
     p.kill()
     p.wait(timeout=10)
     assert orphan_pids(box) == recorded
-    assert all(_alive(pid) for pid in recorded)  # only read: nothing was signalled
+    assert all(alive(pid) for pid in recorded)  # only read: nothing was signalled
     assert len(_records(box)) == 1  # ... and nothing removed
 
     assert reap_orphans(box, timeout=10).survivors == ()
@@ -318,4 +301,4 @@ def test_orphan_pids_names_nothing_for_another_boot_a_torn_record_or_a_reused_pi
 
     assert orphan_pids(box) == {orphan["pid"]}  # only the one a reap would kill by its record
     assert len(list((box / ".commands").glob("*.json"))) == 4  # read-only: even torn records stay
-    assert all(_alive(v.pid) for v in victims)
+    assert all(alive(v.pid) for v in victims)

@@ -11,40 +11,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from procs import alive
 
 from controller.commands import EXIT_REFUSED
 from controller.store import Root, standalone_id
 
 REPO = Path(__file__).parent.parent
 SANDKEEP = [sys.executable, "-m", "controller.cli"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rfind(")") + 2] not in "ZX"
-
-
-@pytest.fixture
-def pids() -> Iterator[list[int]]:
-    """Pids a test saw started; any still alive at the end are SIGKILLed by pid."""
-    seen: list[int] = []
-    yield seen
-    for pid in seen:
-        if pid > 1 and pid != os.getpid() and _alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def _retain(root: Root, tmp: Path, *, created: timedelta, retention: timedelta | None, name: str = "box") -> Path:
@@ -238,7 +219,7 @@ def test_a_sandbox_swept_while_its_command_starts_ends_the_command_with_the_reas
 
     assert p.returncode == EXIT_REFUSED, p.stdout + p.stderr
     assert f"sandkeep exec: sandbox ns/box: the command was stopped right after it started ({reason}):" in p.stderr
-    assert not _alive(leader)
+    assert not alive(leader)
     assert time.monotonic() - started < 60  # ended by the look, not by the loop running out
     assert (out.read_text().strip() if out.exists() else "KILL") == ended_by
     if replaced:  # the new sandbox is left as it was, and is opened by the next exec

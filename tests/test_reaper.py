@@ -67,6 +67,9 @@ class Caller(Protocol):
 class SweepCaller:
     """The standalone sweep: a sandbox should go because its manifest expired ten days ago."""
 
+    # `sandkeep exec` refuses an expired sandbox: its command ran back when it was live (a 30-day window)
+    exec_flags = ("--retention", "30d")
+
     def __init__(self, tmp_path: Path) -> None:
         self.root = Root(tmp_path / "root")
         self.namespace = "ns"

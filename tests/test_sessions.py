@@ -23,6 +23,7 @@ from localcluster import LocalCluster
 from controller import contracts as c
 from controller.contracts import MountCheck, Reason, SessionPhase
 from controller.durations import format_instant
+from controller.kube import AGENT_MANAGER
 from controller.sessions import SessionSettings, decide, pod_body, session_path
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
@@ -273,10 +274,26 @@ def test_refused_sessions_say_why_and_create_no_pod(sbed: Bed) -> None:
     sbed.sandbox("old", created=timedelta(hours=2))
     sbed.sandbox("going", finalizer=True)
     sbed.kube.request("DELETE", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{sbed.namespace}/{c.SANDBOX_PLURAL}/going")
+    # What the node agent reports (as the agent writes it: its field manager): a directory gone, orphans alive.
+    for name, type_, state, why in (
+        ("lost", c.Condition.DISK_PRESENT, "False", Reason.MANIFEST_ABSENT),
+        ("orphans", c.Condition.ORPHANS_SURVIVED, "True", Reason.ORPHAN_SURVIVOR),
+    ):
+        obj = sbed.sandbox(name)
+        cond = {"type": type_, "status": state, "lastTransitionTime": instant(), "reason": why, "message": "pid 7"}
+        sbed.kube.apply_status(obj, {"conditions": [cond]}, AGENT_MANAGER)
+    wait_for(
+        "the lost sandbox Lost",
+        lambda: (
+            (sbed.kube.get_sandbox(sbed.namespace, "lost") or {}).get("status", {}).get("phase") == c.Phase.LOST or None
+        ),
+    )
     for sandbox, reason in (
         ("nope", Reason.SANDBOX_NOT_FOUND),
         ("old", Reason.EXPIRED),
         ("going", Reason.SANDBOX_DELETING),
+        ("lost", Reason.LOST),
+        ("orphans", Reason.ORPHAN_SURVIVOR),
     ):
         assert sbed.open(sandbox).returncode == 0
         status = sbed.phase(f"open-{sandbox}", SessionPhase.REFUSED)

@@ -61,7 +61,7 @@ class Sizer(threading.Thread):
                 self.pending.discard(key)
             size, who = measure(self.root, *key), owner(self.root, *key)
             if self.sizes.get(key) != size or (who is not None and self.owners.get(key) != who):
-                self.sizes[key] = size
-                if who is not None:
+                if who is not None:  # first: a report between the two must never see the size alone
                     self.owners[key] = who
+                self.sizes[key] = size
                 self.changed(key)
