@@ -405,3 +405,22 @@ def test_the_controller_may_run_and_grant_session_pods_only_in_the_sessions_name
     assert can("patch", c.SESSION_PLURAL, "--subresource=status", "-A") and not can("create", c.SESSION_PLURAL, "-A")
     assert can("get", f"validatingadmissionpolicybindings/{sbed.release}-sandkeep-sessions")
     assert not can("get", "validatingadmissionpolicybindings/other")
+
+
+# --- the agent's half, on real directories -----------------------------------------------------------------
+def test_the_agent_reads_a_workspace_by_device_and_inode_never_through_a_link(tmp_path: Path) -> None:
+    from controller.agent.sessions import workspace_of
+
+    real = tmp_path / "root" / "team" / "run-1" / c.WORKSPACE_DIR
+    real.mkdir(parents=True)
+    st = real.stat()
+    assert workspace_of(tmp_path / "root", "team", "run-1") == (st.st_dev, st.st_ino)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    swapped = tmp_path / "root" / "team" / "run-2"
+    swapped.mkdir()
+    (swapped / c.WORKSPACE_DIR).symlink_to(elsewhere)  # what a kubelet would follow, and mount
+    assert workspace_of(tmp_path / "root", "team", "run-2") is None
+    (tmp_path / "root" / "linked").symlink_to(tmp_path / "root" / "team")  # a link higher up, too
+    assert workspace_of(tmp_path / "root", "linked", "run-1") is None
+    assert workspace_of(tmp_path / "root", "team", "absent") is None
