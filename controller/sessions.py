@@ -413,7 +413,7 @@ class Sessions:
             expires = instant_or_none(plan.status.get("expiresAt")) or now
             await asyncio.to_thread(self._create, _PODS, pod_body(session, sandbox, self.settings, expires, now))
         if plan.verify is not None and sandbox is not None:
-            await asyncio.to_thread(self.kube.patch_annotations, sandbox, {c.ANN_VERIFY_SESSION: plan.verify})
+            await asyncio.to_thread(self._ask_verify, sandbox, plan.verify)
         if plan.grant:
             await asyncio.to_thread(self._create, _ROLES, role_body(session, self.settings))
             await asyncio.to_thread(self._create, _BINDINGS, binding_body(session, self.settings))
@@ -427,6 +427,16 @@ class Sessions:
             poll = POLL_STARTING if plan.status.get("phase") == SessionPhase.PENDING else POLL_RUNNING
             due = min(poll, (plan.wake_at - now_utc()).total_seconds() + 0.5)
             self.queue.add_after(key, max(0.0, due))
+
+    def _ask_verify(self, sandbox: Obj, pod_uid: str) -> None:
+        """Wake the node agent for this Pod (a watch event on the sandbox); it also looks on every pass."""
+        if (sandbox["metadata"].get("annotations") or {}).get(c.ANN_VERIFY_SESSION) == pod_uid:
+            return
+        try:
+            self.kube.patch_annotations(sandbox, {c.ANN_VERIFY_SESSION: pod_uid})
+        except KubeError as err:
+            if not (err.conflict or err.not_found):  # changed meanwhile: the next look asks again
+                raise
 
     def _get(self, path: str) -> Obj | None:
         try:
