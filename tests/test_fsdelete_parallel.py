@@ -71,16 +71,19 @@ def test_a_file_swapped_for_a_directory_while_a_helper_unlinks_it_is_descended_i
     # helper, again through `unlink` in the walk, and the level is read again so the directory is deleted too.
     bait_file, bait_dir = outside_bait(tmp_path)
     n = wide(tmp_path / "t", subdirs=0)
-    real, swapped = fsdelete._unlink_names, []
+    real, swapped, lock = fsdelete._unlink_names, list[str](), threading.Lock()
 
     def swap_then_unlink(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:
-        if not swapped and in_pool_thread("fsdelete-unlink"):
+        with lock:  # helpers run at once: exactly one of them swaps
+            first = not swapped and in_pool_thread("fsdelete-unlink")
+            if first:
+                swapped.append(names[-1])
+        if first:
             name = names[-1]
             os.unlink(name, dir_fd=dir_fd)
             os.mkdir(name, dir_fd=dir_fd)
             os.symlink(bait_dir, f"/proc/self/fd/{dir_fd}/{name}/to-bait")
             Path(f"/proc/self/fd/{dir_fd}/{name}/inner").write_text("x")
-            swapped.append(name)
         return real(dir_fd, names)
 
     monkeypatch.setattr(fsdelete, "_unlink_names", swap_then_unlink)
@@ -100,15 +103,16 @@ def test_a_directory_swapped_for_a_link_inside_a_worker_is_unlinked_never_follow
         (top / f"s{d}" / "inner").mkdir(parents=True)
         for i in range(40):
             (top / f"s{d}" / "inner" / f"f{i}").write_text("x")
-    real, moved = fsdelete._Walker.open_dir, list[Path]()
+    real, moved, lock = fsdelete._Walker.open_dir, list[Path](), threading.Lock()
 
     def swap_then_open(self: fsdelete._Walker, parent: fsdelete._Frame | None, name: str):  # type: ignore[no-untyped-def]
-        if name == "inner" and not moved and in_pool_thread("fsdelete_") and parent is not None:
-            assert parent.fd is not None
-            away = tmp_path / "moved-away"
-            os.rename(f"/proc/self/fd/{parent.fd}/inner", away)
-            os.symlink(bait_dir, f"/proc/self/fd/{parent.fd}/inner")
-            moved.append(away)
+        with lock:  # workers run at once: exactly one of them swaps
+            if name == "inner" and not moved and in_pool_thread("fsdelete_") and parent is not None:
+                assert parent.fd is not None
+                away = tmp_path / "moved-away"
+                os.rename(f"/proc/self/fd/{parent.fd}/inner", away)
+                os.symlink(bait_dir, f"/proc/self/fd/{parent.fd}/inner")
+                moved.append(away)
         return real(self, parent, name)
 
     monkeypatch.setattr(fsdelete._Walker, "open_dir", swap_then_open)
