@@ -1,77 +1,72 @@
-"""Deletion benchmark: sandkeep's safe delete against `rm -rf` on the same repo-shaped trees.
+"""Deletion benchmark: sandkeep's safe delete against `rm -rf`, `find -delete`, `rsync --delete` and a parallel
+`rm -rf`, on identical synced trees, interleaved round by round (issue 15, item 3).
 
-    python hack/bench/delete.py [--files 100000] [--rounds 3] [--dir PATH]
+    python hack/bench/delete.py [--files 40000] [--rounds 3] [--shapes repo,wide,deep] [--dir PATH]
+                                [--fsdelete FILE] [--drop-caches] [--quick]
 
-Each round builds two identical trees (a `.git/objects` fan-out plus a nested source tree of small files),
+Each round builds one tree per tool from the same seed (so every tool deletes the same shape, names and sizes),
 syncs them to disk BEFORE timing (an unsynced tree deletes from the page cache several times faster and the
-ratio then means nothing), and deletes one with `rm -rf` and the other with `fsdelete.delete_tree_async`,
-alternating which goes first. An asyncio ticker runs beside sandkeep's delete and records the longest gap
-between its ticks: the event-loop stall a caller (the node agent) would see.
+ratio then means nothing; `--drop-caches`, as root, also drops the clean caches so every tool starts cold),
+then deletes them in an order rotated every round. Shapes:
 
-Prints files/s medians for both, a line starting `ratio` (sandkeep / rm -rf; >= 1.0 is the target) and the
-longest stall (< 100 ms is the target).
+- `repo`: the issue's 40,000-file repository (30% in a `.git/objects/xx/` fan-out, the rest 25 per directory
+  three levels deep);
+- `wide`: one directory holding most of the files, beside a few small subdirectories;
+- `deep`: a chain 1,000 levels deep with files at every level.
+
+sandkeep's delete runs in a child process the way the agent runs it: `delete_tree_async` (an executor thread)
+beside an asyncio loop whose ticking coroutine records the longest gap between ticks (the event-loop stall),
+and the child reports its peak RSS (`ru_maxrss`). The peers run as subprocesses:
+
+- `rm -rf T`; `find T -delete`; `rsync -a --delete empty/ T/` then `rmdir T`;
+- `parallel rm -rf`: `find T -mindepth 2 -maxdepth 2 -print0 | xargs -0 -n 1 -P N rm -rf` then `rm -rf T`, at
+  sandkeep's parallelism N (`fsdelete.WORKERS`): the strongest peer.
+
+`--fsdelete FILE` adds another implementation (e.g. the one before a change:
+`git show <commit>:controller/fsdelete.py > /tmp/old.py`) as one more tool in the same rounds; it is reported
+but never counted as a peer. The last line is exactly `ratio_vs_best X.XX`: the best peer's median time over
+sandkeep's, on the shape where that is lowest (>= 1.0 means sandkeep is the fastest on every shape).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 
-from controller import fsdelete
+from controller import fsdelete  # noqa: E402
 
+SEED = 15
+
+# The child that runs sandkeep's delete as the agent does: in an executor thread beside a ticking event loop.
+CHILD = r"""
+import asyncio, importlib.util, json, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2]:
+    spec = importlib.util.spec_from_file_location("fsdelete_under_test", sys.argv[2])
+    fsdelete = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = fsdelete
+    spec.loader.exec_module(fsdelete)
+else:
+    from controller import fsdelete
+parent, name, workers = sys.argv[3], sys.argv[4], int(sys.argv[5])
 TICK = 0.005
-T = TypeVar("T")
 
-
-def build_tree(top: Path, files: int) -> int:
-    """A repository-like tree: 30% in `.git/objects/xx/`, the rest ~25 per directory, 3 levels deep."""
-    made = 0
-    objects = top / ".git" / "objects"
-    git_files = files * 3 // 10
-    for i in range(git_files):
-        d = objects / f"{i % 256:02x}"
-        if i < 256:
-            d.mkdir(parents=True)
-        (d / f"{i:038x}").write_bytes(b"x" * (64 + i % 900))
-        made += 1
-    rest = files - git_files
-    for i in range(rest):
-        d = top / f"pkg{i // 2500}" / f"mod{(i // 250) % 10}" / f"sub{(i // 25) % 10}"
-        if i % 25 == 0:
-            d.mkdir(parents=True, exist_ok=True)
-        (d / f"file{i}.py").write_bytes(b"# code\n" * (1 + i % 60))
-        made += 1
-    return made
-
-
-async def delete_with_ticker(parent: Path, name: str) -> tuple[float, float, fsdelete.DeleteResult]:
-    """sandkeep's async delete with a ticker beside it: (seconds, longest stall in seconds, result)."""
-    return await _ticking(fsdelete.delete_tree_async(parent, name))
-
-
-async def idle_stall(seconds: float) -> float:
-    """The longest stall of the same ticker with nothing else running: what the machine alone costs."""
-    _, stall, _ = await _ticking(asyncio.sleep(seconds))
-    return stall
-
-
-async def _ticking(work: Awaitable[T]) -> tuple[float, float, T]:
-    stall = 0.0
-    done = asyncio.Event()
-
-    async def ticker() -> None:
+async def ticking(work):
+    stall, done = 0.0, asyncio.Event()
+    async def ticker():
         nonlocal stall
         last = time.perf_counter()
         while not done.is_set():
@@ -79,7 +74,6 @@ async def _ticking(work: Awaitable[T]) -> tuple[float, float, T]:
             now = time.perf_counter()
             stall = max(stall, now - last - TICK)
             last = now
-
     tick = asyncio.create_task(ticker())
     await asyncio.sleep(0)
     start = time.perf_counter()
@@ -89,60 +83,238 @@ async def _ticking(work: Awaitable[T]) -> tuple[float, float, T]:
     await tick
     return seconds, stall, result
 
+async def main():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    seconds, stall, result = await ticking(fsdelete.delete_tree_async(parent, name, workers=workers))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    _, idle, _ = await ticking(asyncio.sleep(min(seconds, 2.0)))
+    return {"seconds": seconds, "stall": stall, "idle_stall": idle, "rss_before_kib": before, "rss_peak_kib": peak,
+            "ok": result.ok, "files": result.files, "describe": result.describe()}
 
-def _load() -> str:
-    return f"{os.getloadavg()[0]:.1f}"
+print(json.dumps(asyncio.run(main())))
+"""
 
 
-def rm_rf(path: Path) -> float:
+# --- the trees ---------------------------------------------------------------------------------------------
+def _write(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.write(b"x" * size)
+
+
+def build_repo(top: Path, files: int, rng: random.Random) -> int:
+    """A repository-like tree: 30% in `.git/objects/xx/`, the rest ~25 per directory, 3 levels deep."""
+    objects = top / ".git" / "objects"
+    git_files = files * 3 // 10
+    for i in range(git_files):
+        d = objects / f"{i % 256:02x}"
+        if i < 256:
+            d.mkdir(parents=True)
+        _write(d / f"{i:038x}", rng.randint(64, 964))
+    for i in range(files - git_files):
+        d = top / f"pkg{i // 2500}" / f"mod{(i // 250) % 10}" / f"sub{(i // 25) % 10}"
+        if i % 25 == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        _write(d / f"file{i}.py", rng.randint(7, 420))
+    return files
+
+
+def build_wide(top: Path, files: int, rng: random.Random) -> int:
+    """90% of the files in one directory, the rest in 10 small subdirectories of it."""
+    top.mkdir(parents=True)
+    many = files * 9 // 10
+    for i in range(many):
+        _write(top / f"{i:08d}-{rng.getrandbits(32):08x}.log", rng.randint(0, 256))
+    rest = files - many
+    for i in range(rest):
+        d = top / f"sub{i % 10}"
+        if i < 10:
+            d.mkdir()
+        _write(d / f"f{i}", rng.randint(0, 256))
+    return files
+
+
+def build_deep(top: Path, files: int, rng: random.Random) -> int:
+    """A chain 1,000 levels deep (fewer for tiny trees) with files at every level, built fd-relative."""
+    top.mkdir(parents=True)
+    depth = min(1000, max(10, files // 40))
+    per = max(1, files // depth)
+    made, fd = 0, os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for level in range(depth):
+            for j in range(per if level < depth - 1 else files - made):
+                fdf = os.open(f"f{j}", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd)
+                os.write(fdf, b"x" * rng.randint(0, 256))
+                os.close(fdf)
+                made += 1
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    return made
+
+
+SHAPES = {"repo": build_repo, "wide": build_wide, "deep": build_deep}
+
+
+# --- the tools -----------------------------------------------------------------------------------------------
+@dataclass
+class Tool:
+    name: str
+    peer: bool
+    times: dict[str, list[float]] = field(default_factory=dict)
+    missing: str = ""  # why it did not run (a command not installed)
+
+
+def _run(cmd: list[str] | str, shell: bool = False) -> float:
     start = time.perf_counter()
-    subprocess.run(["rm", "-rf", str(path)], check=True)
+    subprocess.run(cmd, check=True, shell=shell)
     return time.perf_counter() - start
 
 
+def peer_delete(tool: str, tree: Path, workers: int, empty: Path) -> float:
+    """Delete `tree` with one of the peers; its wall time in seconds."""
+    if tool == "rm -rf":
+        return _run(["rm", "-rf", str(tree)])
+    if tool == "find -delete":
+        return _run(["find", str(tree), "-delete"])
+    if tool == "rsync --delete":
+        start = time.perf_counter()
+        subprocess.run(["rsync", "-a", "--delete", f"{empty}/", f"{tree}/"], check=True)
+        tree.rmdir()
+        return time.perf_counter() - start
+    if tool == "parallel rm -rf":
+        q = f"'{tree}'"
+        script = f"find {q} -mindepth 2 -maxdepth 2 -print0 | xargs -0 -r -n 1 -P {workers} rm -rf && rm -rf {q}"
+        return _run(script, shell=True)
+    raise ValueError(tool)
+
+
+def sandkeep_delete(tree: Path, workers: int, impl: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(REPO), impl, str(tree.parent), tree.name, str(workers)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"sandkeep's delete died: {out.stderr.strip()[-2000:]}")
+    data: dict[str, object] = json.loads(out.stdout)
+    return data
+
+
+def settle(drop_caches: bool) -> None:
+    """Write everything to disk; as root with --drop-caches, also drop the clean page, dentry and inode caches."""
+    os.sync()
+    if drop_caches and os.geteuid() == 0:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--files", type=int, default=100_000)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=40_000, help="files per tree (default: the issue's 40,000)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shapes", default="repo,wide,deep", help=f"comma-separated, of {','.join(SHAPES)}")
+    parser.add_argument("--workers", type=int, default=fsdelete.WORKERS, help="sandkeep's (and the peer's) N")
     parser.add_argument("--dir", type=Path, default=None, help="where to build the trees (default: a temp dir)")
+    parser.add_argument("--fsdelete", default="", help="also time this fsdelete.py (reported, not a peer)")
+    parser.add_argument("--drop-caches", action="store_true", help="as root: drop caches after each sync")
+    parser.add_argument("--quick", action="store_true", help="tiny trees, one round: checks the benchmark runs")
     args = parser.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="sandkeep-bench-", dir=args.dir))
-    rm_rates: list[float] = []
-    sk_rates: list[float] = []
+    if args.quick:
+        args.files, args.rounds = 300, 1
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}")
+    tools = [Tool("sandkeep", peer=False)]
+    if args.fsdelete:
+        tools.append(Tool("sandkeep (--fsdelete)", peer=False))
+    for name, cmd in (("rm -rf", "rm"), ("find -delete", "find"), ("rsync --delete", "rsync")):
+        tools.append(Tool(name, peer=True, missing="" if shutil.which(cmd) else f"{cmd} not installed"))
+    tools.append(Tool("parallel rm -rf", peer=True, missing="" if shutil.which("xargs") else "xargs not installed"))
+    running = [t for t in tools if not t.missing]
     stalls: list[float] = []
     idles: list[float] = []
+    rss: list[tuple[int, int]] = []
+    print(f"uid {os.geteuid()}, drop caches: {'yes' if args.drop_caches and os.geteuid() == 0 else 'no (sync only)'}")
+    print(f"workers {args.workers}, files per tree {args.files}, rounds {args.rounds}, seed {SEED}")
+    base = Path(tempfile.mkdtemp(prefix="sandkeep-bench-", dir=args.dir))
+    empty = base / "empty"
+    empty.mkdir()
     try:
         for r in range(args.rounds):
-            a, b = base / f"rm-{r}", base / f"sk-{r}"
-            n = build_tree(a, args.files)
-            build_tree(b, args.files)
-            os.sync()
-            order = ("rm", "sk") if r % 2 == 0 else ("sk", "rm")
-            for who in order:
-                if who == "rm":
-                    rm_rates.append(n / rm_rf(a))
-                else:
-                    seconds, stall, result = asyncio.run(delete_with_ticker(base, b.name))
-                    if not result.ok or result.files != n or b.exists():
-                        print(f"sandkeep delete failed: {result.describe()}", file=sys.stderr)
+            for shape in shapes:
+                trees = {}
+                for i, tool in enumerate(running):
+                    trees[tool.name] = base / f"{shape}-{r}-{i}"
+                    n = SHAPES[shape](trees[tool.name], args.files, random.Random(SEED))
+                settle(args.drop_caches)
+                k = (r * len(shapes) + shapes.index(shape)) % len(running)
+                order = running[k:] + running[:k]
+                line = []
+                for tool in order:
+                    tree = trees[tool.name]
+                    if tool.peer:
+                        seconds = peer_delete(tool.name, tree, args.workers, empty)
+                    else:
+                        impl = args.fsdelete if tool.name != "sandkeep" else ""
+                        got = sandkeep_delete(tree, args.workers, impl)
+                        if not got["ok"] or got["files"] != n:
+                            print(f"{tool.name} delete failed: {got['describe']}", file=sys.stderr)
+                            return 1
+                        seconds = float(got["seconds"])  # type: ignore[arg-type]
+                        if tool.name == "sandkeep":
+                            stalls.append(float(got["stall"]))  # type: ignore[arg-type]
+                            idles.append(float(got["idle_stall"]))  # type: ignore[arg-type]
+                            rss.append((int(got["rss_before_kib"]), int(got["rss_peak_kib"])))  # type: ignore[call-overload]
+                    if tree.exists():
+                        print(f"{tool.name} left {tree} behind", file=sys.stderr)
                         return 1
-                    sk_rates.append(n / seconds)
-                    stalls.append(stall)
-                    idles.append(asyncio.run(idle_stall(min(seconds, 10.0))))
-            print(
-                f"round {r + 1}: rm -rf {rm_rates[-1]:,.0f} files/s, sandkeep {sk_rates[-1]:,.0f} files/s, "
-                f"stall {stalls[-1] * 1000:.1f} ms (idle ticker alone: {idles[-1] * 1000:.1f} ms), load {_load()}",
-                flush=True,
-            )
+                    tool.times.setdefault(shape, []).append(seconds)
+                    line.append(f"{tool.name} {seconds:.2f}s")
+                print(f"round {r + 1} {shape}: " + ", ".join(line) + f"  (load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    rm_med, sk_med = statistics.median(rm_rates), statistics.median(sk_rates)
-    print(f"files per tree: {args.files}, rounds: {args.rounds}")
-    print(f"rm -rf median: {rm_med:,.0f} files/s")
-    print(f"sandkeep median: {sk_med:,.0f} files/s")
-    print(f"ratio {sk_med / rm_med:.2f} (sandkeep / rm -rf; target >= 1.0)")
-    print(f"longest event-loop stall: {max(stalls) * 1000:.1f} ms (target < 100 ms)")
-    print(f"longest stall of the ticker alone, same machine, same run: {max(idles) * 1000:.1f} ms")
+    return report(tools, shapes, args.files, stalls, idles, rss)
+
+
+def report(
+    tools: list[Tool],
+    shapes: list[str],
+    files: int,
+    stalls: list[float],
+    idles: list[float],
+    rss: list[tuple[int, int]],
+) -> int:
+    """The table of medians (seconds, files/s, sandkeep's speed-up over each), then the summary lines."""
+    sk = tools[0]
+    print()
+    heads = [f"{s} median s (files/s)" for s in shapes] + [f"{s} x" for s in shapes]
+    print(f"| tool | {' | '.join(heads)} |")
+    print(f"|---|{'---|' * (2 * len(shapes))}")
+    for tool in tools:
+        if tool.missing:
+            print(f"| {tool.name} | skipped: {tool.missing} |")
+            continue
+        meds = [statistics.median(tool.times[s]) for s in shapes]
+        cells = [f"{m:.2f} ({files / m:,.0f})" for m in meds]
+        ratios = [f"{m / statistics.median(sk.times[s]):.2f}" for s, m in zip(shapes, meds, strict=True)]
+        print(f"| {tool.name} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+    worst = float("inf")
+    for s in shapes:
+        peers = [(statistics.median(t.times[s]), t.name) for t in tools if t.peer and not t.missing]
+        best, who = min(peers)
+        ratio = best / statistics.median(sk.times[s])
+        worst = min(worst, ratio)
+        print(f"{s}: best peer {who} {best:.2f}s, sandkeep {statistics.median(sk.times[s]):.2f}s, ratio {ratio:.2f}")
+    before, peak = max(rss, key=lambda p: p[1])
+    print(f"sandkeep peak RSS: {peak / 1024:.1f} MiB (interpreter before the delete {before / 1024:.1f} MiB)")
+    stall, idle = max(stalls) * 1000, max(idles) * 1000
+    print(f"longest event-loop stall: {stall:.1f} ms (ticker alone, same child: {idle:.1f} ms)")
+    print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"ratio_vs_best {worst:.2f}")
     return 0
 
 
