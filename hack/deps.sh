@@ -4,7 +4,7 @@
 #   hack/deps.sh demo    what `make demo` needs (openssl, chattr, ...)
 #   hack/deps.sh test    what `make test` needs: the demo's, plus the real node's (containerd, runc, the CNI
 #                        plugins, socat), the image build's (mmdebstrap, buildah) and strace (the calls the
-#                        agent makes, against its seccomp profile)
+#                        agent makes, against its seccomp profile) and rsync (a peer of the delete benchmark)
 #
 # As root it runs apt-get for what is missing (once `apt-get update`); otherwise it names the packages
 # and fails. Quiet when everything is there.
@@ -13,7 +13,7 @@ set -euo pipefail
 demo=(openssl:openssl chattr:e2fsprogs setpriv:util-linux unshare:util-linux nsenter:util-linux make:make)
 test=(shellcheck:shellcheck useradd:passwd containerd:containerd ctr:containerd runc:runc socat:socat
 	ip:iproute2 cc:gcc /usr/lib/cni/bridge:containernetworking-plugins mmdebstrap:mmdebstrap buildah:buildah
-	strace:strace)
+	strace:strace rsync:rsync)
 
 case ${1:-test} in
 demo) want=("${demo[@]}") ;;
