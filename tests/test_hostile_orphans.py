@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from procs import alive
 from test_commands import (  # the reaper's fixtures and helpers, shared rather than copied
-    _alive,
     _calls,
     _exec_recorded,
     _record_leader,
@@ -31,7 +31,6 @@ from test_commands import (  # the reaper's fixtures and helpers, shared rather 
     _victim,
     _wait_for,
     _write_record,
-    pids,
     sandbox,
 )
 
@@ -39,7 +38,7 @@ from controller import commands
 from controller.commands import MAX_MEMBERS, MAX_RECORD_BYTES, MAX_RECORDS, Mark, boot_id, orphan_pids, reap_orphans
 from controller.contracts import COMMANDS_DIR, Reason
 
-__all__ = ["pids", "sandbox"]  # fixtures
+__all__ = ["sandbox"]  # a fixture (pids comes from conftest)
 NOBODY = 65534
 
 
@@ -66,7 +65,7 @@ def test_a_forged_record_naming_a_process_outside_the_sandbox_never_signals_it_a
     assert orphan_pids(box) == frozenset()  # not an orphan the agent would discount either
     result = reap_orphans(box, timeout=1)  # the real signal path
 
-    assert _alive(victim.pid)
+    assert alive(victim.pid)
     assert result.signalled == 0 and result.hold == Reason.ORPHAN_UNPROVEN
     (survivor,) = result.survivors
     assert survivor.pid == victim.pid and survivor.why is not None and "cwd" in survivor.why
@@ -88,7 +87,7 @@ def test_a_process_inside_the_sandbox_but_of_another_session_is_not_signalled_wi
     result = reap_orphans(box, timeout=10)
 
     orphan.wait(timeout=10)
-    assert _alive(other.pid) and result.signalled == 1
+    assert alive(other.pid) and result.signalled == 1
     assert result.hold == Reason.ORPHAN_UNPROVEN
     assert [(s.pid, "recorded session" in (s.why or "")) for s in result.survivors] == [(other.pid, True)]
     (record,) = _records(box)
@@ -104,7 +103,7 @@ def test_a_child_that_left_the_session_and_lost_its_parents_cannot_be_proven_and
     leader = record["leader"]["pid"]
 
     def strays() -> list[int]:
-        members = [m["pid"] for m in _records(box)[0]["members"] if _alive(m["pid"])]
+        members = [m["pid"] for m in _records(box)[0]["members"] if alive(m["pid"])]
         return [pid for pid in members if commands.command_line(Path("/proc"), pid) == "sleep 333"]
 
     _wait_for(lambda: len(strays()) == 1)  # recorded once `setsid` became the sleep (pruned of the subshell)
@@ -115,8 +114,8 @@ def test_a_child_that_left_the_session_and_lost_its_parents_cannot_be_proven_and
 
     result = reap_orphans(box, timeout=10)
 
-    assert not _alive(leader)
-    assert _alive(stray[0])
+    assert not alive(leader)
+    assert alive(stray[0])
     assert result.hold == Reason.ORPHAN_UNPROVEN and [s.pid for s in result.survivors] == stray
 
 
@@ -131,7 +130,7 @@ def test_a_record_longer_than_any_recorder_writes_is_not_read_and_holds(sandbox,
 
     result = reap_orphans(box, timeout=1)
 
-    assert _alive(orphan.pid) and result.signalled == 0
+    assert alive(orphan.pid) and result.signalled == 0
     assert result.hold == Reason.ORPHAN_RECORDS_OVER_LIMIT and result.refused[0].record == "long.json"
     assert (box / COMMANDS_DIR / "long.json").exists()
 
@@ -144,7 +143,7 @@ def test_a_record_naming_more_members_than_a_recorder_writes_is_not_acted_on(san
 
     result = reap_orphans(box, timeout=1)
 
-    assert _alive(orphan.pid) and result.signalled == 0 and result.hold == Reason.ORPHAN_RECORDS_OVER_LIMIT
+    assert alive(orphan.pid) and result.signalled == 0 and result.hold == Reason.ORPHAN_RECORDS_OVER_LIMIT
 
 
 def test_records_beyond_the_count_cap_are_not_read_and_each_reap_makes_progress(sandbox, pids):
@@ -218,7 +217,7 @@ def test_the_most_a_forger_can_write_is_judged_in_bounded_memory(sandbox, pids, 
     grown_kib, orphans, signalled, hold, survivors = json.loads(out.stdout)
     assert grown_kib < 16 * 1024, f"peak RSS grew {grown_kib} KiB"
     assert orphans == [] and signalled == 0 and hold == Reason.ORPHAN_UNPROVEN and survivors == len(victims)
-    assert all(_alive(v.pid) for v in victims)
+    assert all(alive(v.pid) for v in victims)
 
 
 def test_the_largest_record_a_recorder_can_write_fits_the_cap() -> None:
@@ -259,7 +258,7 @@ def test_a_recorder_of_a_command_with_more_processes_than_the_cap_records_the_ca
 
     leader.wait(timeout=10)
     assert result.hold is None and result.signalled == 7
-    assert not any(_alive(pid) for pid in children)
+    assert not any(alive(pid) for pid in children)
     assert _records(box) == []
 
 
@@ -306,7 +305,7 @@ def test_records_in_a_commands_dir_another_account_controls_are_not_acted_on(san
     assert orphan_pids(box) == frozenset()
     result = reap_orphans(box, timeout=1)
 
-    assert _alive(orphan.pid) and result.signalled == 0
+    assert alive(orphan.pid) and result.signalled == 0
     assert result.hold == Reason.ORPHAN_RECORDS_UNTRUSTED and result.refused[0].record == ""
 
 
@@ -321,7 +320,7 @@ def test_a_record_another_account_could_have_written_is_not_acted_on(sandbox, pi
 
     result = reap_orphans(box, timeout=1)
 
-    assert _alive(orphan.pid) and result.signalled == 0
+    assert alive(orphan.pid) and result.signalled == 0
     assert result.hold == Reason.ORPHAN_RECORDS_UNTRUSTED and result.refused[0].record == f"{orphan.pid}-1.json"
 
 
@@ -339,7 +338,7 @@ def test_exec_refuses_to_start_beside_records_it_does_not_trust_and_signals_noth
     assert commands.run("exec", args) == commands.EXIT_REFUSED
     err = capsys.readouterr().err
     assert "refused to start" in err and "others may write it" in err and "remove them" in err
-    assert not marker.exists() and _alive(orphan.pid)
+    assert not marker.exists() and alive(orphan.pid)
 
 
 # --- generated garbage ---------------------------------------------------------------------------------------
@@ -374,7 +373,7 @@ def test_generated_records_never_signal_a_process_outside_the_sandbox_and_never_
         _write_record(box, "nested.json", "[" * nested)  # deeper than json's recursion limit goes
         calls: list[tuple[int, int]] = []
         result = reap_orphans(box, timeout=0.1, kill=_calls(calls))
-        assert calls == [] and result.signalled == 0 and _alive(victim.pid)
+        assert calls == [] and result.signalled == 0 and alive(victim.pid)
     finally:
         victim.kill()
         victim.wait()
