@@ -424,3 +424,14 @@ def test_the_agent_reads_a_workspace_by_device_and_inode_never_through_a_link(tm
     (tmp_path / "root" / "linked").symlink_to(tmp_path / "root" / "team")  # a link higher up, too
     assert workspace_of(tmp_path / "root", "linked", "run-1") is None
     assert workspace_of(tmp_path / "root", "team", "absent") is None
+
+
+def test_an_unchanged_answer_is_kept_as_it_was_so_a_pending_pod_costs_no_write_per_pass(tmp_path: Path) -> None:
+    from controller.agent.sessions import entries
+
+    sb = sandbox()
+    starting = {"metadata": {"namespace": "sk-sessions", "name": "session-u-1", "uid": "pod-1"}, "status": {}}
+    first = entries(sb, [starting], tmp_path, tmp_path, NOW, {})
+    assert [e["mount"] for e in first] == [MountCheck.UNKNOWN]
+    later = entries(sb, [starting], tmp_path, tmp_path, NOW + timedelta(minutes=5), {"pod-1": first[0]})
+    assert later == first

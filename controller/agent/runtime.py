@@ -258,9 +258,9 @@ class Agent:
         items: list[Obj] = pods.get("items", [])
         return items
 
-    def _pod_paths(self, pods: list[Obj] | None = None) -> list[tuple[str, Path]] | None:
-        """hostPath volumes of the Pods on this node: a Pod that mounts a sandbox uses it. None: unlisted."""
-        pods = self._pods() if pods is None else pods
+    @staticmethod
+    def _pod_paths(pods: list[Obj] | None) -> list[tuple[str, Path]] | None:
+        """hostPath volumes of these Pods (this node's): a Pod that mounts a sandbox uses it. None: unlisted."""
         if pods is None:
             return None
         out = []
@@ -478,7 +478,7 @@ class Agent:
 
         No Pod list, no way to rule out a Pod that mounts one: unknown, which holds.
         """
-        pods = self._pod_paths()
+        pods = self._pod_paths(self._pods())
         found = scan_usage(paths, pods or [], Path("/proc"), self.ignore)
         self.m.inuse_scans.labels(self.s.node).inc()
         for key, usage in found.items():

@@ -116,7 +116,8 @@ def session_pods(pods: Iterable[Obj], namespace: str) -> dict[str, list[Obj]]:
 def entries(
     sandbox: Obj, pods: list[Obj], root: Path, proc: Path, now: datetime, known: Mapping[str, Obj]
 ) -> list[Obj]:
-    """`status.sessions` for this sandbox: one entry per session Pod; a settled answer is not read again."""
+    """`status.sessions` for this sandbox: one entry per session Pod. A settled answer is not read again,
+    and an unchanged one is kept as it was, so a Pod that stays Unknown costs no status write per pass."""
     namespace, name = sandbox["metadata"]["namespace"], sandbox["metadata"]["name"]
     out = []
     for pod in pods[:MAX_SESSIONS]:
@@ -126,6 +127,9 @@ def entries(
             out.append(old)
             continue
         mount = check(pod, root, namespace, name, proc)
+        if old is not None and old.get("mount") == mount:
+            out.append(old)
+            continue
         out.append(
             {
                 "pod": f"{meta['namespace']}/{meta['name']}",
