@@ -68,6 +68,7 @@ class Phase(StrEnum):
 
     RETAINED = "Retained"
     PINNED = "Pinned"
+    OPEN = "Open"  # a SandboxSession's Pod has it mounted, verified by the agent, before its deadline
     HELD = "Held"
     EXPIRED = "Expired"
     DELETING = "Deleting"

@@ -46,6 +46,7 @@ from controller.kube import (
     RateLimiter,
     annotations_of,
     condition,
+    condition_of,
     is_deleting,
     key_of,
     load_config,
@@ -191,7 +192,13 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
     observed = observed_of(obj)
     lost_at = ctx.node_gone_since + ctx.node_grace if ctx.node_gone_since is not None else None
     node_lost = lost_at is not None and lost_at <= now
-    phase = phase_of(verdict, in_use=observed.in_use, disk_present=observed.disk_present, node_gone=node_lost)
+    phase = phase_of(
+        verdict,
+        in_use=observed.in_use,
+        in_session=observed.in_session,
+        disk_present=observed.disk_present,
+        node_gone=node_lost,
+    )
     previous = (obj.get("status") or {}).get("conditions") or []
     generation = obj.get("metadata", {}).get("generation")
 
@@ -199,7 +206,7 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         return condition(type_, status, reason, message, observed_generation=generation, previous=previous, now=now)
 
     source = verdict.source.value
-    conditions = [_expired_condition(verdict, observed.in_use, source, cond), _pinned_condition(verdict, cond)]
+    conditions = [_expired_condition(verdict, observed.held, source, cond), _pinned_condition(verdict, cond)]
     invalid = _pin_problems(obj, verdict)
     ann = annotations_of(obj)
     if invalid:
@@ -214,7 +221,7 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         if ctx.policy_reasons:
             words.insert(0, "the namespace's SandboxPolicy exceeds the cluster ceiling and is held to it")
         conditions.append(cond(c.Condition.POLICY_CEILING, True, reason, "; ".join(words)))
-    eligible = verdict.expired and not observed.in_use
+    eligible = verdict.expired and not observed.held
     if eligible and ctx.policy.dry_run:
         would = f"would delete: expired at {_when(verdict.deadline)} ({_cause(verdict)}); dry-run is on"
         conditions.append(cond(c.Condition.DRY_RUN, True, Reason.WOULD_DELETE, f"{would}, nothing is deleted"))
@@ -433,7 +440,7 @@ def _compact(value: Any) -> Any:
 
 _KEPT_META = ("name", "namespace", "uid", "resourceVersion", "generation", "deletionTimestamp", "finalizers")
 _KEPT_SPEC = ("nodeName", "createdAt", "retainUntil")
-_KEPT_STATUS = (*OWNED_FIELDS, "inUse", "sizeBytes")
+_KEPT_STATUS = (*OWNED_FIELDS, "inUse", "sizeBytes", "sessions")
 _KEPT_CONDITIONS = frozenset((*OWNED_CONDITIONS, c.Condition.DISK_PRESENT))
 
 
@@ -483,7 +490,7 @@ class Reconciler:
         self.quotas: WorkQueue[str] = WorkQueue()  # namespaces whose quota to check (controller/quota.py)
         self._would_release: set[str] = set()  # uids a dry-run quota release was already reported for
         self._quota_flagged: dict[str, str] = {}  # namespace -> what was said while over quota with nothing left
-        self._phases: dict[Key, tuple[str, str]] = {}  # key -> (phase, node) as the metric counts it
+        self._phases: dict[Key, tuple[str, str, bool]] = {}  # key -> (phase, node, pinned) as the metrics count
         self._background: set[asyncio.Future[None]] = set()
         self._dropping: float | None = None  # since when Events are being dropped (the backlog is full)
         # Events get their own few threads: under load they queue there, never in front of a DELETE.
@@ -555,20 +562,25 @@ class Reconciler:
         """Keep the by-phase-and-node gauge and the pins gauge in step with the view, incrementally."""
         new = None
         if obj is not None:
-            new = ((obj.get("status") or {}).get("phase") or "Unknown", (obj.get("spec") or {}).get("nodeName", ""))
+            phase = (obj.get("status") or {}).get("phase") or "Unknown"
+            # An open sandbox keeps its pin: the Pinned condition says so while the phase says Open.
+            pinned = phase == Phase.PINNED or (
+                phase == Phase.OPEN and (condition_of(obj, c.Condition.PINNED) or {}).get("status") == "True"
+            )
+            new = (phase, (obj.get("spec") or {}).get("nodeName", ""), pinned)
         old = self._phases.get(key)
         if old == new:
             return
         if old is not None:
             self.metrics.sandboxes.labels(phase=old[0], node=old[1]).dec()
-            if old[0] == Phase.PINNED:
+            if old[2]:
                 self.metrics.pins_active.dec()
         if new is None:
             self._phases.pop(key, None)
             return
         self._phases[key] = new
         self.metrics.sandboxes.labels(phase=new[0], node=new[1]).inc()
-        if new[0] == Phase.PINNED:
+        if new[2]:
             self.metrics.pins_active.inc()
 
     # --- the queue ----------------------------------------------------------------------------------------
@@ -849,7 +861,7 @@ class Reconciler:
             size=size if isinstance(size, int) else None,
             deadline=verdict.deadline,
             pinned=(verdict.pinned and not verdict.expired) or pin_holds(obj, now),
-            held=observed_of(obj).in_use,
+            held=observed_of(obj).held,
             deleting=is_deleting(obj),
         )
 

@@ -480,14 +480,22 @@ class Observed:
     """What the agent last reported about the disk (the controller reads it to derive the phase)."""
 
     in_use: bool = False
+    in_session: bool = False  # a SandboxSession's Pod mounts it, the mount verified (`status.sessions`)
     disk_present: bool | None = None  # None: the agent has not said
+
+    @property
+    def held(self) -> bool:
+        """Something keeps it from deletion: a process or Pod uses it, or a session has it open."""
+        return self.in_use or self.in_session
 
 
 def observed_of(obj: Obj) -> Observed:
     status = obj.get("status") or {}
     present = condition_of(obj, c.Condition.DISK_PRESENT)
     disk = None if present is None else present.get("status") != "False"
-    return Observed(in_use=bool(status.get("inUse")), disk_present=disk)
+    sessions = status.get("sessions") or []
+    in_session = any(isinstance(s, dict) and s.get("mount") == c.MountCheck.VERIFIED for s in sessions)
+    return Observed(in_use=bool(status.get("inUse")), in_session=in_session, disk_present=disk)
 
 
 def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:

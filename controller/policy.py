@@ -174,6 +174,7 @@ def phase_of(
     verdict: Verdict,
     *,
     in_use: bool = False,
+    in_session: bool = False,
     disk_present: bool | None = None,
     deleting: bool = False,
     node_gone: bool = False,
@@ -182,12 +183,16 @@ def phase_of(
 
     A deleting object is `Deleting` (only the agent can refine it to Held or Stuck, since only it sees
     the disk's progress). A sandbox whose node is gone, or whose directory the agent reports absent, is
-    `Lost` whatever its deadline. An expired sandbox something still uses is `Held`, never deleted.
+    `Lost` whatever its deadline. An expired sandbox something still uses is `Held`, never deleted. One a
+    SandboxSession has open (its Pod's mount verified by the agent) is `Open` until its deadline, pinned or
+    not: the session holds it like any Pod, and past the deadline it is `Held` by it, as by any other.
     """
     if deleting:
         return Phase.DELETING
     if node_gone or disk_present is False:
         return Phase.LOST
     if verdict.expired:
-        return Phase.HELD if in_use else Phase.EXPIRED
+        return Phase.HELD if in_use or in_session else Phase.EXPIRED
+    if in_session:
+        return Phase.OPEN
     return Phase.PINNED if verdict.pinned else Phase.RETAINED

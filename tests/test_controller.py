@@ -106,6 +106,9 @@ def test_phase_follows_the_verdict_and_the_agents_observations() -> None:
     assert phase_of(kept, disk_present=False) is c.Phase.LOST
     assert phase_of(gone_, node_gone=True) is c.Phase.LOST
     assert phase_of(gone_, deleting=True, node_gone=True) is c.Phase.DELETING
+    assert phase_of(kept, in_session=True) is c.Phase.OPEN
+    assert phase_of(gone_, in_session=True) is c.Phase.HELD
+    assert phase_of(kept, in_session=True, disk_present=False) is c.Phase.LOST
 
 
 def _facts() -> Any:
@@ -121,6 +124,24 @@ def test_an_unchanged_sandbox_needs_no_status_write() -> None:
     later = decide(shown, ctx, NOW + timedelta(minutes=5))
     assert not status_changed(shown, later.status)
     assert first.wake_at == NOW + HOUR and not first.delete
+
+
+def _session(mount: c.MountCheck) -> dict[str, Any]:
+    return {"pod": "sandkeep-sessions/session-1", "podUID": "u-1", "mount": mount.value}
+
+
+def test_a_verified_session_opens_a_sandbox_keeps_its_pin_and_holds_it_past_its_deadline() -> None:
+    until = format_instant(NOW + 3 * HOUR)
+    pinned = _obj(**{c.ANN_PIN_UNTIL: until}) | {"status": {"sessions": [_session(c.MountCheck.VERIFIED)]}}
+    decision = decide(pinned, Context(Policy(retention=2 * HOUR, max_pin=timedelta(days=1))), NOW)
+    assert decision.phase is c.Phase.OPEN and decision.status["pinnedUntil"] == until
+    assert any(cd["type"] == c.Condition.PINNED and cd["status"] == "True" for cd in decision.status["conditions"])
+    expired = decide(_obj() | {"status": pinned["status"]}, Context(Policy(retention=HOUR / 2, max_pin=HOUR)), NOW)
+    assert expired.phase is c.Phase.HELD and not expired.delete
+    short = Context(Policy(retention=HOUR / 2, max_pin=HOUR))
+    for mount in (c.MountCheck.MISMATCH, c.MountCheck.UNKNOWN):  # only a verified mount opens it
+        other = decide(_obj() | {"status": {"sessions": [_session(mount)]}}, short, NOW)
+        assert other.phase is c.Phase.EXPIRED and other.delete
 
 
 def test_an_expired_sandbox_in_use_is_held_not_deleted() -> None:
