@@ -63,7 +63,7 @@ from controller.policy import Ceiling, Policy, Quota, Verdict, deadline, effecti
 from controller.policyset import in_force, write_statuses
 from controller.pressure import Candidate
 from controller.quota import choose as quota_plan
-from controller.sessions import Sessions, SessionSettings
+from controller.sessions import COLLECT_ALL, Sessions, SessionSettings
 from controller.workqueue import WorkQueue
 
 log = logging.getLogger("sandkeep.controller")
@@ -1033,7 +1033,7 @@ async def _seam(obj: Obj) -> None:
 
 
 def _session_fields(key: Key) -> dict[str, Any]:
-    return {"session": f"{key[0]}/{key[1]}"}
+    return {"session": "(the leftover session Pods)" if key == COLLECT_ALL else f"{key[0]}/{key[1]}"}
 
 
 # --- the watches -----------------------------------------------------------------------------------------

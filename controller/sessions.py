@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
-from typing import Any
 from urllib.parse import quote
 
 from controller import contracts as c
@@ -45,6 +45,8 @@ PULL_FAILURES = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName
 SESSIONS_PATH = f"/apis/{c.GROUP}/{c.VERSION}"
 POLL_STARTING = 1.0  # seconds between looks at a starting session's Pod
 POLL_RUNNING = 10.0  # ... at a running one's (its end is noticed within this)
+GUARD_TTL = 5.0  # seconds a found admission binding is believed without a fresh GET; a missing one never is
+COLLECT_ALL: Key = ("", "")  # the queue's item for "find the session Pods whose session went" (no real key)
 
 
 @dataclass(frozen=True)
@@ -360,7 +362,8 @@ class Sessions:
     is_leader: Callable[[], bool] = lambda: True
     queue: WorkQueue[Key] = field(default_factory=WorkQueue)
     by_sandbox: dict[Key, set[Key]] = field(default_factory=dict)  # sandbox key -> sessions naming it
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    gone: dict[Key, set[str]] = field(default_factory=dict)  # a deleted session's key -> its objects' names
+    _guard_seen: float = -GUARD_TTL  # monotonic time the admission binding was last found
 
     # --- events ---------------------------------------------------------------------------------------
     def on_session(self, event_type: str | None, obj: Obj) -> None:
@@ -368,8 +371,11 @@ class Sessions:
         sandbox = (key[0], str((obj.get("spec") or {}).get("sandbox", "")))
         if event_type == "DELETED":
             self.by_sandbox.get(sandbox, set()).discard(key)
-            self.queue.drop(key)
-            self._spawn(self._teardown(object_name(obj), "/".join(key), Reason.POD_ENDED))
+            if self.is_leader():  # torn down by the queue's worker, retried until done; a standby's next
+                self.gone.setdefault(key, set()).add(object_name(obj))  # leadership collects them all
+                self.queue.add(key)
+            else:
+                self.queue.drop(key)
             return
         self.by_sandbox.setdefault(sandbox, set()).add(key)
         self.queue.add(key)
@@ -380,7 +386,7 @@ class Sessions:
 
     def collect_all(self) -> None:
         """On taking the lead: tear down the session Pods whose session went while no leader watched."""
-        self._spawn(self._collect_all())
+        self.queue.add(COLLECT_ALL)
 
     async def _collect_all(self) -> None:
         collection = _PODS.format(ns=self.settings.namespace)
@@ -396,6 +402,14 @@ class Sessions:
         """Read the session, its sandbox and its Pod fresh; do what `decide` says (the leader only)."""
         if not self.is_leader():
             return
+        if key == COLLECT_ALL:
+            await self._collect_all()
+            return
+        for gone in sorted(self.gone.get(key, ())):  # a failure raises: the worker retries with backoff
+            await self._teardown(gone, "/".join(key), Reason.POD_ENDED)
+            self.gone[key].discard(gone)
+        if not self.gone.get(key, True):
+            del self.gone[key]
         session = await asyncio.to_thread(self._get, session_path(*key))
         if session is None:
             return
@@ -448,13 +462,22 @@ class Sessions:
         return found
 
     def _guarded(self) -> bool:
-        """The admission policy proving spec.user is bound; unknown (an error) is not guarded."""
+        """The admission policy proving spec.user is bound; unknown (an error) is not guarded.
+
+        Found, it is believed for GUARD_TTL (a starting session is looked at every second); not found or
+        unknown, it is asked again on the next look.
+        """
         if not self.settings.admission_binding:
             return False
+        if time.monotonic() - self._guard_seen < GUARD_TTL:
+            return True
         try:
-            return self._get(_VAP_BINDING.format(name=self.settings.admission_binding)) is not None
+            found = self._get(_VAP_BINDING.format(name=self.settings.admission_binding)) is not None
         except KubeError:
             return False
+        if found:
+            self._guard_seen = time.monotonic()
+        return found
 
     def _create(self, collection: str, body: Obj) -> None:
         try:
@@ -510,11 +533,3 @@ class Sessions:
         uid = (pod["metadata"].get("labels") or {}).get(c.LABEL_SESSION_UID)
         if session is None or session["metadata"].get("uid") != uid:
             await self._teardown(pod["metadata"]["name"], f"{namespace}/{name}", Reason.POD_ENDED)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        if not self.is_leader():
-            coro.close()
-            return
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

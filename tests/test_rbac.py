@@ -35,8 +35,9 @@ from controller_harness import install_crds, only_in, render_templates, wait_for
 from localcluster import LocalCluster
 
 from controller import contracts as c
+from controller.agent.sessions import SESSIONS_MANAGER_SUFFIX
 from controller.inuse import uninspectable_pids
-from controller.kube import Kube, KubeError, load_config
+from controller.kube import AGENT_MANAGER, Kube, KubeError, load_config
 from controller.leases import heartbeat_name, read_lease, renew_heartbeat
 from controller.models import NAME_MAX, bounded_name, label_value
 from controller.store import Root
@@ -50,7 +51,13 @@ RBAC_TEMPLATES = (
     "agent-node-scope.yaml",
     "pin-admission.yaml",
 )
-CLUSTER_SCOPED = ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+CLUSTER_SCOPED = (
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+)
 STEP_TIMEOUT = 30.0
 # A request refused by authorization, as the components log it (KubeError text, kopf's messages). A refusal
 # for a namespace being deleted is a 403 too, but not an RBAC one (leftovers of other tests on this cluster).
@@ -121,7 +128,8 @@ class Install:
     def remove(self) -> None:
         for doc in self.docs:
             if doc["kind"] in CLUSTER_SCOPED:
-                self.cluster.kubectl("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)
+                name = doc["metadata"]["name"]
+                self.cluster.kubectl("delete", doc["kind"], name, "--ignore-not-found", "--wait=false", check=False)
 
     def sa(self, component: str) -> str:
         return f"{self.release}-sandkeep-{component}"
@@ -436,6 +444,192 @@ def test_every_verb_of_every_rule_is_needed(
     with pytest.raises(Refused) as refused:
         run.run()
     print(f"without {role} rule {index} verb {verb}: {refused.value}")
+
+
+# --- the controller's session rules: the whole of a session, as its ServiceAccount ---------------------------
+def sessions_namespace(release: str) -> str:
+    return f"{release}-sessions"
+
+
+def render_sessions(release: str, namespace: str) -> list[dict[str, Any]]:
+    """The chart's RBAC with sessions on (their own namespace for this release, so tests never share one)."""
+    flags = ("--set=sessions.enabled=true", f"--set=sessions.namespace={sessions_namespace(release)}")
+    return render_templates(release, namespace, (*RBAC_TEMPLATES, "sessions.yaml"), only_in(namespace), *flags)
+
+
+def session_rule_verbs() -> list[Any]:
+    """(role, rule index, verb) of the controller's session rules: the Role in the sessions namespace and
+    its ClusterRole (the people's `-sessions-edit` is the editor tests')."""
+    out = []
+    for doc in render_sessions("x", "ns"):
+        role = f"{doc['kind']}{doc['metadata']['name'].removeprefix('x-sandkeep')}"
+        if role in ("Role-sessions", "ClusterRole-controller-sessions"):
+            for i, rule in enumerate(doc["rules"]):
+                for verb in rule["verbs"]:
+                    out.append(pytest.param(role, i, verb, id=f"{role}:{'/'.join(rule['resources'])}:{verb}"))
+    return out
+
+
+class SessionScenario(Scenario):
+    """A session's whole life as the controller's ServiceAccount sees it: watched, its Pod created and read,
+    its status written, exec granted once its Pod runs with the mount verified, and everything torn down
+    when it is deleted. No kubelet runs here: the Pod's running state and the agent's mount check are
+    written as the kubelet and the agent write them; the controller's own calls are what is proven."""
+
+    def start(self) -> None:
+        controller_args = [
+            "controller",
+            f"--namespace={self.ns}",
+            f"--kubeconfig={self.inst.kubeconfig('controller')}",
+            "--metrics-port=0",
+            "--lease-duration=5",
+            f"--sessions-namespace={sessions_namespace(self.inst.release)}",
+            "--sessions-image=sandkeep:test",
+            f"--sessions-admission-binding={self.inst.release}-sandkeep-sessions",
+        ]
+        self.processes.append(Process("controller", controller_args, self.tmp / "controller.log"))
+
+    def run(self) -> None:
+        sessions_ns = sessions_namespace(self.inst.release)
+        self.cluster.create_node(self.node, ready=True)
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        sandbox = {
+            "apiVersion": c.API_VERSION,
+            "kind": c.SANDBOX_KIND,
+            "metadata": {"name": "look", "namespace": self.ns},
+            "spec": {"nodeName": self.node, "createdAt": now},
+        }
+        self.cluster.kubectl("create", "-f", "-", input=json.dumps(sandbox))
+        self.start()
+        self.step("the controller to hold its leader Lease", lambda: self._holder(c.CONTROLLER_LEASE))
+        self.step("the controller's status on look", lambda: self._phase("look") == "Retained")
+        me = self.cluster.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout.strip()
+        session = {
+            "apiVersion": c.API_VERSION,
+            "kind": c.SESSION_KIND,
+            "metadata": {"name": "look-1", "namespace": self.ns},
+            "spec": {"sandbox": "look", "user": me},
+        }
+        self.cluster.kubectl("create", "-f", "-", input=json.dumps(session))
+        pod = self.step("the session's Pod", lambda: self._session_pod(sessions_ns))
+        self._runs(pod, sessions_ns)
+        self.step("the session Running", lambda: self._session_phase() == c.SessionPhase.RUNNING)
+        name = pod["metadata"]["name"]
+        self.step(
+            "the grant", lambda: self.get("rolebinding", name, sessions_ns) and self.get("role", name, sessions_ns)
+        )
+        self.cluster.kubectl("delete", c.SESSION_PLURAL, "look-1", "-n", self.ns)
+        self.step("the grant and the Pod taken away", lambda: self._torn_down(name, sessions_ns))
+        if refused := self.refusals():
+            raise Refused(f"after the last step: refused: {refused[0][:400]}")
+
+    def stop(self) -> None:
+        super().stop()
+        # No kubelet finishes a Pod's graceful deletion here: remove them outright, so the namespace can go.
+        ns = sessions_namespace(self.inst.release)
+        self.cluster.kubectl("delete", "pods", "--all", "-n", ns, "--grace-period=0", "--force", check=False)
+
+    def _torn_down(self, name: str, sessions_ns: str) -> bool:
+        if any(self.get(kind, name, sessions_ns) for kind in ("rolebinding", "role")):
+            return False
+        pod = self.get("pod", name, sessions_ns)
+        return pod is None or "deletionTimestamp" in pod["metadata"]
+
+    def _session_phase(self) -> str | None:
+        status = (self.get(c.SESSION_PLURAL, "look-1") or {}).get("status") or {}
+        if status.get("phase") in (c.SessionPhase.REFUSED, c.SessionPhase.ENDED):
+            raise Refused(f"the session {status['phase']}: {status.get('reason')}: {status.get('message')}")
+        phase: str | None = status.get("phase")
+        return phase
+
+    def _session_pod(self, sessions_ns: str) -> dict[str, Any] | None:
+        self._session_phase()
+        name = ((self.get(c.SESSION_PLURAL, "look-1") or {}).get("status") or {}).get("podName")
+        return self.get("pod", name, sessions_ns) if name else None
+
+    def _runs(self, pod: dict[str, Any], sessions_ns: str) -> None:
+        """What the kubelet reports of a started Pod, and what the agent finds it mounted."""
+        started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        container = {
+            "name": c.SESSION_CONTAINER,
+            "image": "sandkeep:test",
+            "imageID": "",
+            "ready": True,
+            "restartCount": 0,
+            "containerID": f"containerd://{secrets.token_hex(32)}",
+            "state": {"running": {"startedAt": started}},
+        }
+        status = {"status": {"phase": "Running", "containerStatuses": [container]}}
+        name = pod["metadata"]["name"]
+        self.cluster.kubectl(
+            "patch", "pod", name, "-n", sessions_ns, "--subresource=status", "--type=merge", "-p", json.dumps(status)
+        )
+        entry = {"pod": f"{sessions_ns}/{name}", "podUID": pod["metadata"]["uid"], "mount": c.MountCheck.VERIFIED}
+        kube = Kube(load_config(self.cluster.kubeconfig), "rbac-test")
+        try:
+            obj = kube.get_sandbox(self.ns, "look")
+            assert obj is not None
+            kube.apply_status(obj, {"sessions": [entry]}, AGENT_MANAGER + SESSIONS_MANAGER_SUFFIX)
+        finally:
+            kube.close()
+
+
+@pytest.mark.slow
+def test_the_controller_runs_a_whole_session_as_the_charts_serviceaccount(
+    install: Callable[..., Install], namespace: str, tmp_path: Path
+) -> None:
+    release = f"rs{secrets.token_hex(3)}"
+    run = SessionScenario(install(render_sessions(release, namespace), release=release), tmp_path)
+    try:
+        run.run()
+    except Refused as err:
+        raise AssertionError(f"{err}\n{run.processes[0].log()[-3000:]}") from None
+    finally:
+        run.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("role", "index", "verb"), session_rule_verbs())
+def test_every_verb_of_the_controllers_session_rules_is_needed(
+    install: Callable[..., Install], namespace: str, tmp_path: Path, role: str, index: int, verb: str
+) -> None:
+    release = f"rs{secrets.token_hex(3)}"
+    run = SessionScenario(
+        install(without(render_sessions(release, namespace), role, index, verb), release=release), tmp_path
+    )
+    try:
+        with pytest.raises(Refused) as refused:
+            run.run()
+    finally:
+        run.stop()
+    print(f"without {role} rule {index} verb {verb}: {refused.value}")
+
+
+@pytest.mark.slow
+def test_a_grant_the_controller_was_refused_to_take_away_goes_once_it_may(
+    install: Callable[..., Install], cluster: LocalCluster, namespace: str, tmp_path: Path
+) -> None:
+    release = f"rs{secrets.token_hex(3)}"
+    full = render_sessions(release, namespace)
+    inst = install(without(full, "Role-sessions", 3, "delete"), release=release)
+    run = SessionScenario(inst, tmp_path)
+    try:
+        with pytest.raises(Refused, match="rolebindings"):
+            run.run()
+        assert run.get(c.SESSION_PLURAL, "look-1") is None, "the session is deleted; its grant is what is left"
+        (role,) = [d for d in full if d["kind"] == "Role" and d["metadata"]["name"] == f"{release}-sandkeep-sessions"]
+        cluster.apply([role])  # the verb given back: the worker's retry takes the grant away
+        ns = sessions_namespace(release)
+
+        def granted() -> list[str]:
+            names = cluster.kubectl("get", "rolebindings,roles", "-n", ns, "-o", "name").stdout.split()
+            return [n for n in names if "/session-" in n]
+
+        assert granted(), "the refused teardown left the grant"
+        wait_for("the grant taken away", lambda: not granted() or None, timeout=60)
+        assert "retry_in" in run.processes[0].log()
+    finally:
+        run.stop()
 
 
 # --- what nobody may do, and what people may do -------------------------------------------------------------
