@@ -45,7 +45,7 @@ from controller.durations import (
     parse_instant,
 )
 from controller.kube import Kube, KubeError, Obj
-from controller.sessions import session_path
+from controller.sessions import sandbox_refusal, session_path
 from controller.sizes import human_size
 
 RESOURCE = f"{c.SANDBOX_SINGULAR}.{c.GROUP}"  # how kubectl names the kind in its messages
@@ -260,22 +260,13 @@ def whoami(client: Kube) -> str:
 
 
 def refuse_closed(obj: Obj) -> None:
-    """Refuse here what the controller would refuse: a sandbox expired, being deleted, stuck or lost."""
-    meta, status = obj["metadata"], obj.get("status") or {}
-    name, ns, phase = meta["name"], meta["namespace"], status.get("phase")
-    it = f"{c.SANDBOX_SINGULAR} {name} in namespace {ns}"
-    if phase == c.Phase.STUCK:
-        raise Refused(f"{it} is Stuck: its deletion could not finish; kubectl sandkeep doctor says why")
-    if phase == c.Phase.LOST:
-        node = (obj.get("spec") or {}).get("nodeName", "?")
-        raise Refused(f"{it} is Lost: its node {node} is gone, and its workspace with it")
-    if kube.is_deleting(obj) or phase == c.Phase.DELETING:
-        raise Refused(f"{it} is being deleted; a deletion is final, so it cannot be opened")
-    if phase == c.Phase.EXPIRED:
-        raise Refused(
-            f"{it} has expired and its deletion is requested; to keep one, pin it before it expires "
-            f"(kubectl sandkeep pin {name} -n {ns} --for 24h)"
-        )
+    """Refuse here, before anything is created, what the controller would refuse (the one place that says
+    so: `sessions.sandbox_refusal`). The plugin reads no policy: expired is the controller's phase."""
+    meta = obj["metadata"]
+    expired = (obj.get("status") or {}).get("phase") == c.Phase.EXPIRED
+    refusal = sandbox_refusal(obj, expired, meta["namespace"], meta["name"])
+    if refusal is not None:
+        raise Refused(refusal[1])
 
 
 def session_body(sandbox: str, user: str, *, read_write: bool, lifetime: str, image: str | None) -> Obj:

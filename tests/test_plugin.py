@@ -264,8 +264,9 @@ def test_doctor_is_sandkeep_doctors_report_and_exits_non_zero_on_a_stuck_sandbox
     ("setup", "args", "said"),
     [
         ("none", ["open", "nope"], "retainedsandbox nope not found in namespace {ns}; kubectl sandkeep ls -n {ns}"),
-        ("expired", ["open", "run-42"], "has expired and its deletion is requested; to keep one, pin it"),
-        ("stuck", ["open", "run-42"], "is Stuck"),
+        ("expired", ["open", "run-42"], "RetainedSandbox {ns}/run-42 is expired (deadline 2026-"),
+        ("stuck", ["open", "run-42"], "is Stuck mid-deletion on its node; see `kubectl sandkeep doctor`"),
+        ("orphans", ["open", "run-42"], "has commands that survived their reaping: pid 7"),
         ("fine", ["open", "run-42", "--lifetime", "soon"], "--lifetime 'soon': not a duration"),
         ("fine", ["open", "run-42", "--lifetime", "0"], "--lifetime 0"),
         ("fine", ["cp", "run-42:/etc/passwd", "out"], "is not a path inside the workspace"),
@@ -276,7 +277,18 @@ def test_doctor_is_sandkeep_doctors_report_and_exits_non_zero_on_a_stuck_sandbox
 )
 def test_open_and_cp_refuse_locally_and_create_no_session(cluster, namespace, client, tmp_path, setup, args, said):
     if setup != "none":
-        status = {"expired": {"phase": "Expired"}, "stuck": {"phase": "Stuck"}, "fine": {"phase": "Retained"}}[setup]
+        survived = {
+            "type": c.Condition.ORPHANS_SURVIVED,
+            "status": "True",
+            "reason": "OrphanSurvivor",
+            "message": "pid 7",
+        }
+        status = {
+            "expired": {"phase": "Expired", "deadline": "2026-01-02T03:04:05Z"},
+            "stuck": {"phase": "Stuck"},
+            "orphans": {"phase": "Retained", "conditions": [survived | {"lastTransitionTime": "2026-01-02T03:04:05Z"}]},
+            "fine": {"phase": "Retained"},
+        }[setup]
         make(client, namespace, "run-42", status=status)
     result = plugin(cluster, *args, "-n", namespace)
     assert result.returncode == 1
