@@ -496,12 +496,14 @@ class Reconciler:
         # Events get their own few threads: under load they queue there, never in front of a DELETE.
         self._events_pool = ThreadPoolExecutor(4, "events")
         session_settings = settings.session_settings()
-        self.sessions = None if session_settings is None else Sessions(kube, session_settings, self.expired)
+        self.sessions = None
+        if session_settings is not None:
+            self.sessions = Sessions(kube, session_settings, self.expired, lambda ns: self.policy_for(ns)[0].max_pin)
 
     # --- feeding the view ----------------------------------------------------------------------------------
     def expired(self, obj: Obj, now: datetime) -> bool:
         """The one rule's answer for a sandbox, as this controller applies it (its namespace's policy)."""
-        return decide(obj, self.context(obj, now), now).verdict.expired
+        return deadline(sandbox_facts(obj), self.context(obj, now).policy, now).expired
 
     def on_sandbox(self, event_type: str | None, obj: Obj) -> None:
         key = key_of(obj)

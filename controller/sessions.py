@@ -135,8 +135,13 @@ def decide(
     guarded: bool,
     now: datetime,
     settings: SessionSettings,
+    max_pin: timedelta | None = None,
 ) -> Plan:
-    """The session's next state from what was read. Pure: no I/O, no clock (`now` is a parameter)."""
+    """The session's next state from what was read. Pure: no I/O, no clock (`now` is a parameter).
+
+    `max_pin` is the namespace's: a session's Pod holds its sandbox no longer than a pin set when the
+    session was created could keep it, so a lifetime longer than that is cut to it.
+    """
     meta, spec = session["metadata"], session.get("spec") or {}
     status = dict(session.get("status") or {})
     if status.get("phase") in (SessionPhase.REFUSED, SessionPhase.ENDED):
@@ -166,7 +171,7 @@ def decide(
         return stop(
             Reason.BAD_SESSION, f"lifetime {spec.get('lifetime')} is over the cap of {cap}: ask for {cap} or less"
         )
-    expires = created + lifetime
+    expires = created + (lifetime if max_pin is None else min(lifetime, max_pin))
     base["expiresAt"] = format_instant(expires)
     if now >= expires:
         return stop(Reason.LIFETIME_ENDED, f"the session's lifetime ({format_duration(lifetime)}) is over")
@@ -359,6 +364,7 @@ class Sessions:
     kube: Kube
     settings: SessionSettings
     expired: Callable[[Obj, datetime], bool]  # the one rule, as the controller applies it to a sandbox
+    max_pin: Callable[[str], timedelta] | None = None  # a namespace's maxPin (its policy under the ceiling)
     is_leader: Callable[[], bool] = lambda: True
     queue: WorkQueue[Key] = field(default_factory=WorkQueue)
     by_sandbox: dict[Key, set[Key]] = field(default_factory=dict)  # sandbox key -> sessions naming it
@@ -422,7 +428,10 @@ class Sessions:
         guarded = await asyncio.to_thread(self._guarded)
         now = now_utc()
         expired = sandbox is not None and self.expired(sandbox, now)
-        plan = decide(session, sandbox, pod, expired=expired, guarded=guarded, now=now, settings=self.settings)
+        max_pin = None if self.max_pin is None else self.max_pin(key[0])
+        plan = decide(
+            session, sandbox, pod, expired=expired, guarded=guarded, now=now, settings=self.settings, max_pin=max_pin
+        )
         if plan.create_pod and sandbox is not None:
             expires = instant_or_none(plan.status.get("expiresAt")) or now
             await asyncio.to_thread(self._create, _PODS, pod_body(session, sandbox, self.settings, expires, now))

@@ -141,6 +141,17 @@ def test_lifetime_pod_end_pull_failure_and_deletion_end_a_started_session() -> N
     assert gone.status["reason"] == Reason.POD_ENDED
 
 
+def test_a_session_holds_its_sandbox_no_longer_than_a_pin_could() -> None:
+    args = {"expired": False, "guarded": True, "settings": SETTINGS, "max_pin": timedelta(minutes=30)}
+    cut = decide(session("4h"), sandbox(), None, now=NOW, **args)
+    assert cut.status["expiresAt"] == format_instant(NOW + timedelta(minutes=30))
+    assert cut.create_pod and cut.wake_at == NOW + timedelta(minutes=30)
+    over = decide(session("4h"), sandbox(), pod(), now=NOW + timedelta(minutes=30), **args)
+    assert (over.status["phase"], over.status["reason"]) == (SessionPhase.ENDED, Reason.LIFETIME_ENDED)
+    kept = decide(session("20m"), sandbox(), None, now=NOW, **args)
+    assert kept.status["expiresAt"] == format_instant(NOW + timedelta(minutes=20))
+
+
 def test_an_expired_sandbox_stays_open_for_a_running_session_and_a_settled_one_stays_settled() -> None:
     verified = sandbox("Held", sessions=[{"pod": "x/session-u-1", "podUID": "pod-1", "mount": MountCheck.VERIFIED}])
     assert plan(session(), verified, pod(), expired=True).status["phase"] == SessionPhase.RUNNING
