@@ -618,7 +618,6 @@ def test_a_grant_the_controller_was_refused_to_take_away_goes_once_it_may(
             run.run()
         assert run.get(c.SESSION_PLURAL, "look-1") is None, "the session is deleted; its grant is what is left"
         (role,) = [d for d in full if d["kind"] == "Role" and d["metadata"]["name"] == f"{release}-sandkeep-sessions"]
-        cluster.apply([role])  # the verb given back: the worker's retry takes the grant away
         ns = sessions_namespace(release)
 
         def granted() -> list[str]:
@@ -626,6 +625,7 @@ def test_a_grant_the_controller_was_refused_to_take_away_goes_once_it_may(
             return [n for n in names if "/session-" in n]
 
         assert granted(), "the refused teardown left the grant"
+        cluster.apply([role])  # the verb given back: the worker's retry takes the grant away
         wait_for("the grant taken away", lambda: not granted() or None, timeout=60)
         assert "retry_in" in run.processes[0].log()
     finally:
