@@ -503,7 +503,8 @@ class Reconciler:
     # --- feeding the view ----------------------------------------------------------------------------------
     def expired(self, obj: Obj, now: datetime) -> bool:
         """The one rule's answer for a sandbox, as this controller applies it (its namespace's policy)."""
-        return deadline(sandbox_facts(obj), self.context(obj, now).policy, now).expired
+        policy, _, _ = self.policy_for(obj["metadata"]["namespace"])  # no node bookkeeping: the rule alone
+        return deadline(sandbox_facts(obj), policy, now).expired
 
     def on_sandbox(self, event_type: str | None, obj: Obj) -> None:
         key = key_of(obj)

@@ -171,7 +171,9 @@ def decide(
         return stop(
             Reason.BAD_SESSION, f"lifetime {spec.get('lifetime')} is over the cap of {cap}: ask for {cap} or less"
         )
-    expires = created + (lifetime if max_pin is None else min(lifetime, max_pin))
+    if max_pin is not None and max_pin < lifetime:
+        lifetime = max_pin  # held no longer than a pin set at its creation could keep the sandbox
+    expires = created + lifetime
     base["expiresAt"] = format_instant(expires)
     if now >= expires:
         return stop(Reason.LIFETIME_ENDED, f"the session's lifetime ({format_duration(lifetime)}) is over")
@@ -364,12 +366,12 @@ class Sessions:
     kube: Kube
     settings: SessionSettings
     expired: Callable[[Obj, datetime], bool]  # the one rule, as the controller applies it to a sandbox
-    max_pin: Callable[[str], timedelta] | None = None  # a namespace's maxPin (its policy under the ceiling)
+    max_pin: Callable[[str], timedelta]  # a namespace's maxPin (its policy under the ceiling)
     is_leader: Callable[[], bool] = lambda: True
     queue: WorkQueue[Key] = field(default_factory=WorkQueue)
     by_sandbox: dict[Key, set[Key]] = field(default_factory=dict)  # sandbox key -> sessions naming it
     gone: dict[Key, set[str]] = field(default_factory=dict)  # a deleted session's key -> its objects' names
-    _guard_seen: float = -GUARD_TTL  # monotonic time the admission binding was last found
+    _guard_seen: float = field(default=-GUARD_TTL, init=False)  # monotonic time the binding was last found
 
     # --- events ---------------------------------------------------------------------------------------
     def on_session(self, event_type: str | None, obj: Obj) -> None:
@@ -411,11 +413,12 @@ class Sessions:
         if key == COLLECT_ALL:
             await self._collect_all()
             return
-        for gone in sorted(self.gone.get(key, ())):  # a failure raises: the worker retries with backoff
+        names = self.gone.get(key, set())
+        for gone in sorted(names):  # a failure raises: the worker retries what is left with backoff
             await self._teardown(gone, "/".join(key), Reason.POD_ENDED)
-            self.gone[key].discard(gone)
-        if not self.gone.get(key, True):
-            del self.gone[key]
+            names.discard(gone)
+        if not names:
+            self.gone.pop(key, None)
         session = await asyncio.to_thread(self._get, session_path(*key))
         if session is None:
             return
@@ -428,7 +431,7 @@ class Sessions:
         guarded = await asyncio.to_thread(self._guarded)
         now = now_utc()
         expired = sandbox is not None and self.expired(sandbox, now)
-        max_pin = None if self.max_pin is None else self.max_pin(key[0])
+        max_pin = self.max_pin(key[0])
         plan = decide(
             session, sandbox, pod, expired=expired, guarded=guarded, now=now, settings=self.settings, max_pin=max_pin
         )

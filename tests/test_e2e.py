@@ -292,8 +292,10 @@ def test_killing_the_agent_mid_delete_and_the_leader_loses_nothing(bed: Bed) -> 
     assert holder.split("_")[0] != leader
 
 
-def open_session(bed: Bed, sandbox: str, user: str, *, as_user: str | None = None, **spec: Any) -> dict[str, Any]:
-    """Create a SandboxSession as `as_user` (admin: None) and wait until it runs; its status."""
+def create_session(bed: Bed, sandbox: str, user: str | None = None, *, as_user: str | None = None, **spec: Any) -> None:
+    """Create SandboxSession `look-<sandbox>` as `as_user` (admin: None) for `user` (admin's own: None)."""
+    if user is None:
+        user = bed.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout
     body = {
         "apiVersion": c.API_VERSION,
         "kind": c.SESSION_KIND,
@@ -302,6 +304,11 @@ def open_session(bed: Bed, sandbox: str, user: str, *, as_user: str | None = Non
     }
     impersonate = [f"--as={as_user}"] if as_user else []
     bed.kubectl(*impersonate, "create", "-f", "-", input=json.dumps(body))
+
+
+def open_session(bed: Bed, sandbox: str, user: str, *, as_user: str | None = None, **spec: Any) -> dict[str, Any]:
+    """Create a SandboxSession as `as_user` (admin: None) and wait until it runs; its status."""
+    create_session(bed, sandbox, user, as_user=as_user, **spec)
 
     def running() -> dict[str, Any] | None:
         status = bed.get(c.SESSION_PLURAL, f"look-{sandbox}", "-n", NS).get("status") or {}
@@ -356,14 +363,7 @@ def test_a_session_whose_mount_is_not_the_sandboxs_workspace_ends_without_a_gran
         f"mv '{work}' '{path}/real' && mkdir '{path}/decoy' && echo secret > '{path}/decoy/s' && ln -s decoy '{work}'"
     )
     try:
-        user = bed.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout
-        body = {
-            "apiVersion": c.API_VERSION,
-            "kind": c.SESSION_KIND,
-            "metadata": {"name": "look-run-12", "namespace": NS},
-            "spec": {"sandbox": "run-12", "user": user},
-        }
-        bed.kubectl("create", "-f", "-", input=json.dumps(body))
+        create_session(bed, "run-12")
 
         def ended() -> dict[str, Any] | None:
             status = bed.get(c.SESSION_PLURAL, "look-run-12", "-n", NS).get("status") or {}
@@ -407,14 +407,7 @@ def test_kubectl_sandkeep_open_and_cp_read_a_retained_sandbox(bed: Bed, tmp_path
 def test_a_session_with_an_image_that_cannot_be_pulled_ends_saying_so(bed: Bed) -> None:
     retain_job(bed, "run-10", "1h")
     eventually(lambda: rsb(bed, "run-10"), "adoption")
-    user = bed.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout
-    body = {
-        "apiVersion": c.API_VERSION,
-        "kind": c.SESSION_KIND,
-        "metadata": {"name": "look-run-10", "namespace": NS},
-        "spec": {"sandbox": "run-10", "user": user, "image": "registry.invalid/no-such-image:1"},
-    }
-    bed.kubectl("create", "-f", "-", input=json.dumps(body))
+    create_session(bed, "run-10", image="registry.invalid/no-such-image:1")
 
     def ended() -> dict[str, Any] | None:
         status = bed.get(c.SESSION_PLURAL, "look-run-10", "-n", NS).get("status") or {}

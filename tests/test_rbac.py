@@ -72,20 +72,24 @@ def render_rbac(release: str, namespace: str) -> list[dict[str, Any]]:
     return render_templates(release, namespace, RBAC_TEMPLATES, only_in(namespace))
 
 
-def rule_verbs() -> list[Any]:
-    """One pytest param per verb of every rule the components are granted: (role, rule index, verb)."""
+def rule_verbs(docs: list[dict[str, Any]], wanted: Callable[[str], bool]) -> list[Any]:
+    """One pytest param per verb of every rule of the `wanted` roles of release `x`: (role, rule index, verb)."""
     out = []
-    for doc in render_rbac("x", "ns"):
+    for doc in docs:
         if doc["kind"] in ("ClusterRole", "Role") and doc["metadata"]["name"].startswith("x-sandkeep-"):
-            suffix = doc["metadata"]["name"].removeprefix("x-sandkeep")
-            if suffix in ("-view", "-edit"):
-                continue  # the aggregated roles are for people; tested by the editor tests
-            role = f"{doc['kind']}{suffix}"
+            role = f"{doc['kind']}{doc['metadata']['name'].removeprefix('x-sandkeep')}"
+            if not wanted(role):
+                continue
             for i, rule in enumerate(doc["rules"]):
                 for verb in rule["verbs"]:
                     label = f"{role}:{'/'.join(rule['resources'])}:{verb}"
                     out.append(pytest.param(role, i, verb, id=label))
     return out
+
+
+def component_role(role: str) -> bool:
+    """A component's role; the aggregated `-view`/`-edit` are for people, tested by the editor tests."""
+    return not role.endswith(("-view", "-edit"))
 
 
 # Verbs the scenario cannot make a component use deterministically, each with the code path that uses it;
@@ -422,7 +426,7 @@ def test_controller_and_agent_do_their_whole_job_as_the_charts_serviceaccounts(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("role", "index", "verb"), rule_verbs())
+@pytest.mark.parametrize(("role", "index", "verb"), rule_verbs(render_rbac("x", "ns"), component_role))
 def test_every_verb_of_every_rule_is_needed(
     request: pytest.FixtureRequest,
     install: Callable[..., Install],
@@ -457,17 +461,9 @@ def render_sessions(release: str, namespace: str) -> list[dict[str, Any]]:
     return render_templates(release, namespace, (*RBAC_TEMPLATES, "sessions.yaml"), only_in(namespace), *flags)
 
 
-def session_rule_verbs() -> list[Any]:
-    """(role, rule index, verb) of the controller's session rules: the Role in the sessions namespace and
-    its ClusterRole (the people's `-sessions-edit` is the editor tests')."""
-    out = []
-    for doc in render_sessions("x", "ns"):
-        role = f"{doc['kind']}{doc['metadata']['name'].removeprefix('x-sandkeep')}"
-        if role in ("Role-sessions", "ClusterRole-controller-sessions"):
-            for i, rule in enumerate(doc["rules"]):
-                for verb in rule["verbs"]:
-                    out.append(pytest.param(role, i, verb, id=f"{role}:{'/'.join(rule['resources'])}:{verb}"))
-    return out
+def session_role(role: str) -> bool:
+    """The controller's session rules: its Role in the sessions namespace and its ClusterRole."""
+    return role in ("Role-sessions", "ClusterRole-controller-sessions")
 
 
 class SessionScenario(Scenario):
@@ -589,7 +585,7 @@ def test_the_controller_runs_a_whole_session_as_the_charts_serviceaccount(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("role", "index", "verb"), session_rule_verbs())
+@pytest.mark.parametrize(("role", "index", "verb"), rule_verbs(render_sessions("x", "ns"), session_role))
 def test_every_verb_of_the_controllers_session_rules_is_needed(
     install: Callable[..., Install], namespace: str, tmp_path: Path, role: str, index: int, verb: str
 ) -> None:
