@@ -1,15 +1,16 @@
 """`sandkeep controller`: decide, for every RetainedSandbox, keep or delete, and say why.
 
-kopf watches RetainedSandboxes, SandboxPolicies and Nodes (`controller/watching.py`, the watch stack the
-agent uses too), persisting nothing on the objects. Every watch event
-updates an in-memory view and queues the object's key (`controller/workqueue.py`); a few workers
-reconcile keys one at a time each, and a key is queued again exactly when its deadline passes, with the
-queue's `add_after`, as the TTL-after-finished controller's `AddAfter` does. With nothing changing,
-nothing is written.
+The controller lists and watches RetainedSandboxes itself, in pages and with bookmarks
+(`watching.ListWatch`), and SandboxPolicies, Nodes and SandboxSessions through kopf (the watch stack
+the agent uses too), persisting nothing on the objects. Every watch event updates an in-memory view and
+queues the object's key (`controller/workqueue.py`); a few workers reconcile keys one at a time each, and
+a key is queued again exactly when its deadline passes, with the queue's `add_after`, as the
+TTL-after-finished controller's `AddAfter` does. With nothing changing, nothing is written.
 
-Deleting is the only dangerous step, so it is guarded twice: the object is read fresh and the one rule
-is run again, then the DELETE carries preconditions on uid AND resourceVersion, so a pin (or any
-change) that lands in between makes it a 409 and the decision is taken again on the fresh object.
+Deleting is the only dangerous step, so it is guarded twice: the one rule is run again on the view's
+newest version of the object, then the DELETE carries preconditions on that version's uid AND
+resourceVersion, so a pin (or any change) that landed since makes it a 409 and the decision is taken
+again on a fresh read.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, TypeVar
 
@@ -57,6 +59,7 @@ from controller.kube import (
     pin_holds,
     same_condition,
     sandbox_facts,
+    sandbox_path,
 )
 from controller.leases import LeaderElector
 from controller.policy import Ceiling, Policy, Quota, Verdict, deadline, effective_policy, phase_of
@@ -521,6 +524,13 @@ class Reconciler:
         self.schedule(key)
         self.enqueue(key)
 
+    def on_listed(self, namespace: str | None, seen: set[Key]) -> None:
+        """A listing (of `namespace`, or of all) is complete: what the view holds beyond it is gone."""
+        keys = self.view.in_namespace(namespace) if namespace is not None else list(self.view.sandboxes)
+        for key in keys:
+            if key not in seen and (obj := self.view.sandboxes.get(key)) is not None:
+                self.on_sandbox("DELETED", obj)
+
     def remember(self, obj: Obj) -> None:
         """Keep the newest version seen (a watch event may arrive after our own write's answer)."""
         key = key_of(obj)
@@ -784,17 +794,19 @@ class Reconciler:
     async def _delete_guarded(
         self, key: Key, allowed: Callable[[Obj, Decision], bool], *, dry_run: bool = False
     ) -> tuple[Obj, Decision] | None:
-        """The controller's one way to delete: read fresh, decide again, DELETE with uid + resourceVersion.
+        """The controller's one way to delete: decide again on the view's newest version of the object, then
+        DELETE with preconditions on its uid + resourceVersion.
 
-        `allowed` judges the fresh object and its fresh decision; a refusal, a deleting object or a 409 (a
-        pin or any change landed after the fresh read) queues the key to be decided again, and nothing is
-        deleted. With `dry_run` the API server checks the DELETE (`dryRun=All`) and deletes nothing.
-        Returns what was deleted (or would have been), None otherwise.
+        The precondition makes the view's version the read the decision stands on: any change since (a
+        pin, a holder, a new status) is a 409, and the object is then read fresh and decided again, so no
+        GET precedes a DELETE that goes through. `allowed` judges the object and its decision; a refusal or
+        a deleting object queues the key to be decided again, and nothing is deleted. With `dry_run` the
+        API server checks the DELETE (`dryRun=All`) and deletes nothing. Returns what was deleted (or would
+        have been), None otherwise.
         """
-        fresh = await asyncio.to_thread(self.kube.get_sandbox, *key)
+        fresh = self.view.sandboxes.get(key)
         if fresh is None:
             return None
-        self.remember(fresh)
         now = now_utc()
         decision = decide(fresh, self.context(fresh, now), now)
         if is_deleting(fresh) or not allowed(fresh, decision):
@@ -1040,12 +1052,16 @@ def _session_fields(key: Key) -> dict[str, Any]:
 
 
 # --- the watches -----------------------------------------------------------------------------------------
-def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
-    """The controller's watches (controller/watching.py): each event feeds the view and never writes to the
-    watched objects, but for the leader's SandboxPolicy status (which policy of a namespace applies)."""
+def sandbox_watches(rec: Reconciler) -> list[watching.ListWatch]:
+    """The RetainedSandboxes, listed and watched by the controller itself (`watching.ListWatch`): all of the
+    cluster's, or one watch per namespace of `--watch-namespaces`."""
+    scopes: list[str | None] = [*rec.settings.watch_namespaces] or [None]
+    return [watching.ListWatch(rec.kube, sandbox_path(ns), rec.on_sandbox, partial(rec.on_listed, ns)) for ns in scopes]
 
-    async def sandbox_event(event_type: str | None, obj: Obj) -> None:
-        rec.on_sandbox(event_type, obj)
+
+def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
+    """The controller's kopf watches (controller/watching.py): each event feeds the view and never writes to
+    the watched objects, but for the leader's SandboxPolicy status (which policy of a namespace applies)."""
 
     async def policy_event(event_type: str | None, obj: Obj) -> None:
         rec.on_policy(event_type, obj)
@@ -1055,7 +1071,6 @@ def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
         rec.on_node(event_type, obj)
 
     watches: dict[tuple[str, ...], watching.Handler] = {
-        (c.GROUP, c.VERSION, c.SANDBOX_PLURAL): sandbox_event,
         (c.GROUP, c.VERSION, c.POLICY_PLURAL): policy_event,
         ("v1", "nodes"): node_event,
     }
@@ -1114,6 +1129,7 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
         metrics=f"http://{settings.metrics_host}:{server.server_port}/metrics",
         watch=",".join(settings.watch_namespaces) or "cluster",
     )
+    tasks += [asyncio.create_task(w.run(), name=f"watch-{w.path}") for w in sandbox_watches(rec)]
     election = asyncio.create_task(elector.run(), name="leader-election")
     operator = watching.run(build_registry(rec), watching.operator_settings(), namespaces=settings.watch_namespaces)
     if ready is not None:

@@ -20,7 +20,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 CONTROLLER_MANAGER = "sandkeep-controller"
 AGENT_MANAGER = "sandkeep-agent"
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE"})
+PAGE = 500  # objects per list request: memory stays bounded however many objects there are
 
 Obj = dict[str, Any]
 
@@ -237,15 +238,25 @@ class Kube:
             raise
         return result
 
-    def list_sandboxes(self, namespace: str | None = None, node: str | None = None) -> list[Obj]:
-        """Every sandbox (of one namespace, of one node via the `spec.nodeName` selectable field)."""
+    def pages(self, path: str, query: Mapping[str, Any] | None = None, limit: int = PAGE) -> Iterator[Obj]:
+        """A collection one page at a time (limit/continue): every list response, the last one carrying
+        the snapshot's resourceVersion; no page is ever more than `limit` objects held at once."""
+        token: str | None = None
+        while True:
+            page: Obj = self.request("GET", path, query={**(query or {}), "limit": str(limit), "continue": token})
+            yield page
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return
+
+    def iter_sandboxes(self, namespace: str | None = None, node: str | None = None) -> Iterator[Obj]:
+        """Every sandbox (of one namespace, of one node via the `spec.nodeName` selectable field), paged."""
         query = {"fieldSelector": f"spec.nodeName={node}" if node else None}
-        result = self.request("GET", sandbox_path(namespace), query=query)
-        items: list[Obj] = result.get("items", [])
-        for item in items:  # lists drop each item's apiVersion/kind; callers re-post them in applies
-            item.setdefault("apiVersion", c.API_VERSION)
-            item.setdefault("kind", c.SANDBOX_KIND)
-        return items
+        for page in self.pages(sandbox_path(namespace), query):
+            yield from sandbox_items(page)
+
+    def list_sandboxes(self, namespace: str | None = None, node: str | None = None) -> list[Obj]:
+        return list(self.iter_sandboxes(namespace, node))
 
     def create_sandbox(self, namespace: str, body: Obj) -> Obj:
         body = {"apiVersion": c.API_VERSION, "kind": c.SANDBOX_KIND, **body}
@@ -415,6 +426,15 @@ def _ref(obj: Obj) -> str:
 
 
 # --- reading sandboxes -----------------------------------------------------------------------------------
+def sandbox_items(page: Obj) -> list[Obj]:
+    """A list response's sandboxes, each with the apiVersion/kind a list drops (callers re-post them)."""
+    items: list[Obj] = page.get("items") or []
+    for item in items:
+        item.setdefault("apiVersion", c.API_VERSION)
+        item.setdefault("kind", c.SANDBOX_KIND)
+    return items
+
+
 def key_of(obj: Obj) -> tuple[str, str]:
     """(namespace, name): how both components index sandboxes."""
     meta = obj["metadata"]

@@ -24,7 +24,7 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from controller import contracts as c
 from controller import kube, logs
@@ -34,26 +34,11 @@ from controller.kube import Kube, KubeError, Obj, finalizers
 log = logging.getLogger("sandkeep.uninstall")
 POLL = 1.0  # seconds between looks while waiting
 SHOWN = 20  # sandboxes named when some are left
-PAGE = 500  # objects per list request: memory stays bounded however many sandboxes there are
 
 
 def _ref(obj: Obj) -> str:
     namespace, name = kube.key_of(obj)
     return f"{namespace}/{name}"
-
-
-def sandboxes(client: Kube) -> Iterator[Obj]:
-    """Every RetainedSandbox, a page at a time (limit/continue)."""
-    token: str | None = None
-    while True:
-        page = client.request("GET", kube.sandbox_path(), query={"limit": str(PAGE), "continue": token})
-        for item in page.get("items", []):
-            item.setdefault("apiVersion", c.API_VERSION)
-            item.setdefault("kind", c.SANDBOX_KIND)
-            yield item
-        token = (page.get("metadata") or {}).get("continue")
-        if not token:
-            return
 
 
 def remaining(client: Kube) -> tuple[int, list[str]]:
@@ -76,7 +61,7 @@ def _wait(what: str, done: Callable[[], bool], timeout: float) -> bool:
 
 def delete_all(client: Kube, timeout: float) -> tuple[int, list[str]]:
     """Delete every sandbox and wait for the agents to release them; how many are left at the timeout."""
-    for obj in sandboxes(client):
+    for obj in client.iter_sandboxes():
         if obj["metadata"].get("deletionTimestamp"):
             continue
         try:
@@ -127,7 +112,7 @@ def stop_agents(client: Kube, namespace: str, daemonset: str, timeout: float) ->
 def release_all(client: Kube) -> int:
     """Remove the agent's finalizer from every sandbox that has it; how many were released."""
     released = 0
-    for obj in sandboxes(client):
+    for obj in client.iter_sandboxes():
         while c.FINALIZER in finalizers(obj):
             try:
                 client.remove_finalizer(obj, c.FINALIZER)

@@ -1,24 +1,37 @@
-"""The one watch stack of both components: kopf, storing nothing on the objects it watches.
+"""The watch stack of both components: kopf, storing nothing on the objects it watches, and `ListWatch`.
 
-The controller watches RetainedSandboxes, SandboxPolicies and Nodes; each agent watches only its own
-node's RetainedSandboxes, filtered by the API server (`spec.nodeName=<node>`, a selectable field), so
-other nodes' objects never reach it. Both run kopf with low-level `on.event` handlers only, no peering
-(sandkeep's own Leases elect), no kopf-posted Events and no progress or diff-base storage: no kopf
-annotation, status field or finalizer ever lands on an object. Credentials come from the same
+The controller watches SandboxPolicies, Nodes and SandboxSessions through kopf; each agent watches only
+its own node's RetainedSandboxes, filtered by the API server (`spec.nodeName=<node>`, a selectable
+field), so other nodes' objects never reach it. Both run kopf with low-level `on.event` handlers only, no
+peering (sandkeep's own Leases elect), no kopf-posted Events and no progress or diff-base storage: no
+kopf annotation, status field or finalizer ever lands on an object. Credentials come from the same
 configuration as the JSON client (`controller.kube`), so both clients always talk to the same server.
+
+The controller's RetainedSandboxes, the one resource that grows with the fleet, come through `ListWatch`
+instead: a paginated LIST, then a WATCH from its resourceVersion with bookmarks, each event handed on as
+it is decoded. kopf gives every object of a listing and of each event its own worker task and queue,
+holding the whole object until handled: at 100,000 sandboxes that, not the view, was the controller's
+peak memory (docs/benchmarks-controller.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+import aiohttp
 import kopf
 
 from controller import contracts as c
-from controller.kube import Kube, Obj
+from controller import logs
+from controller.kube import PAGE, Kube, KubeError, Obj, key_of, sandbox_items
+
+log = logging.getLogger("sandkeep.watch")
 
 Handler = Callable[[str | None, Obj], Awaitable[None]]
 
@@ -53,6 +66,8 @@ class _NoDiffBase(kopf.DiffBaseStorage):
 def connection_info(kube: Kube) -> kopf.ConnectionInfo:
     """kopf's credentials from the configuration the JSON client uses (one source of truth)."""
     cfg = kube.configuration
+    if cfg.refresh_api_key_hook is not None:  # in a Pod: the projected token is re-read as it rotates
+        cfg.refresh_api_key_hook(cfg)
     auth = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
     scheme, token = (auth.split(" ", 1) if auth and " " in auth else ("Bearer", auth)) if auth else (None, None)
     return kopf.ConnectionInfo(
@@ -137,3 +152,159 @@ def run(
         kopf.operator(registry=reg, settings=settings, standalone=True, **scope),
         name="kopf",
     )
+
+
+# --- ListWatch: the controller's RetainedSandboxes -------------------------------------------------------
+WATCH_TIMEOUT = 300  # seconds a watch request lasts on the server (kopf's server_timeout is the same)
+MAX_EVENT = 16 << 20  # one watch line longer than this is refused: etcd keeps no object past 1.5 MiB
+
+
+class Gone(Exception):
+    """The watch's resourceVersion is too old (410 Gone): only a new listing can go on."""
+
+
+def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=info.ca_path)
+    if info.certificate_path:
+        context.load_cert_chain(info.certificate_path, info.private_key_path)
+    if info.insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+async def lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The newline-delimited lines of a stream of chunks, each bounded by MAX_EVENT."""
+    buffer = bytearray()
+    async for chunk in chunks:
+        buffer += chunk
+        while (end := buffer.find(b"\n")) >= 0:
+            line = bytes(buffer[:end])
+            del buffer[: end + 1]
+            if line.strip():
+                yield line
+        if len(buffer) > MAX_EVENT:
+            raise KubeError(0, f"a watch event is longer than {MAX_EVENT} bytes: refused")
+
+
+class ListWatch:
+    """One collection listed in pages, then watched from the listing's resourceVersion with bookmarks.
+
+    `on_event(type, obj)` gets every object as it is decoded: type None for a listed object, else the
+    watch event's ADDED, MODIFIED or DELETED; nothing is queued per object, so at most one page (or one
+    event) is held. After each complete listing, `listed(seen)` gets the keys that exist now: what a
+    caller still holds beyond them vanished while its watch was down (410 Gone after a long disconnect),
+    which a watch alone never says. `synced` is set once the first listing is complete. Errors are
+    logged and retried with backoff; the task ends only when cancelled.
+    """
+
+    def __init__(
+        self,
+        kube: Kube,
+        path: str,
+        on_event: Callable[[str | None, Obj], None],
+        listed: Callable[[set[tuple[str, str]]], None],
+        *,
+        query: Mapping[str, str] | None = None,
+        limit: int = PAGE,
+        timeout: int = WATCH_TIMEOUT,
+    ) -> None:
+        self.kube = kube
+        self.limit = limit
+        self.timeout = timeout
+        self.path = path
+        self.on_event = on_event
+        self.listed = listed
+        self.query = dict(query or {})
+        self.synced = asyncio.Event()
+        self.resource_version = ""
+        self.listings = 0  # complete listings (the first and every relist after a 410)
+
+    async def run(self) -> None:
+        delay = 0.5
+        info = connection_info(self.kube)
+        session = aiohttp.ClientSession(
+            base_url=info.server,
+            connector=aiohttp.TCPConnector(ssl=_ssl_context(info)),
+            headers={"User-Agent": self.kube.api.user_agent, "Accept": "application/json"},
+        )
+        try:
+            while True:
+                try:
+                    if not self.resource_version:
+                        await self._list()
+                    await self._watch(session)
+                    delay = 0.5
+                    continue
+                except Gone:
+                    logs.say(log, "watch_relist", path=self.path, resource_version=self.resource_version)
+                    self.resource_version = ""
+                    continue
+                except (KubeError, aiohttp.ClientError, TimeoutError, ValueError) as err:
+                    logs.say(
+                        log,
+                        "watch_failed",
+                        level=logging.WARNING,
+                        path=self.path,
+                        error=str(err)[:300] or type(err).__name__,
+                        retry_in=f"{delay:.1f}s",
+                    )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        finally:
+            await session.close()
+
+    async def _list(self) -> None:
+        """Every object, a page at a time; a continue token that expired (410) starts the listing again."""
+        seen: set[tuple[str, str]] = set()
+        pages = self.kube.pages(self.path, self.query, self.limit)
+        resource_version = ""
+        while (page := await asyncio.to_thread(next, pages, None)) is not None:
+            for item in sandbox_items(page):
+                seen.add(key_of(item))
+                self.on_event(None, item)
+            resource_version = (page.get("metadata") or {}).get("resourceVersion") or ""
+            del page
+        self.listed(seen)
+        self.resource_version = resource_version
+        self.listings += 1
+        self.synced.set()
+        logs.say(log, "watch_listed", path=self.path, objects=len(seen), resource_version=resource_version)
+
+    async def _watch(self, session: aiohttp.ClientSession) -> None:
+        """One watch request, from `resource_version` until the server ends it (`timeout`); each event and
+        bookmark moves the resourceVersion on, so the next request resumes where this one stopped."""
+        query = {
+            **self.query,
+            "watch": "1",
+            "resourceVersion": self.resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self.timeout),
+        }
+        info = connection_info(self.kube)
+        headers = {"Authorization": f"{info.scheme} {info.token}"} if info.token else {}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.timeout + 30)
+        self.kube.requests += 1
+        async with session.get(self.path, params=query, headers=headers, timeout=timeout) as response:
+            if response.status != 200:
+                text = await response.text()
+                message = text
+                with contextlib.suppress(ValueError, AttributeError):
+                    message = json.loads(text).get("message", text)
+                if response.status == 410:
+                    raise Gone(message)
+                raise KubeError(response.status, message, "WATCH", self.path)
+            async for line in lines(response.content.iter_any()):
+                self._event(json.loads(line))
+
+    def _event(self, event: Obj) -> None:
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise Gone(obj.get("message", ""))
+            raise KubeError(int(obj.get("code") or 0), str(obj.get("message", obj)), "WATCH", self.path)
+        version = (obj.get("metadata") or {}).get("resourceVersion")
+        if kind in ("ADDED", "MODIFIED", "DELETED"):
+            self.on_event(kind, obj)
+        if version:
+            self.resource_version = version

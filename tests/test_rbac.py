@@ -36,6 +36,7 @@ from localcluster import LocalCluster
 
 from controller import contracts as c
 from controller.agent.sessions import SESSIONS_MANAGER_SUFFIX
+from controller.controller import SEAM_ENV
 from controller.inuse import uninspectable_pids
 from controller.kube import AGENT_MANAGER, Kube, KubeError, load_config
 from controller.leases import heartbeat_name, read_lease, renew_heartbeat
@@ -188,13 +189,14 @@ def install(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[C
 class Process:
     """A real `sandkeep` subprocess in its own session, its output in a file; stopped by its pid."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "controller.cli", *args],
             cwd=REPO,
+            env={**os.environ, **(env or {})},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -306,8 +308,15 @@ class Scenario:
             "--node-grace=1s",
             "--lease-duration=5",
         ]
+        self.seam.mkdir(exist_ok=True)
         self.processes.append(Process("agent", agent_args, self.tmp / "agent.log"))
-        self.processes.append(Process("controller", controller_args, self.tmp / "controller.log"))
+        env = {SEAM_ENV: str(self.seam)}
+        self.processes.append(Process("controller", controller_args, self.tmp / "controller.log", env))
+
+    @property
+    def seam(self) -> Path:
+        """Where the controller announces a DELETE it is about to send, and waits to be let go (SEAM_ENV)."""
+        return self.tmp / "seam"
 
     def stop(self) -> None:
         for p in self.processes:
@@ -329,6 +338,12 @@ class Scenario:
         )
         self.step("the controller's status on keep", lambda: self._phase("keep") == "Retained")
         self.step("the agent's observed status on keep", lambda: "sizeBytes" in self._status("keep"))
+        # A change that lands between the controller's decision and its DELETE: the preconditioned DELETE is
+        # refused (409), and the controller reads the sandbox fresh (get) and decides again.
+        self.step("the controller's DELETE of expire", lambda: (self.seam / f"{self.ns}.expire.reached").exists())
+        self.cluster.kubectl("annotate", "rsb", "expire", "-n", self.ns, "example.com/touched=after-the-decision")
+        (self.seam / f"{self.ns}.expire.go").touch()
+        self.step("the 409 of the DELETE on the older version", lambda: "delete_conflict" in self._log("controller"))
         self.step(
             "expire to be deleted (controller) and its finalizer dropped (agent)", lambda: not self.get("rsb", "expire")
         )
@@ -370,6 +385,9 @@ class Scenario:
     def _active(self, policy: str) -> bool:
         conditions = ((self.get("sbp", policy) or {}).get("status") or {}).get("conditions") or []
         return any(cd["type"] == c.PolicyCondition.ACTIVE and cd["status"] == "True" for cd in conditions)
+
+    def _log(self, name: str) -> str:
+        return next(p.log() for p in self.processes if p.name == name)
 
     def _status(self, name: str) -> dict[str, Any]:
         status: dict[str, Any] = (self.get("rsb", name) or {}).get("status") or {}
