@@ -93,7 +93,7 @@ OWNED_CONDITIONS = (
     c.Condition.LOST,
 )
 EXPIRY_CAUSES = (Reason.PIN_EXPIRED, Reason.RETAIN_UNTIL, Reason.WINDOW, Reason.NO_CREATED_AT)
-# Test seam: when set, the controller waits at `<dir>/<ns>.<name>.go` between its fresh read and DELETE.
+# Test seam: when set, the controller waits at `<dir>/<ns>.<name>.go` between its decision and DELETE.
 SEAM_ENV = "SANDKEEP_TEST_BEFORE_DELETE_DIR"
 EVENTS_BACKLOG = 1000  # Events waiting to be posted, at most (client-go's broadcaster queue holds as many)
 QUOTA_SETTLE = 1.0  # seconds a namespace's quota check waits, so a burst of events costs one check
@@ -476,7 +476,7 @@ def _slim(obj: Obj) -> Obj:
 class Reconciler:
     """The controller's core: a view, a work queue (deadlines and retries included), the decisions on each key.
 
-    `before_delete` is a test seam: an async callable run between the fresh read and the DELETE, so a
+    `before_delete` is a test seam: an async callable run between the decision and the DELETE, so a
     test can land a pin exactly there (the env var SEAM_ENV does the same for a controller subprocess).
     """
 
@@ -513,6 +513,8 @@ class Reconciler:
         key = key_of(obj)
         if self.sessions is not None:
             self.sessions.on_sandbox(obj)
+        if event_type != "DELETED" and self._holds(key, obj):
+            return  # the echo of our own write, whose answer the view already has: nothing new to decide
         self.check_quota(key[0])
         if event_type == "DELETED":
             self._would_release.discard(obj["metadata"].get("uid", ""))
@@ -523,6 +525,16 @@ class Reconciler:
         self.remember(obj)
         self.schedule(key)
         self.enqueue(key)
+
+    def _holds(self, key: Key, obj: Obj) -> bool:
+        """The view already has exactly this version of the object (same uid, same resourceVersion)."""
+        known = self.view.sandboxes.get(key)
+        meta = obj.get("metadata") or {}
+        return (
+            known is not None
+            and known["metadata"].get("uid") == meta.get("uid")
+            and known["metadata"].get("resourceVersion") == meta.get("resourceVersion")
+        )
 
     def on_listed(self, namespace: str | None, seen: set[Key]) -> None:
         """A listing (of `namespace`, or of all) is complete: what the view holds beyond it is gone."""
@@ -1129,7 +1141,8 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
         metrics=f"http://{settings.metrics_host}:{server.server_port}/metrics",
         watch=",".join(settings.watch_namespaces) or "cluster",
     )
-    tasks += [asyncio.create_task(w.run(), name=f"watch-{w.path}") for w in sandbox_watches(rec)]
+    http = watching.http_session(kube)
+    tasks += [asyncio.create_task(w.run(http), name=f"watch-{w.path}") for w in sandbox_watches(rec)]
     election = asyncio.create_task(elector.run(), name="leader-election")
     operator = watching.run(build_registry(rec), watching.operator_settings(), namespaces=settings.watch_namespaces)
     if ready is not None:
@@ -1142,6 +1155,7 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
             task.cancel()
         election.cancel()
         await asyncio.gather(election, *tasks, operator, return_exceptions=True)
+        await http.close()
         server.shutdown()
         metrics_.leader.set(0)
         kube.close()

@@ -1,17 +1,18 @@
 """The watch stack of both components: kopf, storing nothing on the objects it watches, and `ListWatch`.
 
-The controller watches SandboxPolicies, Nodes and SandboxSessions through kopf; each agent watches only
-its own node's RetainedSandboxes, filtered by the API server (`spec.nodeName=<node>`, a selectable
-field), so other nodes' objects never reach it. Both run kopf with low-level `on.event` handlers only, no
-peering (sandkeep's own Leases elect), no kopf-posted Events and no progress or diff-base storage: no
-kopf annotation, status field or finalizer ever lands on an object. Credentials come from the same
-configuration as the JSON client (`controller.kube`), so both clients always talk to the same server.
+RetainedSandboxes, the one resource that grows with the fleet, come to both components through
+`ListWatch`: a paginated LIST, then a WATCH from its resourceVersion with bookmarks, each event handed on
+as it is decoded; each agent's carries the field selector `spec.nodeName=<node>` (a selectable field), so
+the API server sends it only its own node's objects. kopf gives every object of a listing and of each
+event its own worker task and queue, holding the whole object until handled: at 100,000 sandboxes that,
+not the view, was the controller's peak memory (docs/benchmarks-controller.md); and it says neither when
+a listing is complete nor what vanished while a watch was down, both of which ListWatch does.
 
-The controller's RetainedSandboxes, the one resource that grows with the fleet, come through `ListWatch`
-instead: a paginated LIST, then a WATCH from its resourceVersion with bookmarks, each event handed on as
-it is decoded. kopf gives every object of a listing and of each event its own worker task and queue,
-holding the whole object until handled: at 100,000 sandboxes that, not the view, was the controller's
-peak memory (docs/benchmarks-controller.md).
+The controller's other watches, SandboxPolicies, Nodes and SandboxSessions, are kopf's, with low-level
+`on.event` handlers only, no peering (sandkeep's own Leases elect), no kopf-posted Events and no
+progress or diff-base storage: no kopf annotation, status field or finalizer ever lands on an object.
+Credentials come from the same configuration as the JSON client (`controller.kube`), so all clients
+always talk to the same server.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any
 import aiohttp
 import kopf
 
-from controller import contracts as c
 from controller import logs
 from controller.kube import PAGE, Kube, KubeError, Obj, key_of, sandbox_items
 
@@ -81,28 +81,18 @@ def connection_info(kube: Kube) -> kopf.ConnectionInfo:
     )
 
 
-def operator_settings(
-    field_selectors: Mapping[tuple[str, str], str] | None = None, *, discover: bool = True
-) -> kopf.OperatorSettings:
-    """No peering, no kopf-posted Events, no storage of any kind on objects; optional server-side filters.
-
-    `discover=False` serves only the resources present at start, without watching the CRDs (and without
-    the RBAC to list them); a CRD that goes away then stops the operator, which the caller's health says.
-    """
+def operator_settings() -> kopf.OperatorSettings:
+    """No peering, no kopf-posted Events, no storage of any kind on objects."""
     settings = kopf.OperatorSettings()
-    settings.scanning.disabled = not discover
     settings.peering.standalone = True
     settings.posting.enabled = False
     settings.persistence.progress_storage = _NoProgress()
     settings.persistence.diffbase_storage = _NoDiffBase()
     settings.persistence.finalizer = "sandkeep.io/never-used-by-kopf"
     settings.watching.server_timeout = 300
-    # Lists in pages, so the first listing of 100,000 objects is never one response held at once; a
-    # per-object worker gone soon after its last event, so a burst of events leaves no bodies behind.
+    # Lists in pages; a per-object worker gone soon after its last event, so a burst leaves no bodies behind.
     settings.watching.chunk_size = 500
     settings.queueing.idle_timeout = 0.5
-    for (group, plural), selector in (field_selectors or {}).items():
-        settings.watching.field_selectors[group, plural] = selector
     return settings
 
 
@@ -127,11 +117,6 @@ def registry(kube: Kube, watches: Mapping[tuple[str, ...], Handler]) -> kopf.Ope
 
         kopf.on.event(*resource, registry=reg, id=f"watch-{resource[-1]}")(on_event)
     return reg
-
-
-def sandbox_watch(node: str | None = None) -> Mapping[tuple[str, str], str]:
-    """The field selectors for watching RetainedSandboxes: every node's, or only `node`'s."""
-    return {(c.GROUP, c.SANDBOX_PLURAL): f"spec.nodeName={node}"} if node else {}
 
 
 def run(
@@ -187,6 +172,17 @@ async def lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             raise KubeError(0, f"a watch event is longer than {MAX_EVENT} bytes: refused")
 
 
+def http_session(kube: Kube) -> aiohttp.ClientSession:
+    """An HTTP session to `kube`'s server with its TLS settings: one connection per watch, never a cap (a
+    watch holds its connection for minutes, and a controller watching 200 namespaces holds 200)."""
+    info = connection_info(kube)
+    return aiohttp.ClientSession(
+        base_url=info.server,
+        connector=aiohttp.TCPConnector(ssl=_ssl_context(info), limit=0),
+        headers={"User-Agent": kube.api.user_agent, "Accept": "application/json"},
+    )
+
+
 class ListWatch:
     """One collection listed in pages, then watched from the listing's resourceVersion with bookmarks.
 
@@ -220,14 +216,12 @@ class ListWatch:
         self.resource_version = ""
         self.listings = 0  # complete listings (the first and every relist after a 410)
 
-    async def run(self) -> None:
+    async def run(self, session: aiohttp.ClientSession | None = None) -> None:
+        """List and watch until cancelled, on `session` (several watches share one: `http_session`)."""
         delay = 0.5
-        info = connection_info(self.kube)
-        session = aiohttp.ClientSession(
-            base_url=info.server,
-            connector=aiohttp.TCPConnector(ssl=_ssl_context(info)),
-            headers={"User-Agent": self.kube.api.user_agent, "Accept": "application/json"},
-        )
+        own = session is None
+        if session is None:
+            session = http_session(self.kube)
         try:
             while True:
                 try:
@@ -252,7 +246,8 @@ class ListWatch:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
         finally:
-            await session.close()
+            if own:
+                await session.close()
 
     async def _list(self) -> None:
         """Every object, a page at a time; a continue token that expired (410) starts the listing again."""

@@ -29,7 +29,7 @@ import pytest
 from controller_harness import Controller, install_crds
 
 from controller import agent as agent_mod
-from controller import commands, kube, metrics, watching
+from controller import commands, kube, metrics
 from controller import contracts as c
 from controller.agent import watch as agent_watch
 from controller.inuse import uninspectable_pids
@@ -923,13 +923,13 @@ def test_a_mount_inside_a_sandbox_holds_deletion_and_its_files_survive(cluster, 
 
 
 def test_sigterm_stops_the_agent_cleanly_once_its_watch_runs(cluster, namespace, nodes, agents):
-    # kopf takes SIGTERM over once its watch runs; the agent must still stop on it, not linger until a
-    # SIGKILL (the kubelet's grace period) while its watch is gone.
+    # Once its watch runs, the agent must still stop on SIGTERM, not linger until a SIGKILL (the kubelet's
+    # grace period) with a watch request open.
     n1, _ = nodes
     make_object(cluster, namespace, "seen", n1.name)
     agent = agents(n1)
     agent.metrics_port()
-    wait_for(lambda: "Initial authentication has finished" in agent.log(), what="kopf's watch started")
+    wait_for(lambda: "watch_listed" in agent.log(), what="the watch's listing done")
     wait_for(
         lambda: (
             get(cluster, namespace, "seen")
@@ -955,29 +955,29 @@ def test_a_second_agent_on_the_same_root_waits_for_the_lock(cluster, namespace, 
 
 
 def test_the_agents_watch_gets_only_its_nodes_objects_from_the_api_server(cluster, namespace, nodes):
-    # The agent's kopf watch carries the field selector spec.nodeName=<node>: the API server filters, so
-    # other nodes' objects never cross the wire (the handler here has no client-side filter of its own).
+    # The agent's watch carries the field selector spec.nodeName=<node>: the API server filters, so other
+    # nodes' objects never cross the wire (the handler here has no client-side filter of its own).
     n1, n2 = nodes
     make_object(cluster, namespace, "mine", n1.name)
     make_object(cluster, namespace, "theirs", n2.name)
     client = kube.Kube(kube.load_config(str(cluster.kubeconfig)), component="test-watch")
     seen: list[tuple[str | None, str]] = []
 
-    async def record(event_type: str | None, obj: dict[str, Any]) -> None:
+    def record(event_type: str | None, obj: dict[str, Any]) -> None:
         if obj["metadata"]["namespace"] == namespace:
             seen.append((event_type, obj["metadata"]["name"]))
 
     async def watch_until_later_create() -> None:
-        stop = asyncio.Event()
-        operator = watching.run(agent_watch.registry(client, record), agent_watch.settings(n1.name), stop=stop)
-        while (None, "mine") not in seen:  # kopf's initial listing
-            await asyncio.sleep(0.05)
+        lister = agent_watch.sandboxes(client, n1.name, record, lambda _seen: None)
+        task = asyncio.create_task(lister.run())
+        await lister.synced.wait()
+        assert (None, "mine") in seen, "the listing"
         await asyncio.to_thread(make_object, cluster, namespace, "theirs-later", n2.name)
         await asyncio.to_thread(make_object, cluster, namespace, "mine-later", n1.name)
         while ("ADDED", "mine-later") not in seen:
             await asyncio.sleep(0.05)
-        stop.set()
-        await asyncio.wait_for(operator, timeout=20)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     try:
         asyncio.run(asyncio.wait_for(watch_until_later_create(), timeout=60))

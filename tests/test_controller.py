@@ -411,7 +411,7 @@ def test_dry_run_deletes_nothing_and_posts_would_delete(
     assert c.Reason.DELETE_REQUESTED not in reasons_for(kube, namespace, "kept")
 
 
-def test_a_pin_landing_between_the_fresh_read_and_the_delete_wins(
+def test_a_pin_landing_between_the_decision_and_the_delete_wins(
     kube: Kube, cluster: LocalCluster, namespace: str, start: Any, tmp_path: Path
 ) -> None:
     seam = tmp_path / "seam"

@@ -9,16 +9,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from controller_harness import sandbox
 from kubernetes import client as k8s
 
+from controller import agent as agent_mod
 from controller import watching
 from controller.controller import ControllerSettings, Reconciler
 from controller.kube import Kube, KubeError, Obj, key_of, sandbox_path
-from controller.metrics import ControllerMetrics
+from controller.metrics import AgentMetrics, ControllerMetrics
+from controller.store import Root
 
 Key = tuple[str, str]
 
@@ -184,3 +187,23 @@ def _obj(name: str, namespace: str) -> dict[str, Any]:
     obj["metadata"] |= {"namespace": namespace, "uid": f"uid-{name}", "resourceVersion": "5"}
     assert key_of(obj) == (namespace, name)
     return obj
+
+
+def test_the_agent_forgets_what_a_relisting_no_longer_has_and_only_then_may_adopt(tmp_path: Path) -> None:
+    # The agent's side: its passes wait for a complete listing (a directory whose object has not arrived yet
+    # must not be adopted as new); after a relist, an object deleted meanwhile is forgotten (its uid kept as
+    # gone, so a late answer cannot bring it back) instead of staying a ghost that blocks a new adoption.
+    settings = agent_mod.AgentSettings(node="n1", root=tmp_path / "root", namespace="sandkeep")
+    agent = agent_mod.Agent(settings, Kube(k8s.Configuration()), Root(tmp_path / "root"), AgentMetrics("n1"))
+    a, b = _obj("a", "ns1"), _obj("b", "ns1")
+    for obj in (a, b):
+        obj["spec"]["nodeName"] = "n1"
+        agent._on_watch(None, obj)
+    assert not agent.state.synced
+    agent._listed({("ns1", "a"), ("ns1", "b")})
+    assert agent.state.synced and sorted(agent.state.objects) == [("ns1", "a"), ("ns1", "b")]
+    agent._listed({("ns1", "a")})
+    assert sorted(agent.state.objects) == [("ns1", "a")]
+    assert "uid-b" in agent.state.gone
+    agent._on_watch("MODIFIED", b)  # a late event of the forgotten object
+    assert ("ns1", "b") not in agent.state.objects

@@ -5,7 +5,7 @@ Its parts, each named for its job (the data flow is drawn in docs/architecture.m
 
     command.py    flags and settings, the root lock, start and stop
     runtime.py    the watch feeding the cache, the work queue, the passes, the heartbeat Lease
-    watch.py      this node's objects: one LIST to start, then kopf's watch (server-side field selector)
+    watch.py      this node's objects: listed in pages, then watched (ListWatch, server-side field selector)
     decide.py     pure: what an object needs next (`next_step`), what a tombstone is for (`fate`)
     adoption.py   a retained directory without an object gets one
     quarantine.py what no object can own: timed by the agent's own clock, reported, deleted after the grace

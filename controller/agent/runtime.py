@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from controller import commands, kube, leases, logs, metrics, watching
+from controller import commands, kube, leases, logs, metrics
 from controller import contracts as c
 from controller.agent import sessions, watch
 from controller.agent.adoption import Adopter
@@ -42,7 +42,7 @@ from controller.agent.settings import (
     AgentSettings,
 )
 from controller.agent.sizer import Sizer
-from controller.agent.state import AgentState, Shared, slim
+from controller.agent.state import AgentState, Shared
 from controller.contracts import FINALIZER, MountCheck, Phase, Reason
 from controller.inuse import Usage, scan_usage
 from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj, finalizers, now_utc
@@ -82,7 +82,8 @@ class Agent:
         self.ignore = {os.getpid(), *settings.ignore_pids}
         self.relief = Relief(shared, self.report, self._in_use_batch)
         self.last_published: str | None = None
-        self.operator: asyncio.Task[None] | None = None  # kopf, watching this node's objects
+        self.watch = watch.sandboxes(client, settings.node, self._on_watch, self._listed)
+        self.watching: asyncio.Task[None] | None = None  # the watch's task, while the agent runs
         self.stopping = asyncio.Event()
         self.started = time.monotonic()
         self.last_pass: float | None = None
@@ -108,7 +109,7 @@ class Agent:
         """Live while passes keep completing: a wedged loop (or a pass stuck on a hung mount) fails /healthz."""
         budget = max(3 * self.s.scan_interval.total_seconds(), 300.0)
         last = self.last_pass if self.last_pass is not None else self.started
-        watching_ok = self.operator is None or not self.operator.done()  # a dead watch leaves the cache stale
+        watching_ok = self.watching is None or not self.watching.done()  # a dead watch leaves the cache stale
         return watching_ok and time.monotonic() - last < budget
 
     # --- the watch and the queue -----------------------------------------------------------------------
@@ -117,15 +118,17 @@ class Agent:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.queue.add, key)
 
-    def _reset(self, listed: list[Obj]) -> None:
-        """The cache from one listing of this node's objects: complete, so the first pass may adopt."""
-        self.state.objects = {kube.key_of(o): slim(o) for o in listed if self._mine(o)}
+    def _listed(self, seen: set[Key]) -> None:
+        """A listing of this node's objects is complete, so a pass may adopt: what the cache holds beyond
+        it was deleted while the watch was down (a relist after 410 Gone) and is forgotten."""
+        for key, obj in list(self.state.objects.items()):
+            if key not in seen:
+                self.state.forget(obj)
+                self.queue.drop(key)
         self.state.synced = True
-        for key in self.state.objects:
-            self.queue.add(key)
 
-    async def _on_watch(self, event_type: str | None, obj: Obj) -> None:
-        """One watch event (None: an object of kopf's listing): keep the newest version, queue the key."""
+    def _on_watch(self, event_type: str | None, obj: Obj) -> None:
+        """One watch event (None: an object of a listing): keep the newest version, queue the key."""
         if not self._mine(obj):
             return
         key = kube.key_of(obj)
@@ -152,15 +155,9 @@ class Agent:
         self.sizer.start()
         interval = self.s.scan_interval.total_seconds()
         beat = asyncio.create_task(self._heartbeat_loop(stop))
+        self.watching = asyncio.create_task(self.watch.run(), name="watch")
         try:
-            listed = await watch.seed(self.kube, self.s.node, stop)
-            if listed is not None:
-                self._reset(listed)
-                registry = watch.registry(self.kube, self._on_watch)
-                self.operator = watching.run(registry, watch.settings(self.s.node), stop=stop)
-                # kopf takes over SIGTERM and SIGINT once it runs: its stopping (for a signal, or a fatal
-                # error) stops the agent too, so the process exits and the kubelet restarts it if need be.
-                self.operator.add_done_callback(lambda _done: stop.set())
+            await _first(self.watch.synced, stop)  # no pass before the listing is complete
             while not stop.is_set():
                 started = time.monotonic()
                 try:
@@ -172,8 +169,8 @@ class Agent:
             self.sizer.stop()
             beat.cancel()
             self.reap_pool.shutdown(wait=False)
-            if self.operator is not None:
-                await _stopped(self.operator)
+            self.watching.cancel()
+            await asyncio.gather(self.watching, return_exceptions=True)
 
     async def _drain(self, stop: asyncio.Event, until: float) -> None:
         """Process queued objects, what is ready at once as one batch, until the next pass is due."""
@@ -531,9 +528,8 @@ class Agent:
                 continue
             logs.say(log, "finalizer_removed", reason=Reason.DELETED, object=f"{key[0]}/{key[1]}", tombstone=tombstone)
             if not finalizers(released):
-                # Deleted by this patch. The watch may never say so (an object gone between the agent's
-                # first LIST and the start of kopf's watch has no DELETED event), and a ghost in the cache
-                # would stop a new run retained under the same name from ever being adopted.
+                # Deleted by this patch. Forgotten now, before the watch's DELETED arrives: a ghost in the
+                # cache would stop a new run retained under the same name from being adopted meanwhile.
                 self.state.forget(released)
             self.queue.forget(key)
             return
@@ -579,12 +575,11 @@ class Agent:
             self.report.say_limited("heartbeat", "heartbeat_failed", reason=Reason.AGENT_STALE, error=str(err)[:300])
 
 
-async def _stopped(operator: asyncio.Task[None]) -> None:
-    """kopf ends by itself once the stop flag is set; one that takes longer than a few seconds is cancelled."""
+async def _first(*events: asyncio.Event) -> None:
+    """Wait until one of `events` is set."""
+    waits = [asyncio.create_task(e.wait()) for e in events]
     try:
-        await asyncio.wait_for(asyncio.shield(operator), timeout=10)
-    except TimeoutError:
-        operator.cancel()
-        await asyncio.gather(operator, return_exceptions=True)
-    except Exception as err:  # kopf failed on its own: the agent is stopping anyway
-        logs.say(log, "watch_stopped", level=logging.WARNING, reason=Reason.AGENT_STALE, error=repr(err)[:300])
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

@@ -15,10 +15,10 @@ Four sections, each line with the machine's load average beside it (nothing is a
   holds one (raw HTTP/1.1 over TLS, asyncio); then M status applies to objects of watched nodes: the API
   server's CPU time per update (utime+stime from /proc, idle rate subtracted), its RSS per watch and the
   delivery latency (write sent -> event read on its node's watch).
-- expiry: K expiries made of exactly sandkeep's requests for one (the controller's fresh GET, DELETE with
-  uid + resourceVersion preconditions and two Events; the agent's Deleting status apply and its guarded
-  finalizer removal; one Pod list per node for the wave), counted from `apiserver_request_total`, with the
-  QPS the local API server sustained and its and etcd's CPU per request.
+- expiry: K expiries made of exactly sandkeep's requests for one (the controller's DELETE with uid +
+  resourceVersion preconditions on its view's version, no GET, and two Events; the agent's Deleting
+  status apply and its guarded finalizer removal; one Pod list per node for the wave), counted from
+  `apiserver_request_total`, with the QPS the local API server sustained and its and etcd's CPU per request.
 - events: the bytes etcd stores per Event (the expiry's own).
 """
 
@@ -54,7 +54,7 @@ from controller import contracts as c  # noqa: E402
 from controller.contracts import Condition, Phase, Reason  # noqa: E402
 from controller.controller import Context, decide  # noqa: E402
 from controller.durations import format_instant  # noqa: E402
-from controller.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, condition, load_config, now_utc, sandbox_path  # noqa: E402
+from controller.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, Obj, condition, load_config, now_utc, sandbox_path  # noqa: E402
 from controller.models import label_value  # noqa: E402
 from controller.policy import Policy  # noqa: E402
 from controller.sizes import human_size  # noqa: E402
@@ -516,12 +516,12 @@ async def watch_round(args: argparse.Namespace, plane: Plane, fleet: Fleet, w: i
 
 
 # --- a mass expiry: sandkeep's requests for each, counted by the API server ------------------------------------
-def expire_one(fleet: Fleet, i: int) -> None:
-    """One expiry's requests, in sandkeep's order: the controller's `_delete_guarded` and `_expire`, then the
-    agent's Deleting report (`_before_delete`) and finalizer removal (`_finish`)."""
+def expire_one(fleet: Fleet, i: int, fresh: Obj | None) -> None:
+    """One expiry's requests, in sandkeep's order: the controller's `_delete_guarded` and `_expire` (on the
+    version its view holds, `fresh`: no GET), then the agent's Deleting report (`_before_delete`) and
+    finalizer removal (`_finish`)."""
     ns, name, node = fleet.key(i)
     kube = fleet.kube
-    fresh = kube.get_sandbox(ns, name)
     if fresh is None:
         return
     deleting = kube.delete_sandbox(fresh) or fresh
@@ -553,6 +553,8 @@ def measure_expiry(args: argparse.Namespace, plane: Plane, fleet: Fleet) -> None
     for threads, chunk in zip(args.expiry_threads, rounds, strict=True):
         if not chunk:
             continue
+        with ThreadPoolExecutor(threads) as pool:  # the controller's view, read before the wave (not counted)
+            view = dict(zip(chunk, pool.map(lambda i: fleet.kube.get_sandbox(*fleet.key(i)[:2]), chunk), strict=True))
         before = requests_by(plane.cluster.metrics_text())
         cpu0, etcd0 = cpu_seconds(plane.apiserver), cpu_seconds(plane.etcd)
         me0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -560,7 +562,7 @@ def measure_expiry(args: argparse.Namespace, plane: Plane, fleet: Fleet) -> None
         nodes = sorted({fleet.key(i)[2] for i in chunk})
         with ThreadPoolExecutor(threads) as pool:
             waiting = [pool.submit(pod_lists, fleet, nodes[k::threads]) for k in range(threads)]
-            list(pool.map(lambda i: expire_one(fleet, i), chunk))
+            list(pool.map(expire_one, [fleet] * len(chunk), chunk, [view[i] for i in chunk]))
             for done in waiting:
                 done.result()
         wall = time.monotonic() - t0
