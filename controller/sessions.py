@@ -379,6 +379,9 @@ class Sessions:
         sandbox = (key[0], str((obj.get("spec") or {}).get("sandbox", "")))
         if event_type == "DELETED":
             self.by_sandbox.get(sandbox, set()).discard(key)
+            started_in = (obj.get("status") or {}).get("podNamespace")
+            if started_in not in (None, self.settings.namespace):
+                return  # another install's session (two installs, each its own sessions namespace)
             if self.is_leader():  # torn down by the queue's worker, retried until done; a standby's next
                 self.gone.setdefault(key, set()).add(object_name(obj))  # leadership collects them all
                 self.queue.add(key)

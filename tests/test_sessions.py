@@ -446,3 +446,29 @@ def test_an_unchanged_answer_is_kept_as_it_was_so_a_pending_pod_costs_no_write_p
     assert [e["mount"] for e in first] == [MountCheck.UNKNOWN]
     later = entries(sb, [starting], tmp_path, tmp_path, NOW + timedelta(minutes=5), {"pod-1": first[0]})
     assert later == first
+
+
+def test_a_deleted_session_is_torn_down_only_by_the_install_that_started_it() -> None:
+    # Two installs in one cluster, each with its own sessions namespace, both see every session's DELETED:
+    # only the one whose namespace the status names (or any, when no Pod was reported yet) tears it down.
+    import asyncio
+
+    from kubernetes import client as k8s
+
+    from controller.kube import Kube
+    from controller.sessions import Sessions, object_name
+
+    async def main() -> None:
+        ours = Sessions(Kube(k8s.Configuration()), SETTINGS, lambda _o, _t: False, lambda _ns: timedelta(hours=1))
+
+        def session(name: str, started_in: str | None) -> dict[str, Any]:
+            status = {"podNamespace": started_in} if started_in else {}
+            meta = {"name": name, "namespace": "team", "uid": f"uid-{name}"}
+            return {"metadata": meta, "spec": {"sandbox": "sb"}, "status": status}
+
+        for name, started_in in (("mine", SETTINGS.namespace), ("theirs", "other-sessions"), ("early", None)):
+            ours.on_session("DELETED", session(name, started_in))
+        assert sorted(ours.gone) == [("team", "early"), ("team", "mine")]
+        assert ours.gone[("team", "mine")] == {object_name(session("mine", None))}
+
+    asyncio.run(main())
