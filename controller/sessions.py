@@ -371,6 +371,7 @@ class Sessions:
     queue: WorkQueue[Key] = field(default_factory=WorkQueue)
     by_sandbox: dict[Key, set[Key]] = field(default_factory=dict)  # sandbox key -> sessions naming it
     gone: dict[Key, set[str]] = field(default_factory=dict)  # a deleted session's key -> its objects' names
+    started: set[Key] = field(default_factory=set)  # sessions this process created a Pod for (status may lag)
     _guard_seen: float = field(default=-GUARD_TTL, init=False)  # monotonic time the binding was last found
 
     # --- events ---------------------------------------------------------------------------------------
@@ -379,9 +380,10 @@ class Sessions:
         sandbox = (key[0], str((obj.get("spec") or {}).get("sandbox", "")))
         if event_type == "DELETED":
             self.by_sandbox.get(sandbox, set()).discard(key)
-            started_in = (obj.get("status") or {}).get("podNamespace")
-            if started_in not in (None, self.settings.namespace):
-                return  # another install's session (two installs, each its own sessions namespace)
+            started_here = key in self.started
+            self.started.discard(key)
+            if not started_here and (obj.get("status") or {}).get("podNamespace") != self.settings.namespace:
+                return  # not started by this install (another's, or refused before a Pod): nothing of ours
             if self.is_leader():  # torn down by the queue's worker, retried until done; a standby's next
                 self.gone.setdefault(key, set()).add(object_name(obj))  # leadership collects them all
                 self.queue.add(key)
@@ -440,6 +442,7 @@ class Sessions:
         )
         if plan.create_pod and sandbox is not None:
             expires = instant_or_none(plan.status.get("expiresAt")) or now
+            self.started.add(key)  # before the create: a crash in between is collected by `collect_all`
             await asyncio.to_thread(self._create, _PODS, pod_body(session, sandbox, self.settings, expires, now))
         if plan.verify is not None and sandbox is not None:
             await asyncio.to_thread(self._ask_verify, sandbox, plan.verify)

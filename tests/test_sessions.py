@@ -450,7 +450,7 @@ def test_an_unchanged_answer_is_kept_as_it_was_so_a_pending_pod_costs_no_write_p
 
 def test_a_deleted_session_is_torn_down_only_by_the_install_that_started_it() -> None:
     # Two installs in one cluster, each with its own sessions namespace, both see every session's DELETED:
-    # only the one whose namespace the status names (or any, when no Pod was reported yet) tears it down.
+    # only the one whose namespace the status names, or that created its Pod itself, tears it down.
     import asyncio
 
     from kubernetes import client as k8s
@@ -466,9 +466,16 @@ def test_a_deleted_session_is_torn_down_only_by_the_install_that_started_it() ->
             meta = {"name": name, "namespace": "team", "uid": f"uid-{name}"}
             return {"metadata": meta, "spec": {"sandbox": "sb"}, "status": status}
 
-        for name, started_in in (("mine", SETTINGS.namespace), ("theirs", "other-sessions"), ("early", None)):
+        ours.started.add(("team", "early"))  # its Pod created here, its status not written yet
+        for name, started_in in (
+            ("mine", SETTINGS.namespace),
+            ("theirs", "other-sessions"),
+            ("early", None),
+            ("refused", None),  # never had a Pod from anyone (or from another install, status unwritten)
+        ):
             ours.on_session("DELETED", session(name, started_in))
         assert sorted(ours.gone) == [("team", "early"), ("team", "mine")]
+        assert not ours.started
         assert ours.gone[("team", "mine")] == {object_name(session("mine", None))}
 
     asyncio.run(main())
