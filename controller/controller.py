@@ -1144,7 +1144,8 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
     http = watching.http_session(kube)
     tasks += [asyncio.create_task(w.run(http), name=f"watch-{w.path}") for w in sandbox_watches(rec)]
     election = asyncio.create_task(elector.run(), name="leader-election")
-    operator = watching.run(build_registry(rec), watching.operator_settings(), namespaces=settings.watch_namespaces)
+    kopf_settings = watching.operator_settings(discover=not settings.watch_namespaces)  # names: nothing to scan
+    operator = watching.run(build_registry(rec), kopf_settings, namespaces=settings.watch_namespaces)
     if ready is not None:
         ready.set()
     try:

@@ -81,9 +81,15 @@ def connection_info(kube: Kube) -> kopf.ConnectionInfo:
     )
 
 
-def operator_settings() -> kopf.OperatorSettings:
-    """No peering, no kopf-posted Events, no storage of any kind on objects."""
+def operator_settings(*, discover: bool = True) -> kopf.OperatorSettings:
+    """No peering, no kopf-posted Events, no storage of any kind on objects.
+
+    `discover=False` serves only the resources present at start, without watching CRDs or listing
+    namespaces (kopf lists them to match namespace patterns even when given exact names, which needs
+    a cluster-wide grant the chart does not give); a CRD that goes away then stops kopf, which health says.
+    """
     settings = kopf.OperatorSettings()
+    settings.scanning.disabled = not discover
     settings.peering.standalone = True
     settings.posting.enabled = False
     settings.persistence.progress_storage = _NoProgress()

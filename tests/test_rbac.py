@@ -500,6 +500,7 @@ class SessionScenario(Scenario):
             f"--sessions-namespace={sessions_namespace(self.inst.release)}",
             "--sessions-image=sandkeep:test",
             f"--sessions-admission-binding={self.inst.release}-sandkeep-sessions",
+            f"--watch-namespace={self.ns}",  # this test's sessions only: other tests' are other installs'
         ]
         self.processes.append(Process("controller", controller_args, self.tmp / "controller.log"))
 
