@@ -165,6 +165,13 @@ class RateLimiter:
             time.sleep(delay)
 
 
+def status_message(text: str) -> str:
+    """The `message` of a refused request's Status body, or the body itself when it is not one."""
+    with contextlib.suppress(ValueError, AttributeError):
+        return str(json.loads(text).get("message", text))
+    return text
+
+
 class Kube:
     """A thin, thread-safe JSON client: plain dicts in and out, KubeError for every refusal.
 
@@ -221,10 +228,7 @@ class Kube:
             raise KubeError(0, f"request failed: {err}", method, path) from err
         text = data.decode("utf-8", "replace") if data else ""
         if not 200 <= response.status < 300:
-            message = text
-            with contextlib.suppress(ValueError, AttributeError):
-                message = json.loads(text).get("message", text)
-            raise KubeError(response.status, message, method, path)
+            raise KubeError(response.status, status_message(text), method, path)
         return json.loads(text) if text else None
 
     # --- RetainedSandboxes --------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ always talk to the same server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import ssl
@@ -29,7 +28,7 @@ import aiohttp
 import kopf
 
 from controller import logs
-from controller.kube import PAGE, Kube, KubeError, Obj, key_of, sandbox_items
+from controller.kube import PAGE, Kube, KubeError, Obj, key_of, sandbox_items, status_message
 
 log = logging.getLogger("sandkeep.watch")
 
@@ -145,7 +144,7 @@ def run(
     )
 
 
-# --- ListWatch: the controller's RetainedSandboxes -------------------------------------------------------
+# --- ListWatch: both components' RetainedSandboxes ------------------------------------------------------
 WATCH_TIMEOUT = 300  # seconds a watch request lasts on the server (kopf's server_timeout is the same)
 MAX_EVENT = 16 << 20  # one watch line longer than this is refused: etcd keeps no object past 1.5 MiB
 
@@ -256,7 +255,8 @@ class ListWatch:
                 await session.close()
 
     async def _list(self) -> None:
-        """Every object, a page at a time; a continue token that expired (410) starts the listing again."""
+        """Every object, a page at a time. A listing that fails part-way (an expired continue token answers
+        410) raises, and `run` starts it again whole after its backoff."""
         seen: set[tuple[str, str]] = set()
         pages = self.kube.pages(self.path, self.query, self.limit)
         resource_version = ""
@@ -288,10 +288,7 @@ class ListWatch:
         self.kube.requests += 1
         async with session.get(self.path, params=query, headers=headers, timeout=timeout) as response:
             if response.status != 200:
-                text = await response.text()
-                message = text
-                with contextlib.suppress(ValueError, AttributeError):
-                    message = json.loads(text).get("message", text)
+                message = status_message(await response.text())
                 if response.status == 410:
                     raise Gone(message)
                 raise KubeError(response.status, message, "WATCH", self.path)
