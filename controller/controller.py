@@ -56,7 +56,8 @@ from controller.kube import (
     namespace_policy,
     now_utc,
     observed_of,
-    pin_holds,
+    pin_pending,
+    pin_seen_status,
     same_condition,
     sandbox_facts,
     sandbox_path,
@@ -237,6 +238,8 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         status["deadline"] = format_instant(verdict.deadline)
     if verdict.pinned_until is not None:
         status["pinnedUntil"] = format_instant(verdict.pinned_until)
+    if verdict.pin_seen is not None:
+        status["pinSeen"] = pin_seen_status(verdict.pin_seen)
     if generation is not None:
         status["observedGeneration"] = generation
     # What the node's agent needs of the policy when it releases for disk pressure (it reads no policy).
@@ -880,14 +883,14 @@ class Reconciler:
             self.check_quota(namespace)
 
     def quota_candidate(self, obj: Obj, policy: Policy, now: datetime) -> Candidate:
-        """One sandbox as the quota sees it: a pin in force (or any pin not plainly over) and a holder keep it."""
+        """One sandbox as the quota sees it: a pin in force (or a pin-for about to be) and a holder keep it."""
         verdict = deadline(sandbox_facts(obj), policy, now)
         size = (obj.get("status") or {}).get("sizeBytes")
         return Candidate(
             key=key_of(obj),
             size=size if isinstance(size, int) else None,
             deadline=verdict.deadline,
-            pinned=(verdict.pinned and not verdict.expired) or pin_holds(obj, now),
+            pinned=(verdict.pinned and not verdict.expired) or pin_pending(obj),
             held=observed_of(obj).held,
             deleting=is_deleting(obj),
         )

@@ -33,7 +33,7 @@ from controller import __version__, logs
 from controller import contracts as c
 from controller.durations import Invalid, format_instant, instant_or_none, parse_duration, parse_instant
 from controller.models import bounded_name
-from controller.policy import Facts, Policy, Quota
+from controller.policy import Facts, PinSeen, Policy, Quota
 from controller.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -459,7 +459,8 @@ def is_deleting(obj: Obj) -> bool:
 
 
 def sandbox_facts(obj: Obj) -> Facts:
-    """What the one rule reads from a RetainedSandbox: spec times and the pin annotations (raw text)."""
+    """What the one rule reads from a RetainedSandbox: spec times, the pin annotations (raw text) and the
+    controller's record of when it first saw the pin (`status.pinSeen`, which only the components write)."""
     spec = obj.get("spec") or {}
     ann = annotations_of(obj)
     return Facts(
@@ -467,28 +468,50 @@ def sandbox_facts(obj: Obj) -> Facts:
         retain_until=instant_or_none(spec.get("retainUntil")),
         pin_until=ann.get(c.ANN_PIN_UNTIL),
         pinned_at=ann.get(c.ANN_PINNED_AT),
+        pin_seen=pin_seen_of(obj),
     )
 
 
-def pin_holds(obj: Obj, now: datetime) -> bool:
-    """Whether a pin keeps `obj` from being released for space (disk pressure or a quota), erring on keeping.
+def pin_seen_of(obj: Obj) -> PinSeen | None:
+    """`status.pinSeen` as the rule reads it; None when absent or not two valid times."""
+    seen = (obj.get("status") or {}).get("pinSeen")
+    if not isinstance(seen, dict):
+        return None
+    pin, at = instant_or_none(seen.get("pinUntil")), instant_or_none(seen.get("at"))
+    return PinSeen(pin, at) if pin is not None and at is not None else None
 
-    The agent reads no SandboxPolicy, so it cannot tell a capped pin from a whole one: any pin that is not
-    plainly over protects. A pin-for not yet turned into pin-until, a pin-until that does not parse or lies
-    ahead, a controller-reported pinnedUntil ahead or phase Pinned: all pinned. Only a pin the controller
-    itself would call lapsed (or none) leaves a sandbox releasable.
+
+def pin_seen_status(seen: PinSeen) -> Obj:
+    """`status.pinSeen` as the controller writes it."""
+    return {"pinUntil": format_instant(seen.pin_until), "at": format_instant(seen.at)}
+
+
+def pin_pending(obj: Obj) -> bool:
+    """A valid `pin-for` the controller has not yet turned into a `pin-until`: a pin about to be in force."""
+    text = annotations_of(obj).get(c.ANN_PIN_FOR)
+    return text is not None and not isinstance(parse_duration(text), Invalid)
+
+
+def pin_holds(obj: Obj, now: datetime) -> bool:
+    """Whether a pin keeps `obj` from being released for space (disk pressure or a quota), as the controller
+    judged it: never from the raw annotation alone, so a pin its maxPin cap has ended reorders nothing.
+
+    The controller's verdict is `status.pinnedUntil` (the pin in force after the cap), for the pin its
+    `status.pinSeen` names. A pin it has not judged yet (a pin-for not yet settled, or a valid future
+    pin-until other than the one it recorded) holds until it has, erring on keeping for the moment that
+    takes; an unparseable pin is no pin, as in the rule.
     """
-    ann = annotations_of(obj)
-    status = obj.get("status") or {}
-    if c.ANN_PIN_FOR in ann or status.get("phase") == c.Phase.PINNED:
+    if pin_pending(obj):
         return True
-    for text in (ann.get(c.ANN_PIN_UNTIL), status.get("pinnedUntil")):
-        if text is None:
-            continue
-        until = parse_instant(str(text))
-        if isinstance(until, Invalid) or until > now:
-            return True
-    return False
+    text = annotations_of(obj).get(c.ANN_PIN_UNTIL)
+    pin = parse_instant(text) if text is not None else None
+    if not isinstance(pin, datetime):
+        return False
+    seen = pin_seen_of(obj)
+    if seen is None or seen.pin_until != pin.replace(microsecond=0):
+        return pin > now  # not judged yet: no cap can make a past pin keep anything
+    until = instant_or_none((obj.get("status") or {}).get("pinnedUntil"))
+    return until is not None and until > now
 
 
 def condition_of(obj: Obj, type_: str) -> Obj | None:

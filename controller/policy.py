@@ -52,13 +52,26 @@ class Policy:
 
 
 @dataclass(frozen=True)
+class PinSeen:
+    """When sandkeep first saw a pin: the controller's record in `status.pinSeen`, which no tenant can write.
+
+    `pin_until` is the pin this record is for (as parsed, in whole seconds as sandkeep writes times, so two
+    spellings of one instant are one pin): a pin changed to another instant is a new pin, first seen then.
+    """
+
+    pin_until: datetime
+    at: datetime
+
+
+@dataclass(frozen=True)
 class Facts:
     """What the rule reads about one sandbox. Pins arrive as raw text: their parsing is part of the rule."""
 
     created_at: datetime | None
     retain_until: datetime | None = None
     pin_until: str | None = None  # `sandkeep.io/pin-until` or a manifest's `keepUntil`
-    pinned_at: str | None = None  # `sandkeep.io/pinned-at` or a manifest's `pinnedAt`
+    pinned_at: str | None = None  # `sandkeep.io/pinned-at` or a manifest's `pinnedAt`: a hint, never trusted
+    pin_seen: PinSeen | None = None  # sandkeep's own record of when it first saw the pin (objects only)
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,7 @@ class Verdict:
     expired: bool
     reasons: tuple[Reason, ...] = ()  # why: the expiry cause, and InvalidPin / PinCapped when they apply
     pinned_until: datetime | None = None  # the effective (capped) pin, when a valid one is set
+    pin_seen: PinSeen | None = None  # the record the cap counted from, to keep: set for every parseable pin
     messages: tuple[str, ...] = field(default=(), compare=False)  # words for conditions and Events
 
     def time_left(self, now: datetime) -> timedelta | None:
@@ -84,10 +98,11 @@ def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
 
     Without a pin the deadline is the EARLIER of the recorded `retainUntil` and `createdAt + retention`,
     so a shortened window applies to existing sandboxes; no usable `createdAt` is expired. A valid pin,
-    capped at `maxPin` from when it was set (never from a future instant, so a forged `pinned-at` cannot
-    stretch it), only ever extends: a pin not later than the unpinned deadline (or than `now` when there
-    is none) has no effect and says so, since `pin-for=0` or a mistyped year must mean "nothing", never
-    "delete now". An unparseable pin is no pin: the bounded direction. Total: every sum saturates.
+    capped at `maxPin` from when sandkeep first saw it (`pin_reference`: never a time a user wrote, so no
+    annotation can make the cap slide with `now`), only ever extends: a pin not later than the unpinned
+    deadline (or than `now` when there is none) has no effect and says so, since `pin-for=0` or a mistyped
+    year must mean "nothing", never "delete now". An unparseable pin is no pin: the bounded direction.
+    Total: every sum saturates.
     """
     unpinned = _unpinned(sandbox, policy, now)
     if sandbox.pin_until is None:
@@ -97,12 +112,15 @@ def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
         return _with(unpinned, Reason.INVALID_PIN, f"pin ignored: {pin}")
     reasons: list[Reason] = []
     messages: list[str] = []
-    pinned_at = parse_instant(sandbox.pinned_at) if sandbox.pinned_at is not None else now
-    reference = now if isinstance(pinned_at, Invalid) else min(pinned_at, now)
-    cap = shift(reference, policy.max_pin)
+    seen = PinSeen(pin.replace(microsecond=0), pin_reference(sandbox, pin, now).replace(microsecond=0))
+    unpinned = replace(unpinned, pin_seen=seen)
+    cap = shift(seen.at, policy.max_pin)
     if pin > cap:
         reasons.append(Reason.PIN_CAPPED)
-        messages.append(f"pin capped at maxPin ({format_duration(policy.max_pin)}) from when it was set")
+        first = format_instant(seen.at)
+        messages.append(
+            f"pin capped at maxPin ({format_duration(policy.max_pin)}) from when it was first seen ({first})"
+        )
         pin = cap
     floor = unpinned.deadline if unpinned.deadline is not None else now
     if pin <= floor:
@@ -112,7 +130,22 @@ def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
     expired = pin <= now
     if expired:
         reasons.append(Reason.PIN_EXPIRED)
-    return Verdict(pin, DeadlineSource.PIN, expired, tuple(reasons), pin, tuple(messages))
+    return Verdict(pin, DeadlineSource.PIN, expired, tuple(reasons), pin, seen, tuple(messages))
+
+
+def pin_reference(sandbox: Facts, pin: datetime, now: datetime) -> datetime:
+    """When the pin `pin` was first seen: the time the maxPin cap counts from.
+
+    sandkeep's own record when it is for this very pin; otherwise (a pin not yet recorded) the `pinned-at`
+    stamp, but never later than `now`, and `now` for one that does not parse. The controller records the
+    answer at once, so a forged, future or garbage `pinned-at` can only ever move the cap earlier, and
+    removing or rewriting it later changes nothing: the record, not the annotation, is read from then on.
+    """
+    seen = sandbox.pin_seen
+    if seen is not None and seen.pin_until == pin.replace(microsecond=0):  # recorded in whole seconds
+        return min(seen.at, now)
+    stamp = parse_instant(sandbox.pinned_at) if sandbox.pinned_at is not None else now
+    return now if isinstance(stamp, Invalid) else min(stamp, now)
 
 
 def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
@@ -123,8 +156,7 @@ def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
             DeadlineSource.NONE,
             True,
             (Reason.NO_CREATED_AT,),
-            None,
-            ("no usable createdAt: nothing says how old it is",),
+            messages=("no usable createdAt: nothing says how old it is",),
         )
     window_until = shift(sandbox.created_at, policy.retention)
     if sandbox.retain_until is not None and sandbox.retain_until < window_until:

@@ -248,6 +248,59 @@ def test_the_components_own_writes_are_never_refused(pins: Pins, component: str)
         pins.release(name)
 
 
+# --- sandkeep's own bookkeeping is written by sandkeep alone ----------------------------------------------------
+BOOKKEEPING = (c.ANN_PINNED_AT, c.ANN_VERIFY_SESSION)
+
+
+def bookkeeping_refused(pins: Pins, name: str, keys: str) -> str:
+    return (
+        f'The {c.SANDBOX_PLURAL} "{name}" is invalid: : {DENIED}: {pins.sandbox(name)}: {keys} refused: sandkeep '
+        "writes its own bookkeeping (when it first saw a pin, which session to verify), people do not. To pin, "
+        f"write {pins.fix(name)} (or {c.ANN_PIN_UNTIL}=<RFC 3339 time>)\n"
+    )
+
+
+@pytest.mark.parametrize("key", BOOKKEEPING)
+def test_a_person_writing_sandkeeps_bookkeeping_is_refused_and_removing_it_is_allowed(pins: Pins, key: str) -> None:
+    # Issue 25: a pinned-at written in the future (or as garbage) made the maxPin cap slide with now. Adding or
+    # changing it is refused, word for word; the component that owns it may; removing it changes nothing the
+    # rule reads (the controller's status.pinSeen is what the cap counts from), so it stays allowed.
+    name = f"books-{secrets.token_hex(3)}"
+    pins.create(name)
+    added = pins.annotate(name, f"{key}=2099-01-01T00:00:00Z")
+    assert added.stderr == bookkeeping_refused(pins, name, key)
+    assert pins.annotate(name, f"{key}=2026-01-01T00:00:00Z", as_user=COMPONENTS["controller"]).returncode == 0
+    changed = pins.annotate(name, f"{key}=garbage", "--overwrite")
+    assert changed.stderr == bookkeeping_refused(pins, name, key)
+    assert pins.annotations(name)[key] == "2026-01-01T00:00:00Z"
+    assert pins.annotate(name, "team=ci").returncode == 0, "an object carrying it takes other edits"
+    removed = pins.annotate(name, f"{key}-")
+    assert removed.returncode == 0, removed.stderr
+    assert key not in pins.annotations(name)
+
+
+def test_a_sandbox_created_with_bookkeeping_by_a_person_is_refused(pins: Pins) -> None:
+    name = f"forged-{secrets.token_hex(3)}"
+    body = {
+        "apiVersion": c.API_VERSION,
+        "kind": c.SANDBOX_KIND,
+        "metadata": {"name": name, "namespace": pins.namespace, "annotations": dict.fromkeys(BOOKKEEPING, "x")},
+        "spec": {"nodeName": "node-a", "createdAt": "2026-01-01T00:00:00Z"},
+    }
+    created = pins.cluster.kubectl("create", "-f", "-", input=json.dumps(body), check=False)
+    assert created.returncode != 0
+    assert (
+        f"{c.ANN_PINNED_AT} and {c.ANN_VERIFY_SESSION} refused: sandkeep writes its own bookkeeping" in created.stderr
+    )
+    assert pins.kube.get_sandbox(pins.namespace, name) is None
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=st.text(max_size=80))
+def test_no_value_of_pinned_at_gets_past_the_policy(pins: Pins, value: str) -> None:
+    assert pins.refusal(c.ANN_PINNED_AT, value) is not None
+
+
 # --- the policy accepts exactly what durations.py accepts -----------------------------------------------------
 # Texts near the grammar: every unit in both cases, amounts at the bounds, non-ASCII digits and letters that
 # fold to units in Unicode (U+017F folds to s, U+212A to k), whitespace durations.py strips and some it keeps.

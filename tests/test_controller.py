@@ -265,6 +265,29 @@ def test_a_pin_longer_than_max_pin_is_capped_and_says_so(
     wait_for("a PinCapped event", lambda: c.Reason.PIN_CAPPED in reasons_for(kube, namespace, "run-cap"))
 
 
+def test_a_forged_future_pinned_at_cannot_keep_a_pin_past_its_cap(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 25: pinned-at written in the future made the cap slide with now, so the pin never lapsed. The
+    # cap now counts from the controller's own record (status.pinSeen, kept by the real CRD's schema), so
+    # rewriting pinned-at again and again changes nothing: the sandbox goes once first sight + maxPin passes.
+    start("--retention=1s", "--max-pin=6s")
+    body = sandbox("forged")
+    body["metadata"]["annotations"] = {c.ANN_PIN_UNTIL: "2099-01-01T00:00:00Z", c.ANN_PINNED_AT: "2098-01-01T00:00:00Z"}
+    kube.create_sandbox(namespace, body)
+    status = phase_is(kube, namespace, "forged", c.Phase.PINNED)
+    seen = status["pinSeen"]
+    assert seen["pinUntil"] == "2099-01-01T00:00:00Z"
+    first_sight = parse_instant(seen["at"])
+    assert isinstance(first_sight, datetime) and first_sight <= datetime.now(UTC)
+    assert status["pinnedUntil"] == format_instant(first_sight + timedelta(seconds=6))
+    for year in (2097, 2096):  # the person keeps rewriting it
+        stamp = f"{c.ANN_PINNED_AT}={year}-01-01T00:00:00Z"
+        cluster.kubectl("annotate", c.SANDBOX_SHORT, "forged", "-n", namespace, "--overwrite", stamp, check=False)
+    wait_for("the capped pin to lapse and the sandbox to go", lambda: gone(kube, namespace, "forged"), timeout=30)
+    assert datetime.now(UTC) >= first_sight + timedelta(seconds=6)
+
+
 def test_an_invalid_pin_gives_a_condition_and_an_event_and_no_pin(
     kube: Kube, cluster: LocalCluster, namespace: str, start: Any
 ) -> None:

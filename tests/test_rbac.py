@@ -761,11 +761,17 @@ def test_a_namespace_editor_can_pin_in_their_namespace_and_not_in_another(
     refused = kubectl_as(editor, *pin, "-n", other_namespace)
     assert refused.returncode != 0 and "forbidden" in refused.stderr
     assert kubectl_as(editor, "annotate", "rsb", "run-42", f"{c.ANN_PIN_FOR}-", "-n", namespace).returncode == 0
-    phase = json.dumps({"status": {"phase": "Pinned"}})
-    status = kubectl_as(
-        editor, "patch", "rsb", "run-42", "-n", namespace, "--subresource=status", "--type=merge", "-p", phase
-    )
-    assert status.returncode != 0 and "forbidden" in status.stderr, "status is the components' alone"
+    # status is the components' alone: no phase, and no record of when a pin was first seen (the maxPin cap's
+    # reference), can be forged by an editor
+    for forged in (
+        {"phase": "Pinned"},
+        {"pinSeen": {"pinUntil": "2099-01-01T00:00:00Z", "at": "2099-01-01T00:00:00Z"}},
+    ):
+        body = json.dumps({"status": forged})
+        status = kubectl_as(
+            editor, "patch", "rsb", "run-42", "-n", namespace, "--subresource=status", "--type=merge", "-p", body
+        )
+        assert status.returncode != 0 and "forbidden" in status.stderr, "status is the components' alone"
     # a viewer lists and reads, and cannot pin
     assert "run-42" in kubectl_as(viewer, "get", "rsb", "-n", namespace).stdout
     assert kubectl_as(viewer, "get", "sandboxpolicies", "-n", namespace).returncode == 0
