@@ -239,7 +239,7 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
     if verdict.pinned_until is not None:
         status["pinnedUntil"] = format_instant(verdict.pinned_until)
     if verdict.pin_seen is not None:
-        status["pinSeen"] = pin_seen_status(verdict.pin_seen)
+        status["pinSeen"] = pin_seen_status(verdict.pin_seen, verdict.pin_in_force)
     if generation is not None:
         status["observedGeneration"] = generation
     # What the node's agent needs of the policy when it releases for disk pressure (it reads no policy).
@@ -883,14 +883,15 @@ class Reconciler:
             self.check_quota(namespace)
 
     def quota_candidate(self, obj: Obj, policy: Policy, now: datetime) -> Candidate:
-        """One sandbox as the quota sees it: a pin in force (or a pin-for about to be) and a holder keep it."""
+        """One sandbox as the quota sees it: a pin in force after its cap (even one that does not extend the
+        deadline: the person asked to keep it until then), a pin-for about to be, and a holder keep it."""
         verdict = deadline(sandbox_facts(obj), policy, now)
         size = (obj.get("status") or {}).get("sizeBytes")
         return Candidate(
             key=key_of(obj),
             size=size if isinstance(size, int) else None,
             deadline=verdict.deadline,
-            pinned=(verdict.pinned and not verdict.expired) or pin_pending(obj),
+            pinned=(verdict.pin_in_force is not None and verdict.pin_in_force > now) or pin_pending(obj),
             held=observed_of(obj).held,
             deleting=is_deleting(obj),
         )

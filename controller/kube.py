@@ -481,9 +481,11 @@ def pin_seen_of(obj: Obj) -> PinSeen | None:
     return PinSeen(pin, at) if pin is not None and at is not None else None
 
 
-def pin_seen_status(seen: PinSeen) -> Obj:
-    """`status.pinSeen` as the controller writes it."""
-    return {"pinUntil": format_instant(seen.pin_until), "at": format_instant(seen.at)}
+def pin_seen_status(seen: PinSeen, in_force: datetime | None) -> Obj:
+    """`status.pinSeen` as the controller writes it: its record, and the pin in force after the cap (what the
+    agent reads to know whether the pin still keeps the sandbox from being released for space)."""
+    status = {"pinUntil": format_instant(seen.pin_until), "at": format_instant(seen.at)}
+    return status | ({"inForceUntil": format_instant(in_force)} if in_force is not None else {})
 
 
 def pin_pending(obj: Obj) -> bool:
@@ -496,10 +498,10 @@ def pin_holds(obj: Obj, now: datetime) -> bool:
     """Whether a pin keeps `obj` from being released for space (disk pressure or a quota), as the controller
     judged it: never from the raw annotation alone, so a pin its maxPin cap has ended reorders nothing.
 
-    The controller's verdict is `status.pinnedUntil` (the pin in force after the cap), for the pin its
-    `status.pinSeen` names. A pin it has not judged yet (a pin-for not yet settled, or a valid future
-    pin-until other than the one it recorded) holds until it has, erring on keeping for the moment that
-    takes; an unparseable pin is no pin, as in the rule.
+    The controller's verdict is `status.pinSeen.inForceUntil` (the pin after the cap, whether or not it
+    extends the deadline), for the pin `status.pinSeen.pinUntil` names. A pin it has not judged yet (a
+    pin-for not yet settled, or a valid future pin-until other than the one it recorded) holds until it
+    has, erring on keeping for the moment that takes; an unparseable pin is no pin, as in the rule.
     """
     if pin_pending(obj):
         return True
@@ -510,7 +512,8 @@ def pin_holds(obj: Obj, now: datetime) -> bool:
     seen = pin_seen_of(obj)
     if seen is None or seen.pin_until != pin.replace(microsecond=0):
         return pin > now  # not judged yet: no cap can make a past pin keep anything
-    until = instant_or_none((obj.get("status") or {}).get("pinnedUntil"))
+    recorded = (obj.get("status") or {}).get("pinSeen") or {}
+    until = instant_or_none(recorded.get("inForceUntil"))
     return until is not None and until > now
 
 

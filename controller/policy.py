@@ -82,6 +82,9 @@ class Verdict:
     reasons: tuple[Reason, ...] = ()  # why: the expiry cause, and InvalidPin / PinCapped when they apply
     pinned_until: datetime | None = None  # the effective (capped) pin, when a valid one is set
     pin_seen: PinSeen | None = None  # the record the cap counted from, to keep: set for every parseable pin
+    # The valid pin as it stands after the cap, whether or not it extends the deadline: until then it keeps the
+    # sandbox from being released for space (disk pressure, a quota). None without a parseable pin.
+    pin_in_force: datetime | None = None
     messages: tuple[str, ...] = field(default=(), compare=False)  # words for conditions and Events
 
     def time_left(self, now: datetime) -> timedelta | None:
@@ -113,7 +116,6 @@ def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
     reasons: list[Reason] = []
     messages: list[str] = []
     seen = PinSeen(pin.replace(microsecond=0), pin_reference(sandbox, pin, now).replace(microsecond=0))
-    unpinned = replace(unpinned, pin_seen=seen)
     cap = shift(seen.at, policy.max_pin)
     if pin > cap:
         reasons.append(Reason.PIN_CAPPED)
@@ -122,6 +124,7 @@ def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
             f"pin capped at maxPin ({format_duration(policy.max_pin)}) from when it was first seen ({first})"
         )
         pin = cap
+    unpinned = replace(unpinned, pin_seen=seen, pin_in_force=pin)
     floor = unpinned.deadline if unpinned.deadline is not None else now
     if pin <= floor:
         without = "now" if unpinned.deadline is None else format_instant(floor)
@@ -130,7 +133,7 @@ def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
     expired = pin <= now
     if expired:
         reasons.append(Reason.PIN_EXPIRED)
-    return Verdict(pin, DeadlineSource.PIN, expired, tuple(reasons), pin, seen, tuple(messages))
+    return Verdict(pin, DeadlineSource.PIN, expired, tuple(reasons), pin, seen, pin, tuple(messages))
 
 
 def pin_reference(sandbox: Facts, pin: datetime, now: datetime) -> datetime:

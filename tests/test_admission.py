@@ -67,8 +67,9 @@ class Pins:
         annotations: dict[str, str] = obj.get("metadata", {}).get("annotations") or {}
         return annotations
 
-    def refusal(self, key: str, value: str) -> str | None:
-        """The API server's verdict on setting `key` to `value` on `probe` (a dry run): None, or its words."""
+    def refusal(self, key: str, value: str, status: int = 422) -> str | None:
+        """The API server's verdict on setting `key` to `value` on `probe` (a dry run): None, or its words
+        (`status`: 422 for a malformed pin, 403 for a write that is not a person's to make)."""
         patch = {"metadata": {"annotations": {key: value}}}
         try:
             self.kube.request(
@@ -79,7 +80,7 @@ class Pins:
                 content_type="application/merge-patch+json",
             )
         except KubeError as err:
-            assert err.status == 422 and DENIED in err.message, f"not the policy's refusal: {err}"
+            assert err.status == status and DENIED in err.message, f"not the policy's refusal: {err}"
             return err.message
         return None
 
@@ -254,8 +255,9 @@ BOOKKEEPING = (c.ANN_PINNED_AT, c.ANN_VERIFY_SESSION)
 
 def bookkeeping_refused(pins: Pins, name: str, keys: str) -> str:
     return (
-        f'The {c.SANDBOX_PLURAL} "{name}" is invalid: : {DENIED}: {pins.sandbox(name)}: {keys} refused: sandkeep '
-        "writes its own bookkeeping (when it first saw a pin, which session to verify), people do not. To pin, "
+        f'Error from server (Forbidden): {c.SANDBOX_PLURAL}.{c.GROUP} "{name}" is forbidden: {DENIED}: '
+        f"{pins.sandbox(name)}: {keys} refused: sandkeep writes its own bookkeeping (when it first saw a pin, "
+        "which session to verify), people do not. To pin, "
         f"write {pins.fix(name)} (or {c.ANN_PIN_UNTIL}=<RFC 3339 time>)\n"
     )
 
@@ -298,7 +300,7 @@ def test_a_sandbox_created_with_bookkeeping_by_a_person_is_refused(pins: Pins) -
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(value=st.text(max_size=80))
 def test_no_value_of_pinned_at_gets_past_the_policy(pins: Pins, value: str) -> None:
-    assert pins.refusal(c.ANN_PINNED_AT, value) is not None
+    assert pins.refusal(c.ANN_PINNED_AT, value, status=403) is not None
 
 
 # --- the policy accepts exactly what durations.py accepts -----------------------------------------------------

@@ -72,17 +72,33 @@ def test_no_history_of_annotations_keeps_a_sandbox_past_its_cap(history: list[tu
         bound = max(window, first_seen[1] + MAX_PIN) if first_seen is not None else window
         assert verdict.deadline is not None and verdict.deadline <= bound, (verdict, first_seen, now)
         # The agent reads the controller's verdict from the object, never the raw annotation.
-        assert pin_holds(sandbox(annotations, status), now) == (verdict.pinned and not verdict.expired)
+        in_force = verdict.pin_in_force is not None and verdict.pin_in_force > now
+        assert pin_holds(sandbox(annotations, status), now) == in_force
+        if verdict.pinned and not verdict.expired:
+            assert in_force, "a pin that keeps the sandbox also keeps it from release for space"
 
 
 def test_a_future_pinned_at_no_longer_slides_the_cap_with_the_clock() -> None:
     # The hole: pinned-at in the future made the reference `now` at every look, so the pin never lapsed.
     annotations = {c.ANN_PIN_UNTIL: "2099-01-01T00:00:00Z", c.ANN_PINNED_AT: "2098-01-01T00:00:00Z"}
     first = decide(sandbox(annotations, {}), Context(POLICY), START)
-    assert first.status["pinSeen"] == {"pinUntil": "2099-01-01T00:00:00Z", "at": format_instant(START)}
+    record = {"pinUntil": "2099-01-01T00:00:00Z", "at": format_instant(START)}
+    assert first.status["pinSeen"] == record | {"inForceUntil": format_instant(START + MAX_PIN)}
     later = decide(sandbox(annotations, first.status), Context(POLICY), START + 2 * MAX_PIN)
     assert later.verdict.expired and later.verdict.deadline == START + MAX_PIN
     assert not pin_holds(sandbox(annotations, later.status), START + 2 * MAX_PIN)
+
+
+def test_a_pin_that_does_not_extend_the_deadline_still_keeps_the_sandbox_from_release_for_space() -> None:
+    # A pin earlier than the window's end changes no deadline, but the person asked to keep it until then: a
+    # quota or disk pressure must not take it first (the agent reads the same answer from status.pinSeen).
+    annotations = {c.ANN_PIN_UNTIL: format_instant(START + RETENTION / 2)}
+    decision = decide(sandbox(annotations, {}), Context(POLICY), START)
+    assert not decision.verdict.pinned and c.Reason.PIN_NO_EFFECT in decision.verdict.reasons
+    assert decision.verdict.pin_in_force == START + RETENTION / 2
+    assert "pinnedUntil" not in decision.status
+    assert pin_holds(sandbox(annotations, decision.status), START + RETENTION / 4)
+    assert not pin_holds(sandbox(annotations, decision.status), START + RETENTION / 2)
 
 
 def test_removing_or_rewriting_pinned_at_after_the_first_sight_changes_nothing() -> None:

@@ -184,22 +184,28 @@ def obj(annotations: dict[str, str] | None = None, status: dict[str, object] | N
 
 
 def test_a_pin_keeps_a_sandbox_from_release_as_the_controller_judged_it():
-    # Issue 25, item 2: the controller's verdict (status.pinnedUntil for the pin status.pinSeen names), never
-    # the raw annotation; a pin it has not judged yet holds for the moment that takes.
+    # Issue 25, item 2: the controller's verdict (status.pinSeen.inForceUntil, the pin after its cap, for the pin
+    # status.pinSeen names), never the raw annotation; a pin it has not judged yet holds for the moment that takes.
     far = "2099-01-01T00:00:00Z"
-    judged = {"pinSeen": {"pinUntil": far, "at": "2026-05-31T00:00:00Z"}}
+
+    def judged(in_force: str | None) -> dict[str, object]:
+        seen = {"pinUntil": far, "at": "2026-05-31T00:00:00Z"}
+        return {"pinSeen": seen | ({"inForceUntil": in_force} if in_force else {})}
+
     assert not pin_holds(obj(), NOW)
     assert pin_holds(obj({ANN_PIN_UNTIL: far}), NOW)  # not judged yet
     assert pin_holds(obj({ANN_PIN_FOR: "2h"}), NOW)  # not yet settled by the controller
     assert not pin_holds(obj({ANN_PIN_FOR: "forever"}), NOW)  # never settled: no pin
     assert not pin_holds(obj({ANN_PIN_UNTIL: "next tuesday"}), NOW)  # unparseable: no pin, as in the rule
     assert not pin_holds(obj({ANN_PIN_UNTIL: "2026-05-01T00:00:00Z"}), NOW)  # lapsed
-    assert pin_holds(obj({ANN_PIN_UNTIL: far}, judged | {"pinnedUntil": "2026-06-02T00:00:00Z"}), NOW)
+    assert pin_holds(obj({ANN_PIN_UNTIL: far}, judged("2026-06-02T00:00:00Z")), NOW)
     # Capped by maxPin and the cap passed: the far-off annotation no longer reorders anything.
-    assert not pin_holds(obj({ANN_PIN_UNTIL: far}, judged | {"pinnedUntil": "2026-05-31T01:00:00Z"}), NOW)
-    assert not pin_holds(obj({ANN_PIN_UNTIL: far}, judged | {"phase": "Pinned"}), NOW)  # no pinnedUntil: no pin
+    assert not pin_holds(obj({ANN_PIN_UNTIL: far}, judged("2026-05-31T01:00:00Z")), NOW)
+    # The controller's words elsewhere in status are not its verdict on this pin.
+    assert not pin_holds(obj({ANN_PIN_UNTIL: far}, judged(None) | {"phase": "Pinned"}), NOW)
+    assert not pin_holds(obj({ANN_PIN_UNTIL: far}, judged(None) | {"pinnedUntil": "2026-06-02T00:00:00Z"}), NOW)
     # A pin removed: the controller's old word for it does not outlive it.
-    assert not pin_holds(obj(status=judged | {"pinnedUntil": "2026-06-02T00:00:00Z"}), NOW)
+    assert not pin_holds(obj(status=judged("2026-06-02T00:00:00Z")), NOW)
 
 
 def test_the_age_is_the_controllers_deadline_else_the_recorded_one():
