@@ -81,6 +81,7 @@ OWNED_FIELDS = (
     "deadline",
     "deadlineSource",
     "pinnedUntil",
+    "pinSeen",  # read back by the rule (the maxPin cap counts from it) and by the agent and the quota
     "observedGeneration",
     "dryRun",
     "releasePriority",

@@ -9,6 +9,7 @@ maxPin), and the agent's reading of the object (`pin_holds`) agrees with the con
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -140,3 +141,14 @@ def test_the_rule_without_a_record_never_counts_from_after_now(pin: str | None, 
     if verdict.pin_seen is not None:
         assert verdict.pin_seen.at <= now
         assert verdict.deadline is not None and verdict.deadline <= max(START + RETENTION, now + MAX_PIN)
+
+
+def test_the_controllers_view_keeps_the_record_the_cap_counts_from() -> None:
+    # The view keeps only what a decision reads: without status.pinSeen in it, every look was a first sight
+    # and the cap slid forward by maxPin each time the pin came due (found on the real API server).
+    from controller.controller import _slim
+
+    annotations = {c.ANN_PIN_UNTIL: "2099-01-01T00:00:00Z"}
+    first = decide(sandbox(annotations, {}), Context(POLICY), START)
+    viewed = _slim(json.loads(json.dumps(sandbox(annotations, first.status))))  # as it comes back from the server
+    assert decide(viewed, Context(POLICY), START + 2 * MAX_PIN).verdict.expired
