@@ -451,10 +451,14 @@ def copy_from_session(target: Target, session: Session, path: str, dest: Path, *
         raise Refused(f"copying {path} to {dest} stopped: {stopped}")
     if done.refused:
         raise Refused(
-            f"{done.refused} entries of {path} refused (see the warnings above), {done.written} copied to {dest}"
+            f"refused {_entries(done.refused)} of {path} (see the warnings above); copied {done.written} to {dest}"
         )
-    say(f"copied {done.written} entries of {path} to {dest}")
+    say(f"copied {_entries(done.written)} of {path} to {dest}")
     return 0
+
+
+def _entries(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
 
 
 def _refused_member(name: str, why: str) -> None:
