@@ -48,6 +48,8 @@ _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # Errors that would fail every member after this one too: the copy stops with one error instead.
 _FATAL = frozenset({E.ENOSPC, E.EDQUOT, E.EIO, E.EROFS, E.EMFILE, E.ENFILE, E.ENOMEM})
 _ZERO = bytes(BLOCK)
+_SPARSE = b"GNU.sparse"
+_PAX_KEYS = frozenset({b"path", b"linkpath", b"size", b"mtime", _SPARSE})
 _MTIME = re.compile(rb"-?[0-9]{1,20}(\.[0-9]{1,20})?")
 
 REGULAR, CONTIGUOUS, OLD_REGULAR = b"0", b"7", b"\0"
@@ -193,7 +195,7 @@ class _Header:
     linkname: bytes
     size: int
     mode: int
-    mtime: float | None
+    mtime: int | None
     kind: bytes
     extension: bool  # an old-GNU sparse header followed by more sparse-map blocks
 
@@ -210,6 +212,14 @@ def _number(raw: bytes, what: str) -> int:
     if not text:
         return 0
     raise UntarError(f"a corrupt tar header: its {what} {text!r} is not an octal number")
+
+
+def _mtime(raw: bytes) -> int | None:
+    """A member's mtime, or None (the copy's own time) for one this reader does not take (before 1970)."""
+    try:
+        return _number(raw, "mtime")
+    except UntarError:
+        return None
 
 
 def _nts(raw: bytes) -> bytes:
@@ -234,14 +244,15 @@ def _header(block: bytes) -> _Header:
         linkname=_nts(block[157:257]),
         size=_number(block[124:136], "size"),
         mode=_number(block[100:108], "mode") & 0o7777,
-        mtime=_number(block[136:148], "mtime"),
+        mtime=_mtime(block[136:148]),
         kind=kind,
         extension=kind == GNU_SPARSE and block[482] != 0,
     )
 
 
 def _pax(data: bytes) -> dict[bytes, bytes]:
-    """A pax header's `LENGTH KEY=VALUE\\n` records; anything else is a corrupt stream."""
+    """The records of a pax header (`LENGTH KEY=VALUE\\n`) that this reader uses, so that any number of
+    headers hold at most _PAX_KEYS values; GNU's sparse keys are kept as one. Anything else is corrupt."""
     records: dict[bytes, bytes] = {}
     pos = 0
     while pos < len(data) and data[pos] != 0:
@@ -253,7 +264,10 @@ def _pax(data: bytes) -> dict[bytes, bytes]:
         key, eq, value = data[space + 1 : end - 1].partition(b"=")
         if not eq or not key:
             raise UntarError("a corrupt pax header in the tar stream")
-        records[key] = value
+        if key.startswith(b"GNU.sparse."):
+            key, value = _SPARSE, b"1"
+        if key in _PAX_KEYS:
+            records[key] = value
         pos = end
     return records
 
@@ -463,7 +477,7 @@ def extract(stream: Readable, dest_fd: int, warn: Callable[[str, str], None]) ->
             mtime = float(fields[b"mtime"]) if _MTIME.fullmatch(fields[b"mtime"]) else None
         if mtime is not None and not -MAX_MTIME < mtime < MAX_MTIME:
             mtime = None  # past what utime takes: the copy's own time
-        if any(k.startswith(b"GNU.sparse.") for k in fields):
+        if _SPARSE in fields:
             refused = refused or "a sparse file; cp copies files and directories only"
         reader.begin(0 if header.kind in _NO_DATA else size, f"the data of {show(name)!r}")
         unpacker.member(header, name, mtime, refused)

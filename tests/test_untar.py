@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import stat
 import subprocess
 import tarfile
 import tempfile
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,17 @@ def test_gnu_tar_streams_of_a_normal_tree_round_trip_byte_for_byte(tmp_path, fmt
     assert (copied / "private").stat().st_mode & 0o777 == 0o700
     assert (copied / "big.bin").stat().st_mtime == 1_600_000_000
     assert (copied / "private").stat().st_mtime == 1_500_000_000
+
+
+def test_a_file_from_before_1970_is_copied_with_the_copys_own_time(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "old").write_text("x")
+    os.utime(src / "old", (-100_000, -100_000))
+    tar = subprocess.run(["tar", "--format=gnu", "-cf", "-", "-C", str(src), "old"], capture_output=True, check=True)
+    done, warnings = unpack(tmp_path / "dest", tar.stdout)
+    assert warnings == [] and done.written == 1
+    assert (tmp_path / "dest" / "old").read_text() == "x" and (tmp_path / "dest" / "old").stat().st_mtime > 0
 
 
 def test_the_end_of_archive_padding_is_read_so_tar_never_dies_of_a_closed_pipe(tmp_path):
@@ -291,19 +303,12 @@ def test_modes_lose_setuid_setgid_sticky_and_group_other_write(box):
 
 # --- the stream itself ---------------------------------------------------------------------------------------
 class Lazy(io.RawIOBase):
-    """A stream of `head`, then `n` bytes of `fill`, then `tail`, made as it is read (nothing held whole)."""
+    """A stream of `parts`, made as it is read (nothing held whole)."""
 
-    def __init__(self, head: bytes, n: int, tail: bytes = END, fill: bytes = b"a") -> None:
-        self.parts: Iterator[bytes] = iter([head, *self._body(n, fill), tail])
+    def __init__(self, *parts: Iterable[bytes]) -> None:
+        self.parts: Iterator[bytes] = itertools.chain.from_iterable(parts)
         self.buf = b""
         self.consumed = 0
-
-    @staticmethod
-    def _body(n: int, fill: bytes) -> Iterator[bytes]:
-        piece = fill * 65536
-        while n > 0:
-            yield piece[: min(n, len(piece))]
-            n -= len(piece)
 
     def readable(self) -> bool:
         return True
@@ -317,6 +322,13 @@ class Lazy(io.RawIOBase):
         out, self.buf = self.buf[:n], self.buf[n:]
         self.consumed += len(out)
         return out
+
+
+def filler(n: int) -> Iterator[bytes]:
+    piece = b"a" * 65536
+    while n > 0:
+        yield piece[: min(n, len(piece))]
+        n -= len(piece)
 
 
 def extract_lazy(dest: Path, source: Lazy) -> tuple[untar.Extracted, list[tuple[str, str]], int]:
@@ -334,7 +346,7 @@ def extract_lazy(dest: Path, source: Lazy) -> tuple[untar.Extracted, list[tuple[
 
 def test_a_huge_pax_header_is_refused_before_it_is_read(tmp_path):
     size = untar.MAX_EXTENDED + 1
-    source = Lazy(header(b"PaxHeader", b"x", size), size + 511)
+    source = Lazy([header(b"PaxHeader", b"x", size)], filler(size + 511), [END])
     with pytest.raises(untar.UntarError, match=r"a pax header of 1048577 bytes \(the limit is 1048576\)"):
         extract_lazy(tmp_path / "dest", source)
     assert source.consumed == 512
@@ -344,15 +356,26 @@ def test_a_huge_gnu_long_name_skips_its_member_in_bounded_memory(tmp_path):
     size = 64 << 20
     head = header(b"././@LongLink", b"L", size, magic=b"ustar  \0")
     tail = header(b"long", b"0", 2, magic=b"ustar  \0") + padded(b"xx") + header(b"ok", b"0", 0) + END
-    done, warnings, peak = extract_lazy(tmp_path / "dest", Lazy(head, size, tail))
+    done, warnings, peak = extract_lazy(tmp_path / "dest", Lazy([head], filler(size), [tail]))
     assert warnings == [("long", "a GNU long name of 67108864 bytes (the limit is 4096)")]
     assert (done.written, done.refused) == (1, 1) and os.listdir(tmp_path / "dest") == ["ok"]
     assert peak < 1 << 20
 
 
+def test_many_pax_headers_keep_only_the_keys_read_in_bounded_memory(tmp_path):
+    def one(i: int) -> bytes:
+        record = pax(**{f"SCHILY.xattr.user.k{i}.{j}": b"v" * 4000 for j in range(200)})
+        return header(b"PaxHeader", b"x", len(record)) + padded(record)
+
+    headers = (one(i) for i in range(50))  # 40 MB of distinct keys, were they all kept
+    done, warnings, peak = extract_lazy(tmp_path / "dest", Lazy(headers, [header(b"f", b"0", 0), END]))
+    assert warnings == [] and done.written == 1
+    assert peak < 4 << 20
+
+
 def test_a_large_file_is_copied_in_bounded_memory(tmp_path):
     size = 64 << 20
-    done, warnings, peak = extract_lazy(tmp_path / "dest", Lazy(header(b"big", b"0", size), size))
+    done, warnings, peak = extract_lazy(tmp_path / "dest", Lazy([header(b"big", b"0", size)], filler(size), [END]))
     assert warnings == [] and done.written == 1
     assert (tmp_path / "dest" / "big").stat().st_size == size
     assert peak < 1 << 20
