@@ -445,10 +445,11 @@ def copy_from_session(target: Target, session: Session, path: str, dest: Path, *
         raise Refused(f"cannot run kubectl exec: {err.strerror or err}") from err
     finally:
         os.close(dest_fd)
+    if stopped:  # first: tar then dies of the closed pipe, which says less
+        exited = f" (tar exited {code})" if code else ""
+        raise Refused(f"copying {path} to {dest} stopped: {stopped}{exited}")
     if code != 0:
         raise Refused(f"copying {path} from {c.SESSION_SINGULAR} {session.name} failed (tar exited {code})")
-    if stopped:
-        raise Refused(f"copying {path} to {dest} stopped: {stopped}")
     if done.refused:
         raise Refused(
             f"refused {_entries(done.refused)} of {path} (see the warnings above); copied {done.written} to {dest}"
