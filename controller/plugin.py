@@ -10,7 +10,7 @@ stderr that says what to do next. Reads and writes go through sandkeep's own cli
     pin     `--for 72h` or `--until T`: the pin annotations, checked here with the grammar the controller uses
     unpin   removes the pin annotations
     open    a SandboxSession: waits until its Pod runs, execs a shell or CMD in it, ends it on exit
-    cp      copies a path of the workspace out through a read-only session
+    cp      copies a path of the workspace out through a read-only session into DEST, and nowhere else
     doctor  what needs a person (the same report as `sandkeep doctor`)
 """
 
@@ -19,22 +19,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import posixpath
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import yaml
 
-from controller import __version__, doctor, kube
+from controller import __version__, doctor, kube, untar
 from controller import contracts as c
 from controller.durations import (
     Invalid,
@@ -423,50 +423,60 @@ def workspace_path(text: str) -> tuple[str, str]:
     return directory or ".", entry
 
 
-def extract(stream: Any, dest: Path) -> list[str]:
-    """Unpack a tar stream into `dest`, refusing absolute names, `..` and links that leave it (tarfile's
-    'data' filter); returns the names unpacked."""
-    names: list[str] = []
-    with tarfile.open(fileobj=stream, mode="r|") as archive:
-        for member in archive:
-            if member.name.startswith("/"):  # tar's own filters would strip the slash; a copy out never has one
-                raise Refused(f"refused to unpack {member.name!r}: an absolute path")
-            try:
-                archive.extract(member, dest, filter="data")
-            except tarfile.FilterError as err:
-                raise Refused(f"refused to unpack {member.name!r}: {err}") from err
-            names.append(member.name)
-    return names
-
-
-def copy_from_session(target: Target, session: Session, path: str, dest: Path) -> int:
-    """`tar cf -` in the session's container piped into a safe local extraction (the step needing a Pod)."""
+def copy_from_session(target: Target, session: Session, path: str, dest: Path, *, merge: bool) -> int:
+    """`tar cf -` in the session's container piped into `untar`, which writes below DEST and nowhere else;
+    each member it refuses is one warning, and any refusal makes the exit non-zero."""
     directory, entry = workspace_path(path)
     source = c.SESSION_MOUNT if directory == "." else posixpath.join(c.SESSION_MOUNT, directory)
     argv = exec_argv(target, session, ["tar", "cf", "-", "-C", source, "--", entry], stdin=False, tty=False)
-    dest.mkdir(parents=True, exist_ok=True)
-    with subprocess.Popen(argv, stdout=subprocess.PIPE) as proc:
-        try:
-            names = extract(proc.stdout, dest)
-        finally:
+    stopped = ""
+    dest_fd = untar.open_dest(dest, merge=merge)  # its UntarError is an `error:` line, as Refused is
+    try:
+        with subprocess.Popen(argv, stdout=subprocess.PIPE) as proc:
             assert proc.stdout is not None
-            proc.stdout.close()
-            code = proc.wait()
+            try:
+                done = untar.extract(proc.stdout, dest_fd, warn=_refused_member)
+            except untar.UntarError as err:
+                stopped = str(err)
+            finally:
+                proc.stdout.close()
+                code = proc.wait()
+    except OSError as err:  # kubectl itself would not start
+        raise Refused(f"cannot run kubectl exec: {err.strerror or err}") from err
+    finally:
+        os.close(dest_fd)
+    if stopped:  # first: tar then dies of the closed pipe, which says less
+        exited = f" (tar exited {code})" if code else ""
+        raise Refused(f"copying {path} to {dest} stopped: {stopped}{exited}")
     if code != 0:
         raise Refused(f"copying {path} from {c.SESSION_SINGULAR} {session.name} failed (tar exited {code})")
-    say(f"copied {len(names)} entries of {path} to {dest}")
+    if done.refused:
+        raise Refused(
+            f"refused {_entries(done.refused)} of {path} (see the warnings above); copied {done.written} to {dest}"
+        )
+    say(f"copied {_entries(done.written)} of {path} to {dest}")
     return 0
+
+
+def _entries(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
+
+
+def _refused_member(name: str, why: str) -> None:
+    say(f"warning: refused to unpack {name!r}: {why}")
 
 
 def cmd_cp(target: Target, args: argparse.Namespace) -> int:
     name, sep, path = args.source.partition(":")
     if not sep or not name or not path:
         raise Refused(f"{args.source!r}: give the source as NAME:PATH, e.g. run-42:logs/build.log")
-    workspace_path(path)  # refused before a session is opened
+    workspace_path(path)  # refused before a session is opened, and so is DEST
+    dest = Path(args.dest)
+    untar.check_dest(dest, merge=args.merge)
     with opened(
         target, name, read_write=False, lifetime=args.lifetime, image=None, keep=False, timeout=_timeout(args)
     ) as session:
-        return copy_from_session(target, session, path, Path(args.dest))
+        return copy_from_session(target, session, path, dest, merge=args.merge)
 
 
 def _timeout(args: argparse.Namespace) -> timedelta:
@@ -570,6 +580,11 @@ def parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("cp", parents=[common], help="copy NAME:PATH (inside the workspace) into the directory DEST")
     cp.add_argument("source", metavar="NAME:PATH")
     cp.add_argument("dest", metavar="DEST")
+    cp.add_argument(
+        "--merge",
+        action="store_true",
+        help="copy into a DEST that is not empty (an existing name is never overwritten)",
+    )
     cp.add_argument("--lifetime", default="15m", help="the read-only session's lifetime (default 15m)")
     cp.add_argument("--timeout", default="5m", help="how long to wait for the session to run (default 5m)")
 
@@ -607,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _signals_raise():
             return VERBS[args.verb](connect(args), args)
-    except Refused as err:
+    except (Refused, untar.UntarError) as err:
         print(f"error: {err}", file=sys.stderr)
     except KubeError as err:
         print(f"error: {err.message or err} (HTTP {err.status})", file=sys.stderr)

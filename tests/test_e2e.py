@@ -398,9 +398,9 @@ def test_kubectl_sandkeep_open_and_cp_read_a_retained_sandbox(bed: Bed, tmp_path
     written = kubectl_sandkeep(bed, "open", "run-11", "-n", NS, "--", "touch", "new-file")
     assert written.returncode != 0 and "Read-only file system" in written.stderr
     say("kubectl sandkeep cp run-11:logs DEST")
-    copied = kubectl_sandkeep(bed, "cp", "run-11:logs", str(tmp_path), "-n", NS)
+    copied = kubectl_sandkeep(bed, "cp", "run-11:logs", str(tmp_path / "out"), "-n", NS)
     assert copied.returncode == 0, copied.stderr
-    assert (tmp_path / "logs" / "result.txt").read_text() == "build ok\n"
+    assert (tmp_path / "out" / "logs" / "result.txt").read_text() == "build ok\n"
     assert bed.get(c.SESSION_PLURAL, "-n", NS)["items"] == [], "each session ended on exit"
 
 

@@ -454,23 +454,106 @@ def test_cp_copies_a_workspace_path_out_through_a_read_only_session(cluster, nam
 
 
 @pytest.mark.parametrize(
-    "bad",
+    ("bad", "why"),
     [
-        member("../escape"),
-        member("/abs"),
-        member("link", tarfile.SYMTYPE, "/etc"),
-        member("link", tarfile.SYMTYPE, "../../outside"),
+        (member("../escape"), "a '..' component"),
+        (member("/abs"), "an absolute path"),
+        (member("link", tarfile.SYMTYPE, "/etc"), "a symbolic link (to '/etc')"),
+        (member("link", tarfile.SYMTYPE, "../../outside"), "a symbolic link (to '../../outside')"),
+        (member("passwd", tarfile.LNKTYPE, "/etc/passwd"), "a hard link (to '/etc/passwd')"),
+        (member("tty", tarfile.CHRTYPE), "a character device"),
     ],
-    ids=["dotdot", "absolute", "absolute-link", "escaping-link"],
+    ids=["dotdot", "absolute", "absolute-link", "escaping-link", "hardlink", "device"],
 )
-def test_cp_refuses_members_that_would_land_outside_dest(cluster, namespace, client, tmp_path, bad):
+def test_cp_refuses_members_that_are_not_files_or_directories_inside_dest(
+    cluster, namespace, client, tmp_path, bad, why
+):
     make(client, namespace, "run-42", status={"phase": "Retained"})
-    archive = tar_of(tmp_path / "out.tar", [(bad, b"" if bad.issym() else b"x")])
-    dest = tmp_path / "deep" / "dest"
+    body = b"x" if bad.isreg() else b""
+    archive = tar_of(tmp_path / "out.tar", [(member("ok.log"), b"ok\n"), (bad, body), (member("z.log"), b"z\n")])
+    dest = tmp_path / "dest"
     _session, code, _out, err = run_until_running(
         cluster, client, namespace, ["cp", "run-42:logs", str(dest)], fake_kubectl(tmp_path, tar=archive)
     )
-    assert code == 1 and "error: refused to unpack" in err
-    assert not (tmp_path / "deep" / "escape").exists() and not (tmp_path / "abs").exists()
-    assert list(dest.iterdir()) == []
+    assert code == 1
+    assert f"warning: refused to unpack {bad.name!r}: {why}" in err
+    assert (
+        err.strip().splitlines()[-1] == f"error: refused 1 entry of logs (see the warnings above); copied 2 to {dest}"
+    )
+    assert sorted(p.name for p in dest.iterdir()) == ["ok.log", "z.log"]
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "abs").exists()
+    assert sessions(client, namespace) == []
+
+
+@pytest.mark.parametrize(
+    ("setup", "said"),
+    [
+        ("not-empty", "dest is not empty; give a new or empty directory, or --merge to add to it"),
+        ("link", "dest is a symbolic link; cp never writes through a link"),
+        ("file", "dest exists and is not a directory"),
+        ("no-parent", "does not exist; create it first (cp creates DEST, not its parents)"),
+    ],
+)
+def test_cp_refuses_a_dest_it_would_not_write_into_before_any_session(
+    cluster, namespace, client, tmp_path, setup, said
+):
+    make(client, namespace, "run-42", status={"phase": "Retained"})
+    dest = tmp_path / "dest"
+    (tmp_path / "real").mkdir()
+    if setup == "not-empty":
+        dest.mkdir()
+        (dest / "old").write_text("old")
+    elif setup == "link":
+        dest.symlink_to(tmp_path / "real")
+    elif setup == "file":
+        dest.write_text("x")
+    else:
+        dest = tmp_path / "missing" / "dest"
+    result = plugin(cluster, "-n", namespace, "cp", "run-42:logs", str(dest))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and said in result.stderr
+    assert result.stderr.startswith("error: ")
+    assert sessions(client, namespace) == [] and list((tmp_path / "real").iterdir()) == []
+
+
+def test_cp_merge_adds_to_a_dest_and_never_overwrites(cluster, namespace, client, tmp_path):
+    make(client, namespace, "run-42", status={"phase": "Retained"})
+    dest = tmp_path / "dest"
+    (dest / "logs").mkdir(parents=True)
+    (dest / "logs" / "build.log").write_text("mine\n")
+    (dest / "logs" / "linked").symlink_to(tmp_path / "outside")
+    archive = tar_of(
+        tmp_path / "out.tar",
+        [
+            (member("logs/build.log"), b"theirs\n"),
+            (member("logs/linked/x"), b"theirs\n"),
+            (member("logs/new.log"), b"new\n"),
+        ],
+    )
+    _session, code, _out, err = run_until_running(
+        cluster, client, namespace, ["cp", "--merge", "run-42:logs", str(dest)], fake_kubectl(tmp_path, tar=archive)
+    )
+    assert code == 1
+    assert "warning: refused to unpack 'logs/build.log': 'logs/build.log' already exists in DEST" in err
+    assert "warning: refused to unpack 'logs/linked/x': 'logs/linked' is a symbolic link in DEST" in err
+    assert (
+        err.strip().splitlines()[-1] == f"error: refused 2 entries of logs (see the warnings above); copied 1 to {dest}"
+    )
+    assert (dest / "logs" / "build.log").read_text() == "mine\n" and (dest / "logs" / "new.log").read_text() == "new\n"
+    assert not (tmp_path / "outside").exists()
+    assert sessions(client, namespace) == []
+
+
+def test_cp_of_a_cut_stream_is_one_error_line(cluster, namespace, client, tmp_path):
+    make(client, namespace, "run-42", status={"phase": "Retained"})
+    archive = tar_of(tmp_path / "out.tar", [(member("big.log"), b"x" * 2000)])
+    archive.write_bytes(archive.read_bytes()[:1024])
+    dest = tmp_path / "dest"
+    _session, code, _out, err = run_until_running(
+        cluster, client, namespace, ["cp", "run-42:logs", str(dest)], fake_kubectl(tmp_path, tar=archive)
+    )
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: copying logs to {dest} stopped: the tar stream ends inside the data of 'big.log': it was cut short"
+    )
     assert sessions(client, namespace) == []
