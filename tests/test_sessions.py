@@ -482,6 +482,13 @@ class Bed:
         items: list[dict[str, Any]] = self.cluster.kubectl_json("get", "pods", "-n", self.sessions_ns)["items"]
         return items
 
+    def policy_images(self) -> list[str]:
+        policy = self.cluster.kubectl_json("get", "validatingadmissionpolicy", f"{self.release}-sandkeep-sessions")
+        images: list[str] = json.loads(
+            next(v for v in policy["spec"]["variables"] if v["name"] == "images")["expression"]
+        )
+        return images
+
     def rbac(self) -> list[str]:
         out = self.cluster.kubectl("get", "roles,rolebindings", "-n", self.sessions_ns, "-o", "name").stdout.split()
         return [n for n in out if "/session-" in n]
@@ -542,6 +549,9 @@ def test_a_session_runs_its_pod_on_the_sandboxs_node_and_ends_with_its_lifetime(
     hostpath = p["spec"]["volumes"][0]["hostPath"]
     assert hostpath == {"path": f"/var/lib/sandkeep/{sbed.namespace}/run-1/workspace", "type": "Directory"}
     assert p["spec"]["containers"][0]["volumeMounts"][0]["readOnly"] is True
+    assert p["spec"]["containers"][0]["resources"] == DEFAULT_RESOURCES  # as the API server keeps it
+    assert not p["spec"].get("tolerations"), "node-a has no taints: nothing to tolerate"
+    assert p["spec"]["securityContext"]["runAsGroup"] == c.NOBODY
     assert sbed.rbac() == [], "no grant before the agent has verified the mount"
     ended = sbed.phase("open-run-1", SessionPhase.ENDED, timeout=30)
     assert ended["reason"] == Reason.LIFETIME_ENDED
@@ -563,6 +573,68 @@ def test_without_the_admission_policy_bound_sessions_are_refused(sbed: Bed) -> N
     sbed.sandbox("run-3")
     assert sbed.open("run-3").returncode == 0
     assert sbed.phase("open-run-3", SessionPhase.REFUSED)["reason"] == Reason.SESSIONS_UNGUARDED
+    assert sbed.pods() == []
+
+
+def test_a_binding_switched_to_audit_stops_sessions_even_one_naming_another_user(sbed: Bed) -> None:
+    binding = f"{sbed.release}-sandkeep-sessions"
+    patch = '{"spec":{"validationActions":["Audit"]}}'
+    sbed.cluster.kubectl("patch", "validatingadmissionpolicybinding", binding, "--type=merge", "-p", patch)
+    wait_for("the binding auditing only", lambda: sbed.open("x", "someone-else", dry_run=True).returncode == 0 or None)
+    sbed.controller()
+    sbed.sandbox("run-5")
+    assert sbed.open("run-5", user="someone-else").returncode == 0, "Audit lets a forged user through admission"
+    status = sbed.phase("open-run-5", SessionPhase.REFUSED)
+    assert status["reason"] == Reason.SESSIONS_UNGUARDED
+    assert f"{binding} has validationActions ['Audit'], without Deny" in status["message"]
+    assert sbed.pods() == [] and sbed.rbac() == []
+    # Deny again, but the policy failing open: still refused, saying so.
+    sbed.cluster.kubectl(
+        "patch", "validatingadmissionpolicybinding", binding, "--type=merge", "-p", patch.replace("Audit", "Deny")
+    )
+    sbed.cluster.kubectl(
+        "patch", "validatingadmissionpolicy", binding, "--type=merge", "-p", '{"spec":{"failurePolicy":"Ignore"}}'
+    )
+    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "open-run-5", "-n", sbed.namespace)
+    assert sbed.open("run-5").returncode == 0
+    status = sbed.phase("open-run-5", SessionPhase.REFUSED, timeout=30)
+    assert status["reason"] == Reason.SESSIONS_UNGUARDED and "failurePolicy 'Ignore', not Fail" in status["message"]
+    # Restored as the chart has it: served again.
+    sbed.cluster.kubectl(
+        "patch", "validatingadmissionpolicy", binding, "--type=merge", "-p", '{"spec":{"failurePolicy":"Fail"}}'
+    )
+    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "open-run-5", "-n", sbed.namespace)
+    assert sbed.open("run-5").returncode == 0
+    assert sbed.phase("open-run-5", SessionPhase.PENDING, timeout=30)["reason"] == Reason.SESSION_STARTING
+
+
+def test_a_session_past_its_users_cap_is_refused_until_one_is_ended(sbed: Bed) -> None:
+    sbed.controller(f"{c.SESSIONS_MAX_PER_USER.flag}=1")
+    for name in ("run-6", "run-7"):
+        sbed.sandbox(name)
+    assert sbed.open("run-6").returncode == 0
+    sbed.phase("open-run-6", SessionPhase.PENDING)
+    assert sbed.open("run-7").returncode == 0
+    status = sbed.phase("open-run-7", SessionPhase.REFUSED)
+    assert status["reason"] == Reason.SESSION_LIMIT, status["message"]
+    assert f"{sbed.namespace}/open-run-6" in status["message"]
+    assert f"kubectl delete {c.SESSION_PLURAL} -n {sbed.namespace} open-run-6" in status["message"]
+    assert len(sbed.pods()) == 1
+    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "open-run-6", "open-run-7", "-n", sbed.namespace)
+    assert sbed.open("run-7").returncode == 0
+    assert sbed.phase("open-run-7", SessionPhase.PENDING)["reason"] == Reason.SESSION_STARTING
+
+
+def test_an_image_not_allowed_is_refused_at_create_and_by_the_controller(sbed: Bed) -> None:
+    sbed.controller()  # --sessions-image=sandkeep:test, while the chart's policy allows its own default image
+    sbed.sandbox("run-8")
+    refused = sbed.open("run-8", image="evil/miner:latest")
+    assert refused.returncode != 0 and "evil/miner:latest" in refused.stderr
+    assert "is not one sessions may run (sessions.allowedImages: " in refused.stderr
+    chart_default = sbed.policy_images()[0]
+    assert sbed.open("run-8", image=chart_default).returncode == 0, "the policy allows the chart's default"
+    status = sbed.phase("open-run-8", SessionPhase.REFUSED)
+    assert status["reason"] == Reason.IMAGE_NOT_ALLOWED and "sandkeep:test" in status["message"]
     assert sbed.pods() == []
 
 
@@ -621,8 +693,9 @@ def test_the_controller_may_run_and_grant_session_pods_only_in_the_sessions_name
         assert can(verb, what, "-n", sbed.sessions_ns), f"the controller cannot {verb} {what}"
         assert not can(verb, what, "-n", sbed.namespace), f"the controller may {verb} {what} outside"
     assert can("patch", c.SESSION_PLURAL, "--subresource=status", "-A") and not can("create", c.SESSION_PLURAL, "-A")
-    assert can("get", f"validatingadmissionpolicybindings/{sbed.release}-sandkeep-sessions")
-    assert not can("get", "validatingadmissionpolicybindings/other")
+    for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
+        assert can("get", f"{kind}/{sbed.release}-sandkeep-sessions")
+        assert not can("get", f"{kind}/other") and not can("list", kind) and not can("patch", f"{kind}/other")
 
 
 # --- the agent's half, on real directories -----------------------------------------------------------------
