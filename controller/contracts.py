@@ -7,6 +7,7 @@ rules, the dashboard and the docs against these values, so renaming one is a vis
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import NamedTuple
 
 # --- The API -------------------------------------------------------------------------------------------
 GROUP = "sandkeep.io"
@@ -53,6 +54,24 @@ ANN_SANDBOX = f"{GROUP}/sandbox"  # on a session's Pod: `<namespace>/<name>` of 
 ANN_VERIFY_SESSION = f"{GROUP}/verify-session"  # on a sandbox: a session Pod's uid the agent should verify now
 SESSION_CONTAINER = "session"
 SESSION_MOUNT = "/sandbox"  # where a session's container sees the sandbox's workspace
+
+
+# What bounds sessions (issue 25): each a controller flag, the chart value `sessions.<value>` and its default.
+class SessionBound(NamedTuple):
+    flag: str
+    value: str
+    default: int
+
+
+SESSIONS_MAX_PER_USER = SessionBound("--sessions-max-per-user", "maxPerUser", 3)  # live sessions of one user
+SESSIONS_MAX_PER_NAMESPACE = SessionBound("--sessions-max-per-namespace", "maxPerNamespace", 20)  # ... in a namespace
+SESSIONS_MIN_OWNER_ID = SessionBound("--sessions-min-owner-id", "minOwnerId", 1000)  # lower ids from disk: NOBODY
+SESSIONS_ALLOWED_IMAGE = "--sessions-allowed-image"  # once per image of sessions.allowedImages (+ the default)
+SESSIONS_RESOURCES = "--sessions-resources"  # JSON of sessions.resources: the session container's resources
+SESSIONS_TOLERATIONS = "--sessions-tolerations"  # JSON of agent.tolerations: which taints a session may tolerate
+SESSIONS_ADMISSION_POLICY = "--sessions-admission-policy"  # the ValidatingAdmissionPolicy its binding must bind
+NOBODY = 65534  # the uid and gid of `nobody`
+SESSION_USER_CHECK = "object.spec.user == request.userInfo.username"  # the sessions policy's proof of spec.user
 
 # --- On disk -------------------------------------------------------------------------------------------
 MANIFEST_NAME = "manifest.json"
@@ -227,6 +246,8 @@ class Reason(StrEnum):
     IMAGE_PULL_FAILED = "ImagePullFailed"  # its Pod's image cannot be pulled (a typo? a private registry?)
     SESSIONS_UNGUARDED = "SessionsUnguarded"  # the admission policy that proves who asked is not installed
     BAD_SESSION = "BadSession"  # a field the controller cannot use (its lifetime, over the cap, ...)
+    SESSION_LIMIT = "SessionLimit"  # its user, or its namespace, already has as many live sessions as allowed
+    IMAGE_NOT_ALLOWED = "ImageNotAllowed"  # its image is not one of sessions.allowedImages
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------

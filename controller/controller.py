@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import ctypes
 import logging
 import marshal
@@ -39,7 +40,7 @@ from controller import contracts as c
 from controller import flags, logs, metrics, models, watching
 from controller.contracts import Phase, Reason
 from controller.durations import Invalid, format_instant, parse_duration, parse_instant
-from controller.flags import HumanDuration, HumanSize, KubeQps
+from controller.flags import HumanDuration, HumanSize, JsonList, JsonObject, KubeQps
 from controller.kube import (
     CONTROLLER_MANAGER,
     Kube,
@@ -67,7 +68,7 @@ from controller.policy import Ceiling, Policy, Quota, Verdict, deadline, effecti
 from controller.policyset import in_force, write_statuses
 from controller.pressure import Candidate
 from controller.quota import choose as quota_plan
-from controller.sessions import COLLECT_ALL, Sessions, SessionSettings
+from controller.sessions import COLLECT_ALL, DEFAULT_RESOURCES, MAX_ID, Sessions, SessionSettings
 from controller.workqueue import WorkQueue
 
 log = logging.getLogger("sandkeep.controller")
@@ -128,13 +129,22 @@ class ControllerSettings(models.Settings):
     quota_ceiling_count: Annotated[int, Field(ge=0)] | None = None
     # SandboxSessions (controller/sessions.py): the namespace their Pods run in (empty: sessions are not
     # served), the nodes' sandbox root, the default image, the longest lifetime, the uid a session runs
-    # as when its workspace's owner is not known, and the admission policy binding proving who asked.
+    # as when its workspace's owner is not known (or a system id), the admission policy binding proving
+    # who asked (and the policy it binds), and the bounds of issue 25: caps on live sessions, the lowest
+    # owner id taken from disk, the images allowed, the container's resources and the agent's tolerations.
     sessions_namespace: str = ""
     sessions_root: str = "/var/lib/sandkeep"
     sessions_image: str = ""
     sessions_max_lifetime: HumanDuration = timedelta(hours=8)
-    sessions_run_as_user: Annotated[int, Field(ge=1)] = 65534
+    sessions_run_as_user: Annotated[int, Field(ge=1, le=MAX_ID)] = c.NOBODY
     sessions_admission_binding: str = ""
+    sessions_admission_policy: str = ""
+    sessions_max_per_user: Annotated[int, Field(ge=0)] = c.SESSIONS_MAX_PER_USER.default
+    sessions_max_per_namespace: Annotated[int, Field(ge=0)] = c.SESSIONS_MAX_PER_NAMESPACE.default
+    sessions_min_owner_id: Annotated[int, Field(ge=1)] = c.SESSIONS_MIN_OWNER_ID.default
+    sessions_allowed_images: tuple[str, ...] = ()
+    sessions_resources: JsonObject = Field(default_factory=lambda: copy.deepcopy(DEFAULT_RESOURCES))
+    sessions_tolerations: JsonList = ()
 
     def session_settings(self) -> SessionSettings | None:
         if not self.sessions_namespace:
@@ -146,6 +156,13 @@ class ControllerSettings(models.Settings):
             max_lifetime=self.sessions_max_lifetime,
             run_as_user=self.sessions_run_as_user,
             admission_binding=self.sessions_admission_binding,
+            admission_policy=self.sessions_admission_policy,
+            max_per_user=self.sessions_max_per_user,
+            max_per_namespace=self.sessions_max_per_namespace,
+            min_owner_id=self.sessions_min_owner_id,
+            allowed_images=self.sessions_allowed_images,
+            resources=self.sessions_resources,
+            tolerations=tuple(self.sessions_tolerations),
         )
 
     def policy(self) -> Policy:
@@ -1208,6 +1225,28 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sessions-admission-binding", help="ValidatingAdmissionPolicyBinding that proves a session's user"
     )
+    parser.add_argument(
+        c.SESSIONS_ADMISSION_POLICY, help="the policy that binding must bind (default: the binding's name)"
+    )
+    parser.add_argument(
+        c.SESSIONS_MAX_PER_USER.flag, type=int, help="live sessions one user may have, cluster-wide (default 3)"
+    )
+    parser.add_argument(
+        c.SESSIONS_MAX_PER_NAMESPACE.flag, type=int, help="live sessions a namespace may have (default 20)"
+    )
+    parser.add_argument(
+        c.SESSIONS_MIN_OWNER_ID.flag,
+        type=int,
+        help="lowest workspace owner uid/gid a session runs as; lower ones run as --sessions-run-as-user",
+    )
+    parser.add_argument(
+        c.SESSIONS_ALLOWED_IMAGE,
+        action="append",
+        dest="sessions_allowed_images",
+        help="an image sessions may run besides --sessions-image (repeat for each)",
+    )
+    parser.add_argument(c.SESSIONS_RESOURCES, help="JSON: the session container's requests and limits")
+    parser.add_argument(c.SESSIONS_TOLERATIONS, help="JSON list: the agent's tolerations (bound a session's)")
 
 
 def settings_from(args: argparse.Namespace) -> ControllerSettings:

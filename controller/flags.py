@@ -8,6 +8,7 @@ not override `SANDKEEP_DRY_RUN=true`. Names that are not settings fields (`--onc
 from __future__ import annotations
 
 import argparse
+import json
 from datetime import timedelta
 from typing import Annotated, Any, TypeVar
 
@@ -53,6 +54,15 @@ KubeQps = Annotated[float, AfterValidator(_qps)]
 
 # A byte count written the Kubernetes way (`50Gi`, `500Mi`, `2T` or plain bytes), from the env or a flag.
 HumanSize = Annotated[int, BeforeValidator(_size)]
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+# A JSON object or list from a flag or the env (the chart renders values such as resources with toJson).
+JsonObject = Annotated[dict[str, Any], BeforeValidator(_json)]
+JsonList = Annotated[tuple[dict[str, Any], ...], BeforeValidator(_json)]
 
 
 def settings_from(cls: type[S], args: argparse.Namespace) -> S:

@@ -570,7 +570,10 @@ def parser() -> argparse.ArgumentParser:
     op = sub.add_parser("open", parents=[common], help="open a shell (or CMD) in a sandbox's workspace")
     op.add_argument("name")
     op.add_argument("--rw", action="store_true", help="mount the workspace writable (default read-only)")
-    op.add_argument("--image", help="the session container's image (default: the chart's sessions.image)")
+    op.add_argument(
+        "--image",
+        help="the session container's image: the chart's sessions.image (default) or one of sessions.allowedImages",
+    )
     op.add_argument(
         "--lifetime", default=DEFAULT_LIFETIME, help=f"how long the session may run (default {DEFAULT_LIFETIME})"
     )

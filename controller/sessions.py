@@ -10,8 +10,12 @@ on exactly that Pod granted to the session's user (a Role scoped by `resourceNam
 whom the admission policy proved to be whoever created the session.
 
 Refused, by the one expiry rule and the sandbox's state, when the sandbox is expired, being deleted,
-Stuck or Lost, or has orphans that survived; ended when its lifetime is over, its Pod ends, or the
-mount is not the sandbox's. The Pod is the sandbox's hold while it runs (the agent's existing Pod
+Stuck or Lost, or has orphans that survived; when its image is not an allowed one; when its user, or its
+namespace, already has as many live sessions as the chart allows; and every session, running or not, while
+the admission guard is weakened (its binding gone, not denying, or its policy not failing closed). Ended
+when its lifetime is over, its Pod ends, or the mount is not the sandbox's. A session's Pod has bounded
+resources, tolerates only the taints of its node that the agent tolerates, and never runs as an id below
+`min_owner_id` read from disk. The Pod is the sandbox's hold while it runs (the agent's existing Pod
 check); a session never extends a sandbox past its own lifetime, which the chart caps. Nothing here
 uses a finalizer: the Pod, Role and binding are named after the session's uid and torn down when the
 session ends or is gone, found again by label after a restart.
@@ -22,9 +26,10 @@ session ends or is gone, found again by label after a restart.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
@@ -45,7 +50,15 @@ PULL_FAILURES = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName
 SESSIONS_PATH = f"/apis/{c.GROUP}/{c.VERSION}"
 POLL_STARTING = 1.0  # seconds between looks at a starting session's Pod
 POLL_RUNNING = 10.0  # ... at a running one's (its end is noticed within this)
-GUARD_TTL = 5.0  # seconds a found admission binding is believed without a fresh GET; a missing one never is
+GUARD_TTL = 5.0  # seconds a sound admission guard is believed without a fresh GET; a weakened one never is
+MAX_ID = 2**31 - 1  # the largest uid or gid a Pod's securityContext accepts
+LIVE = (SessionPhase.PENDING, SessionPhase.RUNNING)  # the phases that hold one of the caps' places
+_SETTLED = (SessionPhase.REFUSED, SessionPhase.ENDED)
+# The session container's resources when the chart gives none (the chart's sessions.resources defaults).
+DEFAULT_RESOURCES: Obj = {
+    "requests": {"cpu": "50m", "memory": "64Mi", "ephemeral-storage": "64Mi"},
+    "limits": {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "256Mi"},
+}
 COLLECT_ALL: Key = ("", "")  # the queue's item for "find the session Pods whose session went" (no real key)
 
 
@@ -57,9 +70,22 @@ class SessionSettings:
     root: PurePosixPath  # the nodes' sandbox root (the agent's --root)
     image: str  # the image when a session names none
     max_lifetime: timedelta = timedelta(hours=8)
-    run_as_user: int = 65534  # when the workspace's owner is not known (or is root)
-    admission_binding: str = ""  # the ValidatingAdmissionPolicyBinding proving spec.user; must exist
-    memory_limit: str = "256Mi"
+    run_as_user: int = c.NOBODY  # when the workspace's owner is not known, or below min_owner_id
+    admission_binding: str = ""  # the ValidatingAdmissionPolicyBinding proving spec.user: must deny
+    admission_policy: str = ""  # the policy it must bind (empty: the binding's own name, as the chart names it)
+    max_per_user: int = c.SESSIONS_MAX_PER_USER.default
+    max_per_namespace: int = c.SESSIONS_MAX_PER_NAMESPACE.default
+    min_owner_id: int = c.SESSIONS_MIN_OWNER_ID.default
+    allowed_images: tuple[str, ...] = ()  # besides `image`, which is always allowed
+    resources: Obj = field(default_factory=lambda: copy.deepcopy(DEFAULT_RESOURCES))
+    tolerations: tuple[Obj, ...] = ()  # the agent's: a session tolerates its node's NoExecute taints among these
+
+    @property
+    def policy_name(self) -> str:
+        return self.admission_policy or self.admission_binding
+
+    def image_allowed(self, image: str) -> bool:
+        return image == self.image or image in self.allowed_images
 
 
 @dataclass(frozen=True)
@@ -103,6 +129,109 @@ def sandbox_refusal(sandbox: Obj | None, expired: bool, namespace: str, name: st
     return None
 
 
+def guard_defect(binding: Obj | None, policy: Obj | None, settings: SessionSettings) -> str | None:
+    """What weakens the admission guard that proves spec.user, or None when it holds.
+
+    It holds only when the binding exists, binds the chart's policy, denies (`Deny` in validationActions:
+    `Audit` or `Warn` alone let a session naming another user through), and the policy fails closed
+    (`failurePolicy: Fail`) with the check of spec.user. Anything missing or unknown is a defect.
+    """
+    name, policy_name = settings.admission_binding, settings.policy_name
+    if not name:
+        return "no admission policy binding is configured (--sessions-admission-binding)"
+    if binding is None:
+        return f"the ValidatingAdmissionPolicyBinding {name} is not installed"
+    spec = binding.get("spec") or {}
+    if spec.get("policyName") != policy_name:
+        return f"the ValidatingAdmissionPolicyBinding {name} binds {spec.get('policyName')!r}, not {policy_name}"
+    actions = spec.get("validationActions") or []
+    if "Deny" not in actions:
+        return (
+            f"the ValidatingAdmissionPolicyBinding {name} has validationActions {actions}, without Deny: a session "
+            "naming another user would be let through"
+        )
+    if policy is None:
+        return f"the ValidatingAdmissionPolicy {policy_name} is not installed"
+    failure = (policy.get("spec") or {}).get("failurePolicy")
+    if failure != "Fail":
+        return f"the ValidatingAdmissionPolicy {policy_name} has failurePolicy {failure!r}, not Fail"
+    checks = [v.get("expression") for v in (policy.get("spec") or {}).get("validations") or []]
+    if c.SESSION_USER_CHECK not in checks:
+        return f"the ValidatingAdmissionPolicy {policy_name} no longer checks `{c.SESSION_USER_CHECK}`"
+    return None
+
+
+def run_as(owner: Obj, settings: SessionSettings) -> tuple[int, int]:
+    """The uid and gid a session runs as: the workspace owner's read from disk, each only where it is a
+    person's (at least `min_owner_id`); otherwise `run_as_user`. Never 0 nor a system id from disk."""
+
+    def person(value: object) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and settings.min_owner_id <= value <= MAX_ID:
+            return value
+        return settings.run_as_user
+
+    return person(owner.get("uid")), person(owner.get("gid"))
+
+
+def tolerates(toleration: Obj, taint: Obj) -> bool:
+    """Kubernetes' own matching of one toleration against one taint (k8s.io/api/core/v1 ToleratesTaint)."""
+    if toleration.get("effect") and toleration.get("effect") != taint.get("effect"):
+        return False
+    exists = toleration.get("operator") == "Exists"
+    if not toleration.get("key"):
+        return exists  # an empty key with Exists matches every taint; with Equal, none
+    if toleration.get("key") != taint.get("key"):
+        return False
+    return exists or (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def session_tolerations(agent: Sequence[Obj], taints: Sequence[Obj]) -> list[Obj]:
+    """Exactly the NoExecute taints of the sandbox's node that the agent tolerates, each tolerated by name.
+
+    The Pod names its node, so no scheduler reads NoSchedule taints; the kubelet refuses, and the taint
+    manager evicts, a Pod that does not tolerate a NoExecute one. The agent runs there, so its tolerations
+    bound what a session may tolerate; a taint it does not tolerate is not tolerated here either.
+    """
+    out: list[Obj] = []
+    for taint in taints:
+        if taint.get("effect") != "NoExecute":
+            continue
+        match = next((t for t in agent if tolerates(t, taint)), None)
+        if match is None:
+            continue
+        toleration: Obj = {"key": taint.get("key"), "operator": "Equal", "value": taint.get("value") or ""}
+        toleration["effect"] = "NoExecute"
+        if match.get("tolerationSeconds") is not None:
+            toleration["tolerationSeconds"] = match["tolerationSeconds"]
+        if toleration not in out:
+            out.append(toleration)
+    return out
+
+
+def limit_refusal(session: Obj, live: Sequence[Obj], settings: SessionSettings) -> tuple[Reason, str] | None:
+    """Why a new session would pass its user's or its namespace's cap, naming the live sessions that count
+    and how to end one; None: within both. `live` holds the other sessions holding a place (Pending, Running)."""
+    meta, user = session["metadata"], str((session.get("spec") or {}).get("user", ""))
+    others = [s for s in live if s["metadata"].get("uid") != meta.get("uid")]
+    mine = [s for s in others if str((s.get("spec") or {}).get("user", "")) == user]
+    here = [s for s in others if s["metadata"].get("namespace") == meta["namespace"]]
+    for counted, cap, bound, who in (
+        (mine, settings.max_per_user, c.SESSIONS_MAX_PER_USER, f"user {user}"),
+        (here, settings.max_per_namespace, c.SESSIONS_MAX_PER_NAMESPACE, f"namespace {meta['namespace']}"),
+    ):
+        if len(counted) < cap:
+            continue
+        names = sorted("/".join(key_of(s)) for s in counted)
+        first_ns, _, first = names[0].partition("/") if names else ("", "", "")
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        end = f"`kubectl delete {c.SESSION_PLURAL} -n {first_ns} {first}`" if names else "none can be ended"
+        return Reason.SESSION_LIMIT, (
+            f"{who} already has {len(counted)} live session(s), the most sessions.{bound.value} allows ({cap}): "
+            f"{shown or 'none'}. End one ({end}), then create this session again"
+        )
+    return None
+
+
 def mount_check(sandbox: Obj | None, pod_uid: str) -> str | None:
     """What the node agent found this Pod mounted (`status.sessions` of the sandbox), None: not yet read."""
     for entry in ((sandbox or {}).get("status") or {}).get("sessions") or []:
@@ -132,19 +261,22 @@ def decide(
     pod: Obj | None,
     *,
     expired: bool,
-    guarded: bool,
+    guard: str | None,
     now: datetime,
     settings: SessionSettings,
     max_pin: timedelta | None = None,
+    live: Sequence[Obj] = (),
 ) -> Plan:
     """The session's next state from what was read. Pure: no I/O, no clock (`now` is a parameter).
 
-    `max_pin` is the namespace's: a session's Pod holds its sandbox no longer than a pin set when the
-    session was created could keep it, so a lifetime longer than that is cut to it.
+    `guard` is what weakens the admission guard (`guard_defect`), None when it holds. `max_pin` is the
+    namespace's: a session's Pod holds its sandbox no longer than a pin set when the session was created
+    could keep it, so a lifetime longer than that is cut to it. `live` is the other sessions holding a
+    place under the caps; only a session not yet started is counted against them.
     """
     meta, spec = session["metadata"], session.get("spec") or {}
     status = dict(session.get("status") or {})
-    if status.get("phase") in (SessionPhase.REFUSED, SessionPhase.ENDED):
+    if status.get("phase") in _SETTLED:
         return Plan(status=status, teardown=True)
     namespace, name = meta["namespace"], str(spec.get("sandbox", ""))
     base: Obj = {"podNamespace": settings.namespace, "podName": object_name(session)}
@@ -156,11 +288,11 @@ def decide(
         done = {**status, **base, "phase": phase, "reason": reason, "message": message, "endedAt": format_instant(now)}
         return Plan(status=done, teardown=True)
 
-    if not guarded:
+    if guard is not None:
         return stop(
             Reason.SESSIONS_UNGUARDED,
-            "sessions are off: the admission policy proving who asked for a session "
-            f"({settings.admission_binding or 'none configured'}) is not installed; ask the cluster's administrators",
+            f"sessions are off: {guard}, so who asked for a session is not proven. Ask the cluster's "
+            "administrators to restore the chart's admission policy and binding (`helm upgrade` does)",
         )
     lifetime = parse_duration(spec.get("lifetime") or DEFAULT_LIFETIME)
     created = instant_or_none(meta.get("creationTimestamp"))
@@ -177,11 +309,21 @@ def decide(
     base["expiresAt"] = format_instant(expires)
     if now >= expires:
         return stop(Reason.LIFETIME_ENDED, f"the session's lifetime ({format_duration(lifetime)}) is over")
+    image = str(spec.get("image") or settings.image)
+    if not settings.image_allowed(image):
+        allowed = ", ".join(dict.fromkeys((settings.image, *settings.allowed_images)))
+        return stop(
+            Reason.IMAGE_NOT_ALLOWED,
+            f"image {image} is not one sessions may run (sessions.allowedImages: {allowed}); "
+            "leave image unset for the default",
+        )
     refusal = sandbox_refusal(sandbox, expired, namespace, name)
     # Once started, an expired sandbox is held by the session's Pod until the lifetime ends; one being
     # deleted, lost or gone ends it at once.
     if refusal is not None and (not started or refusal[0] is not Reason.EXPIRED):
         return stop(*refusal)
+    if not started and status.get("phase") not in LIVE and (limit := limit_refusal(session, live, settings)):
+        return stop(*limit)
     assert sandbox is not None
     node = sandbox["spec"]["nodeName"]
     base["nodeName"] = node
@@ -241,16 +383,22 @@ def _annotations(session: Obj) -> dict[str, str]:
     return {c.ANN_SESSION: "/".join(key_of(session))}
 
 
-def pod_body(session: Obj, sandbox: Obj, settings: SessionSettings, expires: datetime, now: datetime) -> Obj:
-    """The session's Pod: on the sandbox's node, the workspace at /sandbox, never privileged."""
+def pod_body(
+    session: Obj,
+    sandbox: Obj,
+    settings: SessionSettings,
+    expires: datetime,
+    now: datetime,
+    taints: Sequence[Obj] = (),
+) -> Obj:
+    """The session's Pod: on the sandbox's node (`taints` are that node's), the workspace at /sandbox, never
+    privileged, with bounded resources."""
     spec = session.get("spec") or {}
     namespace, name = key_of(sandbox)
     workspace = settings.root / namespace / name / c.WORKSPACE_DIR  # from our root, never from the object
     seconds = max(1, int((expires - now).total_seconds()))
-    # As the workspace's owner (the agent reads it) where that is a person's uid, never root.
-    owner = (sandbox.get("status") or {}).get("owner") or {}
-    known = isinstance(owner.get("uid"), int) and owner["uid"] > 0 and isinstance(owner.get("gid"), int)
-    uid, gid = (owner["uid"], owner["gid"]) if known else (settings.run_as_user, settings.run_as_user)
+    # As the workspace's owner (the agent reads it) where that is a person's id, never root nor a system id.
+    uid, gid = run_as((sandbox.get("status") or {}).get("owner") or {}, settings)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -267,7 +415,7 @@ def pod_body(session: Obj, sandbox: Obj, settings: SessionSettings, expires: dat
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": 5,
-            "tolerations": [{"operator": "Exists"}],
+            "tolerations": session_tolerations(settings.tolerations, taints),
             "securityContext": {
                 "runAsUser": uid,
                 "runAsGroup": gid,
@@ -286,10 +434,7 @@ def pod_body(session: Obj, sandbox: Obj, settings: SessionSettings, expires: dat
                         "readOnlyRootFilesystem": True,
                         "capabilities": {"drop": ["ALL"]},
                     },
-                    "resources": {
-                        "requests": {"cpu": "10m", "memory": "32Mi"},
-                        "limits": {"memory": settings.memory_limit},
-                    },
+                    "resources": copy.deepcopy(settings.resources),
                     "volumeMounts": [
                         {"name": "workspace", "mountPath": c.SESSION_MOUNT, "readOnly": not spec.get("readWrite")},
                         {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (an emptyDir of its own)
@@ -357,6 +502,8 @@ _PODS = "/api/v1/namespaces/{ns}/pods"
 _ROLES = "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles"
 _BINDINGS = "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"
 _VAP_BINDING = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings/{name}"
+_VAP = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{name}"
+_NODE = "/api/v1/nodes/{name}"
 
 
 @dataclass
@@ -372,7 +519,7 @@ class Sessions:
     by_sandbox: dict[Key, set[Key]] = field(default_factory=dict)  # sandbox key -> sessions naming it
     gone: dict[Key, set[str]] = field(default_factory=dict)  # a deleted session's key -> its objects' names
     started: set[Key] = field(default_factory=set)  # sessions this process created a Pod for (status may lag)
-    _guard_seen: float = field(default=-GUARD_TTL, init=False)  # monotonic time the binding was last found
+    _guard_seen: float = field(default=-GUARD_TTL, init=False)  # monotonic time the guard was last found sound
 
     # --- events ---------------------------------------------------------------------------------------
     def on_session(self, event_type: str | None, obj: Obj) -> None:
@@ -433,17 +580,31 @@ class Sessions:
         pod = await asyncio.to_thread(self._get, f"{_PODS.format(ns=self.settings.namespace)}/{name}")
         if pod is not None and pod["metadata"].get("labels", {}).get(c.LABEL_SESSION_UID) != session["metadata"]["uid"]:
             pod = None  # not ours (never: the name carries the uid); never adopted
-        guarded = await asyncio.to_thread(self._guarded)
+        guard = await asyncio.to_thread(self._guard)
+        # Only a session not yet admitted is counted against the caps: read them fresh (one worker decides
+        # sessions one at a time, and its own status writes are read back, so two never take one place).
+        new = pod is None and (session.get("status") or {}).get("phase") not in (*LIVE, *_SETTLED)
+        live = await asyncio.to_thread(self._live) if new and guard is None else []
         now = now_utc()
         expired = sandbox is not None and self.expired(sandbox, now)
         max_pin = self.max_pin(key[0])
         plan = decide(
-            session, sandbox, pod, expired=expired, guarded=guarded, now=now, settings=self.settings, max_pin=max_pin
+            session,
+            sandbox,
+            pod,
+            expired=expired,
+            guard=guard,
+            now=now,
+            settings=self.settings,
+            max_pin=max_pin,
+            live=live,
         )
         if plan.create_pod and sandbox is not None:
             expires = instant_or_none(plan.status.get("expiresAt")) or now
+            taints = await asyncio.to_thread(self._taints, sandbox["spec"]["nodeName"])
+            body = pod_body(session, sandbox, self.settings, expires, now, taints)
             self.started.add(key)  # before the create: a crash in between is collected by `collect_all`
-            await asyncio.to_thread(self._create, _PODS, pod_body(session, sandbox, self.settings, expires, now))
+            await asyncio.to_thread(self._create, _PODS, body)
         if plan.verify is not None and sandbox is not None:
             await asyncio.to_thread(self._ask_verify, sandbox, plan.verify)
         if plan.grant:
@@ -479,23 +640,38 @@ class Sessions:
             raise
         return found
 
-    def _guarded(self) -> bool:
-        """The admission policy proving spec.user is bound; unknown (an error) is not guarded.
-
-        Found, it is believed for GUARD_TTL (a starting session is looked at every second); not found or
-        unknown, it is asked again on the next look.
-        """
+    def _guard(self) -> str | None:
+        """What weakens the admission guard proving spec.user (`guard_defect`), None when it holds; a read
+        that fails is a defect too. Sound, it is believed for GUARD_TTL (a starting session is looked at
+        every second); weakened or unknown, it is read again on the next look."""
         if not self.settings.admission_binding:
-            return False
+            return guard_defect(None, None, self.settings)
         if time.monotonic() - self._guard_seen < GUARD_TTL:
-            return True
+            return None
         try:
-            found = self._get(_VAP_BINDING.format(name=self.settings.admission_binding)) is not None
-        except KubeError:
-            return False
-        if found:
+            binding = self._get(_VAP_BINDING.format(name=self.settings.admission_binding))
+            policy = self._get(_VAP.format(name=self.settings.policy_name)) if binding is not None else None
+        except KubeError as err:
+            return f"the admission guard could not be read ({str(err)[:200]})"
+        defect = guard_defect(binding, policy, self.settings)
+        if defect is None:
             self._guard_seen = time.monotonic()
-        return found
+        return defect
+
+    def _live(self) -> list[Obj]:
+        """Every session of this install holding a place under the caps (Pending or Running), cluster-wide."""
+        listed = self.kube.request("GET", session_path())
+        return [
+            s
+            for s in listed.get("items", [])
+            if (s.get("status") or {}).get("phase") in LIVE
+            and (s.get("status") or {}).get("podNamespace") == self.settings.namespace
+        ]
+
+    def _taints(self, node: str) -> list[Obj]:
+        """The node's taints; none when it is gone (the Pod then fails and the session ends)."""
+        found = self._get(_NODE.format(name=quote(node)))
+        return list(((found or {}).get("spec") or {}).get("taints") or [])
 
     def _create(self, collection: str, body: Obj) -> None:
         try:

@@ -34,6 +34,7 @@ from localnode import LocalNode
 T = TypeVar("T")
 RELEASE = "sandkeep"
 SYSTEM_NS = "sandkeep"
+UNPULLABLE_IMAGE = "registry.invalid/no-such-image:1"  # a session image no node can pull
 PROMETHEUS_TOOLS = ("prometheus", "helm", "kubectl")
 
 
@@ -195,7 +196,9 @@ class Bed:
             "image": {"repository": repo, "tag": tag},
             "agent": {"root": str(self.root), "scanInterval": "2s", "stuckAfter": "15s"},
             "monitoring": {"enabled": True, "interval": "5s"},
-            "sessions": {"enabled": True},
+            # The unpullable image of test_a_session_with_an_image_that_cannot_be_pulled_ends_saying_so is
+            # allowed, so that the controller, not the admission policy, is what meets it.
+            "sessions": {"enabled": True, "allowedImages": [UNPULLABLE_IMAGE]},
         }
         values_file = self.workdir / "values.yaml"
         values_file.write_text(yaml.safe_dump(values))

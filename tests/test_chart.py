@@ -1048,6 +1048,90 @@ def test_promtool_tests_fail_when_a_threshold_moves(tools: Path, tmp_path: Path)
         assert result.returncode != 0, f"changing {old!r} to {new!r} went unnoticed"
 
 
+# --- sessions (issue 25): bounds named once in contracts.py, from the values to the controller and the policy ----
+SESSIONS_ON = "--set=sessions.enabled=true"
+
+
+def test_session_bounds_are_the_contracts_defaults_and_reach_the_controller_as_it_parses_them(tools: Path) -> None:
+    from controller import cli
+    from controller.controller import settings_from
+    from controller.sessions import DEFAULT_RESOURCES
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    sessions = values["sessions"]
+    docs = values_docs()
+    for bound in (c.SESSIONS_MAX_PER_USER, c.SESSIONS_MAX_PER_NAMESPACE, c.SESSIONS_MIN_OWNER_ID):
+        assert sessions[bound.value] == bound.default, bound
+    for value in (c.SESSIONS_MAX_PER_USER.value, c.SESSIONS_MAX_PER_NAMESPACE.value):
+        assert c.Reason.SESSION_LIMIT in docs[("sessions", value)]
+    assert c.Reason.IMAGE_NOT_ALLOWED in docs[("sessions", "allowedImages")]
+    assert sessions["resources"] == DEFAULT_RESOURCES and sessions["runAsUser"] == c.NOBODY
+    assert sessions["allowedImages"] == []
+    tolerations = ('--set-json=agent.tolerations=[{"key":"dedicated","operator":"Exists","effect":"NoExecute"}]',)
+    extra = ("--set=sessions.allowedImages={busybox:1.36,alpine:3.20}", "--set=sessions.maxPerUser=1", *tolerations)
+    for given in ((), extra):
+        args = container_of(find(objects(render(tools, SESSIONS_ON, *given)), "Deployment"))["args"]
+        assert any(a.startswith(c.SESSIONS_RESOURCES + "=") for a in args)
+        assert any(a.startswith(c.SESSIONS_TOLERATIONS + "=") for a in args)
+        session = settings_from(cli._parser("controller").parse_args(args)).session_settings()
+        assert session is not None
+        assert session.resources == DEFAULT_RESOURCES and session.min_owner_id == c.SESSIONS_MIN_OWNER_ID.default
+        assert session.policy_name == session.admission_binding == "sk-sandkeep-sessions"
+        if given:
+            assert session.allowed_images == ("busybox:1.36", "alpine:3.20") and session.max_per_user == 1
+            assert session.tolerations == ({"key": "dedicated", "operator": "Exists", "effect": "NoExecute"},)
+        else:
+            assert session.allowed_images == () and session.tolerations == ({"operator": "Exists"},)
+            assert session.max_per_user == c.SESSIONS_MAX_PER_USER.default
+            assert session.max_per_namespace == c.SESSIONS_MAX_PER_NAMESPACE.default
+
+
+def test_the_sessions_policy_proves_the_user_and_admits_only_the_allowed_images(tools: Path) -> None:
+    docs = objects(render(tools, SESSIONS_ON, "--set=sessions.allowedImages={busybox:1.36}"))
+    policy = find(docs, "ValidatingAdmissionPolicy", "-sessions")
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert c.SESSION_USER_CHECK in [v["expression"] for v in policy["spec"]["validations"]]
+    images = next(v["expression"] for v in policy["spec"]["variables"] if v["name"] == "images")
+    default = container_of(find(docs, "Deployment"))["image"]
+    assert json.loads(images) == [default, "busybox:1.36"]  # the default first, always allowed
+    binding = find(docs, "ValidatingAdmissionPolicyBinding", "-sessions")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+
+
+def test_the_controller_reads_only_its_own_sessions_guard(tools: Path) -> None:
+    role = find(objects(render(tools, SESSIONS_ON)), "ClusterRole", "-controller-sessions")
+    guard = [r for r in role["rules"] if r["apiGroups"] == ["admissionregistration.k8s.io"]]
+    assert guard == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": [kind],
+            "resourceNames": ["sk-sandkeep-sessions"],
+            "verbs": ["get"],
+        }
+        for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "complaint"),
+    [
+        ("sessions.maxPerUser=-1", "/sessions/maxPerUser"),
+        ("sessions.maxPerNamespace=many", "/sessions/maxPerNamespace"),
+        ("sessions.minOwnerId=0", "/sessions/minOwnerId"),
+        ("sessions.runAsUser=0", "/sessions/runAsUser"),
+        ("sessions.resources.limits.cpu=null", "cpu"),
+        ("sessions.resources.limits.gpu=1", "gpu"),
+        ("sessions.allowedImages[0]=not an image", "/sessions/allowedImages/0"),
+    ],
+)
+def test_a_session_bound_cannot_be_removed_or_mistyped(tools: Path, value: str, complaint: str) -> None:
+    result = helm(
+        tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}", f"--set={value}", check=False
+    )
+    assert result.returncode != 0, f"{value} was accepted"
+    assert complaint in result.stderr, result.stderr
+
+
 # --- values table, image, e2e script ---------------------------------------------------------------------
 def test_values_table_in_the_readme_is_up_to_date() -> None:
     result = subprocess.run(

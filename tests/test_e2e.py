@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_bed import SYSTEM_NS, Bed, eventually, make_bed, say
+from e2e_bed import SYSTEM_NS, UNPULLABLE_IMAGE, Bed, eventually, make_bed, say
 
 from controller import contracts as c
 
@@ -407,14 +407,14 @@ def test_kubectl_sandkeep_open_and_cp_read_a_retained_sandbox(bed: Bed, tmp_path
 def test_a_session_with_an_image_that_cannot_be_pulled_ends_saying_so(bed: Bed) -> None:
     retain_job(bed, "run-10", "1h")
     eventually(lambda: rsb(bed, "run-10"), "adoption")
-    create_session(bed, "run-10", image="registry.invalid/no-such-image:1")
+    create_session(bed, "run-10", image=UNPULLABLE_IMAGE)
 
     def ended() -> dict[str, Any] | None:
         status = bed.get(c.SESSION_PLURAL, "look-run-10", "-n", NS).get("status") or {}
         return status if status.get("phase") == c.SessionPhase.ENDED else None
 
     status = eventually(ended, "the session ended", timeout=120)
-    assert status["reason"] == c.Reason.IMAGE_PULL_FAILED and "registry.invalid/no-such-image:1" in status["message"]
+    assert status["reason"] == c.Reason.IMAGE_PULL_FAILED and UNPULLABLE_IMAGE in status["message"]
 
 
 def test_helm_uninstall_stops_the_agents_and_strands_nothing(bed: Bed) -> None:

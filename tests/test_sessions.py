@@ -18,15 +18,28 @@ from typing import Any
 
 import pytest
 from controller_harness import Controller, install_crds, instant, kube_for, only_in, render_templates, wait_for
+from hypothesis import given
+from hypothesis import strategies as st
 from localcluster import LocalCluster
 
 from controller import contracts as c
 from controller.contracts import MountCheck, Reason, SessionPhase
 from controller.durations import format_instant
 from controller.kube import AGENT_MANAGER
-from controller.sessions import SessionSettings, decide, pod_body, session_path
+from controller.sessions import (
+    DEFAULT_RESOURCES,
+    SessionSettings,
+    decide,
+    guard_defect,
+    pod_body,
+    run_as,
+    session_path,
+    session_tolerations,
+    tolerates,
+)
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 SETTINGS = SessionSettings(namespace="sk-sessions", root=PurePosixPath("/var/lib/sandkeep"), image="sandkeep:test")
 
 
@@ -73,10 +86,12 @@ def plan(
     p: dict[str, Any] | None = None,
     *,
     expired: bool = False,
-    guarded: bool = True,
+    guard: str | None = None,
     now: datetime = NOW,
+    live: tuple[dict[str, Any], ...] = (),
+    settings: SessionSettings = SETTINGS,
 ) -> Any:
-    return decide(s, sb, p, expired=expired, guarded=guarded, now=now, settings=SETTINGS)
+    return decide(s, sb, p, expired=expired, guard=guard, now=now, settings=settings, live=live)
 
 
 @pytest.mark.parametrize(
@@ -103,7 +118,10 @@ def test_a_sandbox_that_cannot_be_opened_refuses_the_session_and_creates_nothing
 
 
 def test_unguarded_over_the_cap_and_unparsed_lifetimes_are_refused() -> None:
-    assert plan(session(), sandbox(), guarded=False).status["reason"] == Reason.SESSIONS_UNGUARDED
+    unguarded = plan(session(), sandbox(), guard="the ValidatingAdmissionPolicyBinding b is not installed")
+    assert (
+        unguarded.status["reason"] == Reason.SESSIONS_UNGUARDED and "b is not installed" in unguarded.status["message"]
+    )
     over = plan(session("9h"), sandbox())
     assert over.status["reason"] == Reason.BAD_SESSION and "cap of 8h" in over.status["message"]
     assert plan(session("soon"), sandbox()).status["reason"] == Reason.BAD_SESSION
@@ -142,7 +160,7 @@ def test_lifetime_pod_end_pull_failure_and_deletion_end_a_started_session() -> N
 
 
 def test_a_session_holds_its_sandbox_no_longer_than_a_pin_could() -> None:
-    args = {"expired": False, "guarded": True, "settings": SETTINGS, "max_pin": timedelta(minutes=30)}
+    args = {"expired": False, "guard": None, "settings": SETTINGS, "max_pin": timedelta(minutes=30)}
     cut = decide(session("4h"), sandbox(), None, now=NOW, **args)
     assert cut.status["expiresAt"] == format_instant(NOW + timedelta(minutes=30))
     assert cut.create_pod and cut.wake_at == NOW + timedelta(minutes=30)
@@ -171,6 +189,195 @@ def test_the_pod_mounts_the_workspace_from_the_configured_root_never_from_the_ob
     assert body["spec"]["securityContext"]["runAsNonRoot"] is True
     assert body["spec"]["nodeName"] == "node-a" and body["spec"]["activeDeadlineSeconds"] == 3600
     assert body["metadata"]["labels"][c.LABEL_SANDBOX_UID] == "sb-1"
+
+
+# --- bounds (issue 25): caps, images, the guard, ids from disk, tolerations, resources -------------------------
+def live_session(name: str, user: str = "alice", namespace: str = "team") -> dict[str, Any]:
+    meta = {"namespace": namespace, "name": name, "uid": f"uid-{name}"}
+    return {"metadata": meta, "spec": {"user": user}, "status": {"phase": SessionPhase.RUNNING}}
+
+
+def test_a_new_session_past_its_users_cap_is_refused_naming_the_sessions_that_count_and_how_to_end_one() -> None:
+    live = tuple(live_session(f"s{i}", namespace=f"ns{i}") for i in range(c.SESSIONS_MAX_PER_USER.default))
+    p = plan(session(), sandbox(), live=live)
+    assert (p.status["phase"], p.status["reason"]) == (SessionPhase.REFUSED, Reason.SESSION_LIMIT)
+    assert not p.create_pod and p.teardown
+    message = p.status["message"]
+    assert "user alice already has 3 live session(s)" in message and "sessions.maxPerUser" in message
+    assert "ns0/s0, ns1/s1, ns2/s2" in message and "kubectl delete sandboxsessions -n ns0 s0" in message
+    others = tuple(live_session(f"s{i}", user=f"u{i}") for i in range(3))  # other users: within both caps
+    assert plan(session(), sandbox(), live=others).create_pod
+
+
+def test_a_namespace_full_of_sessions_refuses_a_new_one_whoever_asks() -> None:
+    small = SessionSettings(namespace="sk", root=PurePosixPath("/r"), image="sandkeep:test", max_per_namespace=2)
+    live = (live_session("a", user="bob"), live_session("b", user="carol"), live_session("c", namespace="elsewhere"))
+    p = plan(session(), sandbox(), live=live, settings=small)
+    assert p.status["reason"] == Reason.SESSION_LIMIT and "namespace team already has 2" in p.status["message"]
+    assert "sessions.maxPerNamespace" in p.status["message"]
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["alice", "bob"]), st.sampled_from(["team", "other"])), max_size=8),
+    st.integers(0, 4),
+    st.integers(0, 6),
+    st.sampled_from([None, SessionPhase.PENDING, SessionPhase.RUNNING]),
+)
+def test_the_caps_count_only_other_live_sessions_and_never_stop_an_admitted_one(
+    owners: list[tuple[str, str]], per_user: int, per_namespace: int, phase: SessionPhase | None
+) -> None:
+    settings = SessionSettings(
+        namespace="sk", root=PurePosixPath("/r"), image="i", max_per_user=per_user, max_per_namespace=per_namespace
+    )
+    live = tuple(live_session(f"s{i}", user, ns) for i, (user, ns) in enumerate(owners))
+    live += (live_session("self"),)  # the session itself, as a fresh list shows it once admitted: never counted
+    s = session(**({"phase": phase} if phase else {}))
+    s["metadata"]["uid"] = "uid-self"
+    p = plan(s, sandbox(), live=live, settings=settings)
+    over = sum(u == "alice" for u, _ in owners) >= per_user or sum(n == "team" for _, n in owners) >= per_namespace
+    assert (p.status["reason"] == Reason.SESSION_LIMIT) == (over and phase is None)
+
+
+def test_an_image_not_allowed_is_refused_and_the_default_always_is() -> None:
+    allowed = SessionSettings(
+        namespace="sk", root=PurePosixPath("/r"), image="sandkeep:test", allowed_images=("busybox:1.36",)
+    )
+    evil = session()
+    evil["spec"]["image"] = "evil/miner:latest"
+    p = plan(evil, sandbox(), settings=allowed)
+    assert (p.status["phase"], p.status["reason"]) == (SessionPhase.REFUSED, Reason.IMAGE_NOT_ALLOWED)
+    assert "sandkeep:test, busybox:1.36" in p.status["message"] and not p.create_pod
+    ok = session()
+    ok["spec"]["image"] = "busybox:1.36"
+    assert plan(ok, sandbox(), settings=allowed).create_pod
+    assert plan(session(), sandbox(), settings=allowed).create_pod  # no image: the default
+    assert plan(ok, sandbox()).status["reason"] == Reason.IMAGE_NOT_ALLOWED  # not allowed by SETTINGS
+
+
+GUARDED = SessionSettings(namespace="sk", root=PurePosixPath("/r"), image="i", admission_binding="rel-sessions")
+
+
+def vap_binding(policy: str = "rel-sessions", actions: list[str] | None = None) -> dict[str, Any]:
+    return {"spec": {"policyName": policy, "validationActions": ["Deny"] if actions is None else actions}}
+
+
+def vap(failure: str | None = "Fail", checks: tuple[str, ...] = (c.SESSION_USER_CHECK,)) -> dict[str, Any]:
+    spec: dict[str, Any] = {"validations": [{"expression": e} for e in checks]}
+    if failure is not None:
+        spec["failurePolicy"] = failure
+    return {"spec": spec}
+
+
+@pytest.mark.parametrize(
+    ("binding", "policy", "defect"),
+    [
+        (None, vap(), "rel-sessions is not installed"),
+        (vap_binding("other"), vap(), "binds 'other', not rel-sessions"),
+        (vap_binding(actions=["Audit"]), vap(), "validationActions ['Audit'], without Deny"),
+        (vap_binding(actions=["Warn", "Audit"]), vap(), "without Deny"),
+        (vap_binding(actions=[]), vap(), "without Deny"),
+        (vap_binding(), None, "ValidatingAdmissionPolicy rel-sessions is not installed"),
+        (vap_binding(), vap("Ignore"), "failurePolicy 'Ignore', not Fail"),
+        (vap_binding(), vap(None), "failurePolicy None, not Fail"),
+        (vap_binding(), vap(checks=("true",)), "no longer checks"),
+    ],
+)
+def test_a_weakened_admission_guard_is_a_defect_that_says_what_is_wrong(
+    binding: dict[str, Any] | None, policy: dict[str, Any] | None, defect: str
+) -> None:
+    found = guard_defect(binding, policy, GUARDED)
+    assert found is not None and defect in found
+    p = plan(session(), sandbox(), guard=found)
+    assert p.status["reason"] == Reason.SESSIONS_UNGUARDED and defect in p.status["message"] and not p.create_pod
+
+
+@given(st.lists(st.sampled_from(["Deny", "Warn", "Audit"]), unique=True))
+def test_the_guard_holds_exactly_when_its_binding_denies(actions: list[str]) -> None:
+    assert (guard_defect(vap_binding(actions=actions), vap(), GUARDED) is None) == ("Deny" in actions)
+
+
+def test_a_running_session_ends_when_its_guard_is_weakened() -> None:
+    verified = sandbox(sessions=[{"pod": "x/session-u-1", "podUID": "pod-1", "mount": MountCheck.VERIFIED}])
+    p = plan(session(phase=SessionPhase.RUNNING), verified, pod(), guard="binding b has validationActions ['Audit']")
+    assert (p.status["phase"], p.status["reason"], p.grant) == (SessionPhase.ENDED, Reason.SESSIONS_UNGUARDED, False)
+
+
+ids = st.one_of(st.integers(-(2**40), 2**40), st.booleans(), st.none(), st.text(max_size=3), st.floats())
+
+
+@given(ids, ids, st.integers(1, 70000))
+def test_a_session_never_runs_as_root_or_a_system_id_read_from_disk(uid: Any, gid: Any, min_id: int) -> None:
+    settings = SessionSettings(namespace="sk", root=PurePosixPath("/r"), image="i", min_owner_id=min_id)
+    run_uid, run_gid = run_as({"uid": uid, "gid": gid}, settings)
+    for read, ran in ((uid, run_uid), (gid, run_gid)):
+        assert ran != 0 and type(ran) is int
+        person = type(read) is int and min_id <= read <= 2**31 - 1
+        assert ran == (read if person else c.NOBODY)
+
+
+def test_the_pod_runs_as_the_owner_only_above_the_threshold() -> None:
+    def ids_of(owner: dict[str, Any]) -> tuple[int, int]:
+        sc = pod_body(session(), sandbox(owner=owner), SETTINGS, NOW + timedelta(hours=1), NOW)["spec"]
+        return sc["securityContext"]["runAsUser"], sc["securityContext"]["runAsGroup"]
+
+    assert ids_of({"uid": 1001, "gid": 1001}) == (1001, 1001)
+    assert ids_of({"uid": 1001, "gid": 0}) == (1001, c.NOBODY)  # group 0 from disk: never
+    assert ids_of({"uid": 0, "gid": 0}) == (c.NOBODY, c.NOBODY)
+    assert ids_of({"uid": 999, "gid": 4}) == (c.NOBODY, c.NOBODY)  # a system account's, and group adm
+    assert ids_of({}) == (c.NOBODY, c.NOBODY)
+
+
+taint_strategy = st.fixed_dictionaries(
+    {"key": st.sampled_from(["a", "b", "node.kubernetes.io/unreachable"]), "effect": st.sampled_from(EFFECTS)},
+    optional={"value": st.sampled_from(["", "x", "y"])},
+)
+toleration_strategy = st.fixed_dictionaries(
+    {},
+    optional={
+        "key": st.sampled_from(["", "a", "b"]),
+        "operator": st.sampled_from(["Exists", "Equal"]),
+        "value": st.sampled_from(["", "x"]),
+        "effect": st.sampled_from(["", *EFFECTS]),
+        "tolerationSeconds": st.integers(0, 600),
+    },
+)
+
+
+@given(st.lists(toleration_strategy, max_size=4), st.lists(taint_strategy, max_size=5))
+def test_a_session_tolerates_only_its_nodes_noexecute_taints_that_the_agent_tolerates(
+    agent: list[dict[str, Any]], taints: list[dict[str, Any]]
+) -> None:
+    out = session_tolerations(agent, taints)
+    for toleration in out:  # each names one taint of the node, never a blanket
+        assert toleration["key"] and toleration["operator"] == "Equal" and toleration["effect"] == "NoExecute"
+        assert any(
+            t["key"] == toleration["key"]
+            and (t.get("value") or "") == toleration["value"]
+            and t["effect"] == "NoExecute"
+            for t in taints
+        )
+    for taint in taints:  # and every NoExecute taint the agent tolerates is tolerated
+        if taint["effect"] == "NoExecute" and any(tolerates(t, taint) for t in agent):
+            assert any(tolerates(t, taint) for t in out)
+        if not any(tolerates(t, taint) for t in agent):
+            assert not any(tolerates(t, taint) for t in out)
+
+
+def test_the_pod_tolerates_no_blanket_and_has_bounded_resources() -> None:
+    blanket = SessionSettings(
+        namespace="sk", root=PurePosixPath("/r"), image="i", tolerations=({"operator": "Exists"},)
+    )
+    taints = [
+        {"key": "dedicated", "value": "ci", "effect": "NoSchedule"},
+        {"key": "dedicated", "value": "ci", "effect": "NoExecute"},
+    ]
+    spec = pod_body(session(), sandbox(), blanket, NOW + timedelta(hours=1), NOW, taints)["spec"]
+    assert spec["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "ci", "effect": "NoExecute"}]
+    assert pod_body(session(), sandbox(), blanket, NOW + timedelta(hours=1), NOW)["spec"]["tolerations"] == []
+    resources = spec["containers"][0]["resources"]
+    assert resources == DEFAULT_RESOURCES
+    for kind in ("requests", "limits"):
+        assert set(resources[kind]) == {"cpu", "memory", "ephemeral-storage"}
 
 
 # --- a real controller, the chart's session objects --------------------------------------------------------
@@ -275,6 +482,13 @@ class Bed:
         items: list[dict[str, Any]] = self.cluster.kubectl_json("get", "pods", "-n", self.sessions_ns)["items"]
         return items
 
+    def policy_images(self) -> list[str]:
+        policy = self.cluster.kubectl_json("get", "validatingadmissionpolicy", f"{self.release}-sandkeep-sessions")
+        images: list[str] = json.loads(
+            next(v for v in policy["spec"]["variables"] if v["name"] == "images")["expression"]
+        )
+        return images
+
     def rbac(self) -> list[str]:
         out = self.cluster.kubectl("get", "roles,rolebindings", "-n", self.sessions_ns, "-o", "name").stdout.split()
         return [n for n in out if "/session-" in n]
@@ -335,6 +549,11 @@ def test_a_session_runs_its_pod_on_the_sandboxs_node_and_ends_with_its_lifetime(
     hostpath = p["spec"]["volumes"][0]["hostPath"]
     assert hostpath == {"path": f"/var/lib/sandkeep/{sbed.namespace}/run-1/workspace", "type": "Directory"}
     assert p["spec"]["containers"][0]["volumeMounts"][0]["readOnly"] is True
+    assert p["spec"]["containers"][0]["resources"] == DEFAULT_RESOURCES  # as the API server keeps it
+    # node-a has no taints: only what the API server's DefaultTolerationSeconds adds to every Pod, no blanket
+    tolerated = {(t["key"], t.get("tolerationSeconds")) for t in p["spec"].get("tolerations", [])}
+    assert tolerated <= {("node.kubernetes.io/not-ready", 300), ("node.kubernetes.io/unreachable", 300)}
+    assert p["spec"]["securityContext"]["runAsGroup"] == c.NOBODY
     assert sbed.rbac() == [], "no grant before the agent has verified the mount"
     ended = sbed.phase("open-run-1", SessionPhase.ENDED, timeout=30)
     assert ended["reason"] == Reason.LIFETIME_ENDED
@@ -356,6 +575,68 @@ def test_without_the_admission_policy_bound_sessions_are_refused(sbed: Bed) -> N
     sbed.sandbox("run-3")
     assert sbed.open("run-3").returncode == 0
     assert sbed.phase("open-run-3", SessionPhase.REFUSED)["reason"] == Reason.SESSIONS_UNGUARDED
+    assert sbed.pods() == []
+
+
+def test_a_binding_switched_to_audit_stops_sessions_even_one_naming_another_user(sbed: Bed) -> None:
+    binding = f"{sbed.release}-sandkeep-sessions"
+    patch = '{"spec":{"validationActions":["Audit"]}}'
+    sbed.cluster.kubectl("patch", "validatingadmissionpolicybinding", binding, "--type=merge", "-p", patch)
+    wait_for("the binding auditing only", lambda: sbed.open("x", "someone-else", dry_run=True).returncode == 0 or None)
+    sbed.controller()
+    sbed.sandbox("run-5")
+    assert sbed.open("run-5", user="someone-else").returncode == 0, "Audit lets a forged user through admission"
+    status = sbed.phase("open-run-5", SessionPhase.REFUSED)
+    assert status["reason"] == Reason.SESSIONS_UNGUARDED
+    assert f"{binding} has validationActions ['Audit'], without Deny" in status["message"]
+    assert sbed.pods() == [] and sbed.rbac() == []
+    # Deny again, but the policy failing open: still refused, saying so.
+    sbed.cluster.kubectl(
+        "patch", "validatingadmissionpolicybinding", binding, "--type=merge", "-p", patch.replace("Audit", "Deny")
+    )
+    sbed.cluster.kubectl(
+        "patch", "validatingadmissionpolicy", binding, "--type=merge", "-p", '{"spec":{"failurePolicy":"Ignore"}}'
+    )
+    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "open-run-5", "-n", sbed.namespace)
+    assert sbed.open("run-5").returncode == 0
+    status = sbed.phase("open-run-5", SessionPhase.REFUSED, timeout=30)
+    assert status["reason"] == Reason.SESSIONS_UNGUARDED and "failurePolicy 'Ignore', not Fail" in status["message"]
+    # Restored as the chart has it: served again.
+    sbed.cluster.kubectl(
+        "patch", "validatingadmissionpolicy", binding, "--type=merge", "-p", '{"spec":{"failurePolicy":"Fail"}}'
+    )
+    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "open-run-5", "-n", sbed.namespace)
+    assert sbed.open("run-5").returncode == 0
+    assert sbed.phase("open-run-5", SessionPhase.PENDING, timeout=30)["reason"] == Reason.SESSION_STARTING
+
+
+def test_a_session_past_its_users_cap_is_refused_until_one_is_ended(sbed: Bed) -> None:
+    sbed.controller(f"{c.SESSIONS_MAX_PER_USER.flag}=1")
+    for name in ("run-6", "run-7"):
+        sbed.sandbox(name)
+    assert sbed.open("run-6").returncode == 0
+    sbed.phase("open-run-6", SessionPhase.PENDING)
+    assert sbed.open("run-7").returncode == 0
+    status = sbed.phase("open-run-7", SessionPhase.REFUSED)
+    assert status["reason"] == Reason.SESSION_LIMIT, status["message"]
+    assert f"{sbed.namespace}/open-run-6" in status["message"]
+    assert f"kubectl delete {c.SESSION_PLURAL} -n {sbed.namespace} open-run-6" in status["message"]
+    assert len(sbed.pods()) == 1
+    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "open-run-6", "open-run-7", "-n", sbed.namespace)
+    assert sbed.open("run-7").returncode == 0
+    assert sbed.phase("open-run-7", SessionPhase.PENDING)["reason"] == Reason.SESSION_STARTING
+
+
+def test_an_image_not_allowed_is_refused_at_create_and_by_the_controller(sbed: Bed) -> None:
+    sbed.controller()  # --sessions-image=sandkeep:test, while the chart's policy allows its own default image
+    sbed.sandbox("run-8")
+    refused = sbed.open("run-8", image="evil/miner:latest")
+    assert refused.returncode != 0 and "evil/miner:latest" in refused.stderr
+    assert "is not one sessions may run (sessions.allowedImages: " in refused.stderr
+    chart_default = sbed.policy_images()[0]
+    assert sbed.open("run-8", image=chart_default).returncode == 0, "the policy allows the chart's default"
+    status = sbed.phase("open-run-8", SessionPhase.REFUSED)
+    assert status["reason"] == Reason.IMAGE_NOT_ALLOWED and "sandkeep:test" in status["message"]
     assert sbed.pods() == []
 
 
@@ -414,8 +695,9 @@ def test_the_controller_may_run_and_grant_session_pods_only_in_the_sessions_name
         assert can(verb, what, "-n", sbed.sessions_ns), f"the controller cannot {verb} {what}"
         assert not can(verb, what, "-n", sbed.namespace), f"the controller may {verb} {what} outside"
     assert can("patch", c.SESSION_PLURAL, "--subresource=status", "-A") and not can("create", c.SESSION_PLURAL, "-A")
-    assert can("get", f"validatingadmissionpolicybindings/{sbed.release}-sandkeep-sessions")
-    assert not can("get", "validatingadmissionpolicybindings/other")
+    for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
+        assert can("get", f"{kind}/{sbed.release}-sandkeep-sessions")
+        assert not can("get", f"{kind}/other") and not can("list", kind) and not can("patch", f"{kind}/other")
 
 
 # --- the agent's half, on real directories -----------------------------------------------------------------

@@ -115,6 +115,16 @@ sandkeep/{{ include "sandkeep.agentSeccompFile" . }}
 {{ include "sandkeep.fullname" . }}-agent.json
 {{- end }}
 
+{{/* The image of a session that names none: always allowed. */}}
+{{- define "sandkeep.sessionsImage" -}}
+{{- default (include "sandkeep.image" .) .Values.sessions.image }}
+{{- end }}
+
+{{/* Every image a session may run (JSON list): the default, then sessions.allowedImages. */}}
+{{- define "sandkeep.sessionsAllowedImages" -}}
+{{- toJson (uniq (concat (list (include "sandkeep.sessionsImage" .)) (.Values.sessions.allowedImages | default list))) }}
+{{- end }}
+
 {{/* The namespace session Pods run in. */}}
 {{- define "sandkeep.sessionsNamespace" -}}
 {{- default (printf "%s-sessions" .Release.Namespace | trunc 63 | trimSuffix "-") .Values.sessions.namespace }}
