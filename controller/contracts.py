@@ -53,6 +53,7 @@ ANN_SANDBOX = f"{GROUP}/sandbox"  # on a session's Pod: `<namespace>/<name>` of 
 ANN_VERIFY_SESSION = f"{GROUP}/verify-session"  # on a sandbox: a session Pod's uid the agent should verify now
 SESSION_CONTAINER = "session"
 SESSION_MOUNT = "/sandbox"  # where a session's container sees the sandbox's workspace
+SESSION_VERIFY_SLOTS = 16  # session Pods per sandbox the agent verifies (status.sessions maxItems); more are refused
 
 # --- On disk -------------------------------------------------------------------------------------------
 MANIFEST_NAME = "manifest.json"
@@ -227,6 +228,8 @@ class Reason(StrEnum):
     IMAGE_PULL_FAILED = "ImagePullFailed"  # its Pod's image cannot be pulled (a typo? a private registry?)
     SESSIONS_UNGUARDED = "SessionsUnguarded"  # the admission policy that proves who asked is not installed
     BAD_SESSION = "BadSession"  # a field the controller cannot use (its lifetime, over the cap, ...)
+    VERIFY_LIMIT = "VerifyLimit"  # SESSION_VERIFY_SLOTS other sessions of its sandbox hold every verification slot
+    CGROUPS_UNKNOWN = "CgroupsUnknown"  # the agent cannot read whose cgroup a process is in: no process answers
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------

@@ -173,6 +173,33 @@ def test_the_pod_mounts_the_workspace_from_the_configured_root_never_from_the_ob
     assert body["metadata"]["labels"][c.LABEL_SANDBOX_UID] == "sb-1"
 
 
+def test_a_session_over_its_sandboxs_verification_slots_is_refused_saying_what_to_do_never_left_waiting() -> None:
+    args = {"expired": False, "guarded": True, "settings": SETTINGS, "now": NOW}
+    assert decide(session(), sandbox(), None, others=c.SESSION_VERIFY_SLOTS - 1, **args).create_pod
+    full = decide(session(), sandbox(), None, others=c.SESSION_VERIFY_SLOTS, **args)
+    assert (full.status["phase"], full.status["reason"]) == (SessionPhase.REFUSED, Reason.VERIFY_LIMIT)
+    assert not full.create_pod and full.teardown
+    assert full.status["message"] == (
+        f"{c.SESSION_VERIFY_SLOTS} other sessions of team/run-1 are being verified or run on node node-a "
+        f"(at most {c.SESSION_VERIFY_SLOTS}); end one and ask again"
+    )
+    # A session whose Pod already runs holds its slot: others starting later never end it.
+    started = decide(session(), sandbox(), pod(), others=c.SESSION_VERIFY_SLOTS + 3, **args)
+    assert started.status["phase"] == SessionPhase.PENDING and started.verify == "pod-1"
+
+
+def test_the_agent_verifies_the_oldest_session_pods_of_a_sandbox_first(tmp_path: Path) -> None:
+    from controller.agent.sessions import entries
+
+    def starting(n: int) -> dict[str, Any]:
+        meta = {"namespace": "sk-sessions", "name": f"session-{n:02}", "uid": f"pod-{n}"}
+        return {"metadata": {**meta, "creationTimestamp": format_instant(NOW + timedelta(seconds=n))}, "status": {}}
+
+    pods = [starting(n) for n in range(c.SESSION_VERIFY_SLOTS + 4)]
+    found = entries(sandbox(), list(reversed(pods)), tmp_path, tmp_path, NOW, {})
+    assert [e["podUID"] for e in found] == [f"pod-{n}" for n in range(c.SESSION_VERIFY_SLOTS)]
+
+
 # --- a real controller, the chart's session objects --------------------------------------------------------
 @pytest.fixture
 def sbed(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Bed]:
