@@ -386,6 +386,54 @@ def test_without_the_admission_policy_bound_sessions_are_refused(sbed: Bed) -> N
     assert sbed.pods() == []
 
 
+def test_a_session_over_the_sandboxs_verification_slots_is_refused_and_one_asked_again_later_starts(
+    sbed: Bed,
+) -> None:
+    sbed.controller()
+    sbed.sandbox("run-5")
+    slots = c.SESSION_VERIFY_SLOTS
+
+    def create(*names: str) -> None:
+        items = [
+            {
+                "apiVersion": c.API_VERSION,
+                "kind": c.SESSION_KIND,
+                "metadata": {"name": name, "namespace": sbed.namespace},
+                "spec": {"sandbox": "run-5", "user": sbed.admin},
+            }
+            for name in names
+        ]
+        sbed.cluster.kubectl(
+            "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+        )
+
+    create(*(f"look-{n:02}" for n in range(slots)))
+    wait_for(f"{slots} session Pods", lambda: len(sbed.pods()) == slots or None, timeout=60)
+    create("look-late")
+    refused = sbed.phase("look-late", SessionPhase.REFUSED)
+    assert refused["reason"] == Reason.VERIFY_LIMIT
+    assert refused["message"] == (
+        f"{slots} other sessions of {sbed.namespace}/run-5 are being verified or run on node node-a "
+        f"(at most {slots}); end one and ask again"
+    )
+    assert len(sbed.pods()) == slots, "no Pod for the refused session"
+    first = sbed.session("look-00")
+    assert first is not None and first["status"]["phase"] == SessionPhase.PENDING, "the others keep waiting"
+    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "look-00", "-n", sbed.namespace)
+    gone = f"session-{first['metadata']['uid']}"
+    wait_for(
+        "its Pod deleted",
+        lambda: (
+            any(p["metadata"]["name"] == gone and "deletionTimestamp" in p["metadata"] for p in sbed.pods()) or None
+        ),
+    )
+    # No kubelet here finishes the graceful deletion: do what it would.
+    sbed.cluster.kubectl("delete", "pod", gone, "-n", sbed.sessions_ns, "--grace-period=0", "--force")
+    create("look-again")
+    assert sbed.phase("look-again", SessionPhase.PENDING)["reason"] == Reason.SESSION_STARTING
+    wait_for("its Pod", lambda: len(sbed.pods()) == slots or None)
+
+
 def test_an_editor_opens_for_themselves_only_and_gets_nothing_in_the_sessions_namespace(sbed: Bed) -> None:
     alice = f"alice-{secrets.token_hex(2)}"
     sbed.cluster.kubectl(
