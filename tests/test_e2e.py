@@ -415,7 +415,7 @@ def test_only_a_process_in_exactly_the_session_containers_cgroup_answers_for_it(
     pod = bed.get("pod", status["podName"], "-n", status["podNamespace"])
     cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
     # The container's cgroup directory in the hierarchy that decides (v1 memory, else v2's unified one).
-    where = bed.on_node(
+    where = bed.in_node(
         f"pid=$(grep -l {cid} /proc/[0-9]*/cgroup | head -n1 | cut -d/ -f3); "
         f"if grep -q ':memory:' /proc/$pid/cgroup; then "
         f"echo /sys/fs/cgroup/memory$(sed -n 's/^[0-9]*:memory://p' /proc/$pid/cgroup); "
@@ -423,15 +423,15 @@ def test_only_a_process_in_exactly_the_session_containers_cgroup_answers_for_it(
     ).stdout.strip()
     assert where.endswith(cid) or where.endswith(f"{cid}.scope"), where
     hostile = [f"{where}/nested", f"{where.rsplit('/', 1)[0]}/evil-{cid}"]
-    say(f"two processes in delegated cgroups whose paths hold the id: {hostile}")
+    say(f"two processes of the node in delegated cgroups whose paths hold the id: {hostile}")
     pids: list[str] = []
     try:
         for cgroup in hostile:
             spawn = f"sh -c 'echo $$ > \"{cgroup}/cgroup.procs\" && exec sleep 600' </dev/null >/dev/null 2>&1"
-            out = bed.on_node(f"mkdir '{cgroup}' && {{ {spawn} & echo $!; }}")
+            out = bed.in_node(f"mkdir '{cgroup}' && {{ {spawn} & echo $!; }}")
             pids.append(out.stdout.strip())
         for pid in pids:
-            eventually(lambda pid=pid: cid in bed.on_node(f"cat /proc/{pid}/cgroup").stdout, f"pid {pid} moved")
+            eventually(lambda pid=pid: cid in bed.in_node(f"cat /proc/{pid}/cgroup").stdout, f"pid {pid} moved")
         agent = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"][0]
         view = bed.kubectl(
             "exec", "-i", "-n", SYSTEM_NS, agent["metadata"]["name"], "-c", "agent", "--",
@@ -445,7 +445,7 @@ def test_only_a_process_in_exactly_the_session_containers_cgroup_answers_for_it(
         assert seen["check"] == c.MountCheck.VERIFIED
     finally:
         for pid in pids:
-            bed.on_node(f"kill -9 {pid}", check=False)
+            bed.in_node(f"kill -9 {pid}", check=False)
         for cgroup in hostile:
             bed.on_node(
                 f"for i in 1 2 3 4 5 6 7 8 9 10; do rmdir '{cgroup}' 2>/dev/null && break; sleep 0.5; done; "
