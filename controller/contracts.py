@@ -54,6 +54,7 @@ ANN_SANDBOX = f"{GROUP}/sandbox"  # on a session's Pod: `<namespace>/<name>` of 
 ANN_VERIFY_SESSION = f"{GROUP}/verify-session"  # on a sandbox: a session Pod's uid the agent should verify now
 SESSION_CONTAINER = "session"
 SESSION_MOUNT = "/sandbox"  # where a session's container sees the sandbox's workspace
+SESSION_VERIFY_SLOTS = 16  # session Pods per sandbox the agent verifies (status.sessions maxItems); more are refused
 
 
 # What bounds sessions (issue 25): each a controller flag, the chart value `sessions.<value>` and its default.
@@ -248,6 +249,8 @@ class Reason(StrEnum):
     BAD_SESSION = "BadSession"  # a field the controller cannot use (its lifetime, over the cap, ...)
     SESSION_LIMIT = "SessionLimit"  # its user, or its namespace, already has as many live sessions as allowed
     IMAGE_NOT_ALLOWED = "ImageNotAllowed"  # its image is not one of sessions.allowedImages
+    VERIFY_LIMIT = "VerifyLimit"  # SESSION_VERIFY_SLOTS other sessions of its sandbox hold every verification slot
+    CGROUPS_UNKNOWN = "CgroupsUnknown"  # the agent cannot read whose cgroup a process is in: no process answers
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------

@@ -266,13 +266,15 @@ def decide(
     settings: SessionSettings,
     max_pin: timedelta | None = None,
     live: Sequence[Obj] = (),
+    others: int = 0,
 ) -> Plan:
     """The session's next state from what was read. Pure: no I/O, no clock (`now` is a parameter).
 
     `guard` is what weakens the admission guard (`guard_defect`), None when it holds. `max_pin` is the
     namespace's: a session's Pod holds its sandbox no longer than a pin set when the session was created
     could keep it, so a lifetime longer than that is cut to it. `live` is the other sessions holding a
-    place under the caps; only a session not yet started is counted against them.
+    place under the caps; only a session not yet started is counted against them. `others`: the other
+    session Pods of the same sandbox, each holding one of the agent's verification slots.
     """
     meta, spec = session["metadata"], session.get("spec") or {}
     status = dict(session.get("status") or {})
@@ -331,6 +333,12 @@ def decide(
     if pod is None:
         if status.get("phase") == SessionPhase.RUNNING:
             return stop(Reason.POD_ENDED, f"its Pod {settings.namespace}/{base['podName']} is gone")
+        if others >= c.SESSION_VERIFY_SLOTS:  # its Pod would never be verified: refused, never left waiting
+            return stop(
+                Reason.VERIFY_LIMIT,
+                f"{others} other sessions of {namespace}/{name} are being verified or run on node {node} (at most "
+                f"{c.SESSION_VERIFY_SLOTS}); end one and ask again",
+            )
         message = f"starting Pod {settings.namespace}/{base['podName']} on node {node}"
         return Plan(status={**pending, "message": message}, create_pod=True, wake_at=expires)
     pod_phase = (pod.get("status") or {}).get("phase")
@@ -588,6 +596,13 @@ class Sessions:
         now = now_utc()
         expired = sandbox is not None and self.expired(sandbox, now)
         max_pin = self.max_pin(key[0])
+        others = 0
+        if (
+            pod is None
+            and sandbox is not None
+            and (session.get("status") or {}).get("phase") in (None, SessionPhase.PENDING)
+        ):
+            others = await asyncio.to_thread(self._others, sandbox, session)
         plan = decide(
             session,
             sandbox,
@@ -598,6 +613,7 @@ class Sessions:
             settings=self.settings,
             max_pin=max_pin,
             live=live,
+            others=others,
         )
         if plan.create_pod and sandbox is not None:
             expires = instant_or_none(plan.status.get("expiresAt")) or now
@@ -630,6 +646,15 @@ class Sessions:
         except KubeError as err:
             if not (err.conflict or err.not_found):  # changed meanwhile: the next look asks again
                 raise
+
+    def _others(self, sandbox: Obj, session: Obj) -> int:
+        """The other sessions' Pods of this sandbox (the ones the agent reads, deleting or not)."""
+        query = {"labelSelector": f"{c.LABEL_SANDBOX_UID}={sandbox['metadata']['uid']}"}
+        listed = self.kube.request("GET", _PODS.format(ns=self.settings.namespace), query=query)
+        mine = session["metadata"]["uid"]
+        return sum(
+            1 for p in listed.get("items", []) if p["metadata"].get("labels", {}).get(c.LABEL_SESSION_UID) != mine
+        )
 
     def _get(self, path: str) -> Obj | None:
         try:

@@ -150,6 +150,10 @@ class Bed:
         """`sh -c script` as root on the node, outside any container."""
         raise NotImplementedError
 
+    def in_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`sh -c script` as root in the node's own PID namespace (what the agent's hostPID sees)."""
+        return self.on_node(script, check)
+
     def _install(self) -> None:
         """Everything once the cluster and its node are up: the disk, the chart, Prometheus."""
         say(f"helm install {RELEASE} charts/sandkeep -n {SYSTEM_NS} (image {self.image_ref}, root {self.root})")
@@ -309,6 +313,10 @@ class LocalBed(Bed):
     def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         # The node shares the host's filesystem, so its disk is at the same path here.
         return subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=check, timeout=120)
+
+    def in_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        assert self.node is not None
+        return self.node.in_node("sh", "-c", script, check=check)
 
     def stop(self) -> None:
         super().stop()

@@ -122,6 +122,7 @@ def test_status_enums_are_the_contracts_enums() -> None:
     assert status["releasePriority"]["enum"] == [p.value for p in c.ReleasePriority]
     reason_pattern = status["conditions"]["items"]["properties"]["reason"]["pattern"]
     assert all(re.match(reason_pattern, r.value) for r in c.Reason)
+    assert status["sessions"]["maxItems"] == c.SESSION_VERIFY_SLOTS, "one entry per verification slot"
 
 
 def test_printer_columns_are_node_phase_deadline_pinned_size_age_and_bytes_files_when_wide() -> None:

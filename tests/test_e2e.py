@@ -382,6 +382,79 @@ def test_a_session_whose_mount_is_not_the_sandboxs_workspace_ends_without_a_gran
     bed.kubectl("delete", c.SESSION_PLURAL, "look-run-12", "-n", NS)
 
 
+# Run by the agent's own code in the agent's container (its cgroup, its view of the node's /proc): which
+# processes answer for the session container, which merely hold its id in their cgroup path, and the check.
+AGENT_VIEW = """
+import json, sys
+from pathlib import Path
+from controller.agent import sessions
+pod, proc = json.load(sys.stdin), Path("/proc")
+ct, own = sessions.container_of(pod), sessions.own_cgroup(proc)
+holding = []
+for entry in proc.iterdir():
+    try:
+        if entry.name.isdigit() and ct.id.encode() in (entry / "cgroup").read_bytes():
+            holding.append(int(entry.name))
+    except OSError:
+        pass
+root = Path(sys.argv[1])
+ns, name = pod["metadata"]["annotations"]["sandkeep.io/sandbox"].split("/")
+print(json.dumps({"answer": sessions.pids_of(ct, proc, own), "holding": sorted(holding),
+                  "check": str(sessions.check(pod, root, ns, name, proc))}))
+"""
+
+
+def test_only_a_process_in_exactly_the_session_containers_cgroup_answers_for_it(bed: Bed) -> None:
+    retain_job(bed, "run-13", "1h")
+    eventually(lambda: rsb(bed, "run-13"), "adoption")
+    user = bed.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout
+    say("open run-13: the agent verifies the session's Pod through a process in exactly its container's cgroup")
+    status = open_session(bed, "run-13", user)
+    (entry,) = rsb(bed, "run-13")["status"]["sessions"]  # type: ignore[index]
+    assert entry["mount"] == c.MountCheck.VERIFIED
+    pod = bed.get("pod", status["podName"], "-n", status["podNamespace"])
+    cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+    # The container's cgroup directory in the hierarchy that decides (v1 memory, else v2's unified one).
+    where = bed.in_node(
+        f"pid=$(grep -l {cid} /proc/[0-9]*/cgroup | head -n1 | cut -d/ -f3); "
+        f"if grep -q ':memory:' /proc/$pid/cgroup; then "
+        f"echo /sys/fs/cgroup/memory$(sed -n 's/^[0-9]*:memory://p' /proc/$pid/cgroup); "
+        f"else echo /sys/fs/cgroup$(sed -n 's/^0:://p' /proc/$pid/cgroup); fi"
+    ).stdout.strip()
+    assert where.endswith(cid) or where.endswith(f"{cid}.scope"), where
+    hostile = [f"{where}/nested", f"{where.rsplit('/', 1)[0]}/evil-{cid}"]
+    say(f"two processes of the node in delegated cgroups whose paths hold the id: {hostile}")
+    pids: list[str] = []
+    try:
+        for cgroup in hostile:
+            spawn = f"sh -c 'echo $$ > \"{cgroup}/cgroup.procs\" && exec sleep 600' </dev/null >/dev/null 2>&1"
+            out = bed.in_node(f"mkdir '{cgroup}' && {{ {spawn} & echo $!; }}")
+            pids.append(out.stdout.strip())
+        for pid in pids:
+            eventually(lambda pid=pid: cid in bed.in_node(f"cat /proc/{pid}/cgroup").stdout, f"pid {pid} moved")
+        agent = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"][0]
+        view = bed.kubectl(
+            "exec", "-i", "-n", SYSTEM_NS, agent["metadata"]["name"], "-c", "agent", "--",
+            "python", "-c", AGENT_VIEW, str(bed.root), input=json.dumps(pod),
+        )  # fmt: skip
+        seen = json.loads(view.stdout)
+        say(f"as the agent sees it: {seen}")
+        assert {int(p) for p in pids} <= set(seen["holding"]), "the substring match would have taken them"
+        assert seen["answer"] and not {int(p) for p in pids} & set(seen["answer"]), seen
+        assert set(seen["answer"]) < set(seen["holding"])
+        assert seen["check"] == c.MountCheck.VERIFIED
+    finally:
+        for pid in pids:
+            bed.in_node(f"kill -9 {pid}", check=False)
+        for cgroup in hostile:
+            bed.on_node(
+                f"for i in 1 2 3 4 5 6 7 8 9 10; do rmdir '{cgroup}' 2>/dev/null && break; sleep 0.5; done; "
+                f"test ! -e '{cgroup}'",
+                check=False,
+            )
+        bed.kubectl("delete", c.SESSION_PLURAL, "look-run-13", "-n", NS)
+
+
 def kubectl_sandkeep(bed: Bed, *args: str) -> subprocess.CompletedProcess[str]:
     """`kubectl sandkeep ...` as a person runs it: the real kubectl finds the plugin on PATH."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{bed.bin}:{os.environ['PATH']}"}

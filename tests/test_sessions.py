@@ -380,6 +380,33 @@ def test_the_pod_tolerates_no_blanket_and_has_bounded_resources() -> None:
         assert set(resources[kind]) == {"cpu", "memory", "ephemeral-storage"}
 
 
+def test_a_session_over_its_sandboxs_verification_slots_is_refused_saying_what_to_do_never_left_waiting() -> None:
+    args = {"expired": False, "guard": None, "settings": SETTINGS, "now": NOW}
+    assert decide(session(), sandbox(), None, others=c.SESSION_VERIFY_SLOTS - 1, **args).create_pod
+    full = decide(session(), sandbox(), None, others=c.SESSION_VERIFY_SLOTS, **args)
+    assert (full.status["phase"], full.status["reason"]) == (SessionPhase.REFUSED, Reason.VERIFY_LIMIT)
+    assert not full.create_pod and full.teardown
+    assert full.status["message"] == (
+        f"{c.SESSION_VERIFY_SLOTS} other sessions of team/run-1 are being verified or run on node node-a "
+        f"(at most {c.SESSION_VERIFY_SLOTS}); end one and ask again"
+    )
+    # A session whose Pod already runs holds its slot: others starting later never end it.
+    started = decide(session(), sandbox(), pod(), others=c.SESSION_VERIFY_SLOTS + 3, **args)
+    assert started.status["phase"] == SessionPhase.PENDING and started.verify == "pod-1"
+
+
+def test_the_agent_verifies_the_oldest_session_pods_of_a_sandbox_first(tmp_path: Path) -> None:
+    from controller.agent.sessions import entries
+
+    def starting(n: int) -> dict[str, Any]:
+        meta = {"namespace": "sk-sessions", "name": f"session-{n:02}", "uid": f"pod-{n}"}
+        return {"metadata": {**meta, "creationTimestamp": format_instant(NOW + timedelta(seconds=n))}, "status": {}}
+
+    pods = [starting(n) for n in range(c.SESSION_VERIFY_SLOTS + 4)]
+    found = entries(sandbox(), list(reversed(pods)), tmp_path, tmp_path, NOW, {})
+    assert [e["podUID"] for e in found] == [f"pod-{n}" for n in range(c.SESSION_VERIFY_SLOTS)]
+
+
 # --- a real controller, the chart's session objects --------------------------------------------------------
 @pytest.fixture
 def sbed(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Bed]:
@@ -638,6 +665,54 @@ def test_an_image_not_allowed_is_refused_at_create_and_by_the_controller(sbed: B
     status = sbed.phase("open-run-8", SessionPhase.REFUSED)
     assert status["reason"] == Reason.IMAGE_NOT_ALLOWED and "sandkeep:test" in status["message"]
     assert sbed.pods() == []
+
+
+def test_a_session_over_the_sandboxs_verification_slots_is_refused_and_one_asked_again_later_starts(
+    sbed: Bed,
+) -> None:
+    sbed.controller()
+    sbed.sandbox("run-5")
+    slots = c.SESSION_VERIFY_SLOTS
+
+    def create(*names: str) -> None:
+        items = [
+            {
+                "apiVersion": c.API_VERSION,
+                "kind": c.SESSION_KIND,
+                "metadata": {"name": name, "namespace": sbed.namespace},
+                "spec": {"sandbox": "run-5", "user": sbed.admin},
+            }
+            for name in names
+        ]
+        sbed.cluster.kubectl(
+            "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+        )
+
+    create(*(f"look-{n:02}" for n in range(slots)))
+    wait_for(f"{slots} session Pods", lambda: len(sbed.pods()) == slots or None, timeout=60)
+    create("look-late")
+    refused = sbed.phase("look-late", SessionPhase.REFUSED)
+    assert refused["reason"] == Reason.VERIFY_LIMIT
+    assert refused["message"] == (
+        f"{slots} other sessions of {sbed.namespace}/run-5 are being verified or run on node node-a "
+        f"(at most {slots}); end one and ask again"
+    )
+    assert len(sbed.pods()) == slots, "no Pod for the refused session"
+    first = sbed.session("look-00")
+    assert first is not None and first["status"]["phase"] == SessionPhase.PENDING, "the others keep waiting"
+    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "look-00", "-n", sbed.namespace)
+    gone = f"session-{first['metadata']['uid']}"
+    wait_for(
+        "its Pod deleted",
+        lambda: (
+            any(p["metadata"]["name"] == gone and "deletionTimestamp" in p["metadata"] for p in sbed.pods()) or None
+        ),
+    )
+    # No kubelet here finishes the graceful deletion: do what it would.
+    sbed.cluster.kubectl("delete", "pod", gone, "-n", sbed.sessions_ns, "--grace-period=0", "--force")
+    create("look-again")
+    assert sbed.phase("look-again", SessionPhase.PENDING)["reason"] == Reason.SESSION_STARTING
+    wait_for("its Pod", lambda: len(sbed.pods()) == slots or None)
 
 
 def test_an_editor_opens_for_themselves_only_and_gets_nothing_in_the_sessions_namespace(sbed: Bed) -> None:

@@ -274,6 +274,13 @@ class Agent:
         if pods is None or not self.s.sessions_namespace:
             return
         by_uid = sessions.session_pods(pods, self.s.sessions_namespace)
+        if by_uid and sessions.own_cgroup(Path("/proc")) is None:  # every answer stays Unknown: say why
+            self.report.say_limited(
+                "cgroups",
+                "session_cgroups_unknown",
+                reason=Reason.CGROUPS_UNKNOWN,
+                action="the agent's own /proc/self/cgroup names no v1 memory or v2 path: run it as the chart does",
+            )
         for key in list(self.state.objects) if keys is None else keys:
             obj = self.state.objects.get(key)
             if obj is None or kube.is_deleting(obj):

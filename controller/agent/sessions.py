@@ -6,7 +6,8 @@ name). The controller grants exec only once this module has compared, by device 
 the container's own processes sees at /sandbox (through `/proc/<pid>/root`) with the workspace opened
 here without following any link. Only Pods of the sessions namespace the agent is configured with are
 looked at (nobody else may create Pods there); the answer lands in the sandbox's `status.sessions`,
-written by the agent alone (its own field manager, so the main status apply never drops it).
+written by the agent alone (its own field manager, so the main status apply never drops it). A process is
+the container's only when its cgroup is exactly the one the kubelet made for it (controller/agent/cgroups.py).
 """
 
 from __future__ import annotations
@@ -19,41 +20,55 @@ from datetime import datetime
 from pathlib import Path
 
 from controller import contracts as c
+from controller.agent import cgroups
+from controller.agent.cgroups import Container
 from controller.contracts import MountCheck
 from controller.durations import format_instant
 from controller.fsdelete import open_no_symlinks
 from controller.kube import Obj
 
 SESSIONS_MANAGER_SUFFIX = "-sessions"
-MAX_CGROUP_BYTES = 64 * 1024  # a cgroup file is a few lines; more is not one
-MAX_SESSIONS = 16  # per sandbox, as the CRD allows
-_CONTAINER_ID = re.compile(r"^[a-z0-9]+://([0-9a-f]{64})$")
+_CONTAINER_ID = re.compile(r"^([a-z0-9-]+)://([0-9a-f]{64})$")
 
 Identity = tuple[int, int]  # (st_dev, st_ino)
 
 
-def container_id(pod: Obj) -> str | None:
-    """The running session container's id (64 hex digits), None while it is not running."""
+def container_of(pod: Obj) -> Container | None:
+    """The running session container (runtime, id, Pod uid, QoS class), None while it is not running."""
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
         if status.get("name") == c.SESSION_CONTAINER and "running" in (status.get("state") or {}):
             found = _CONTAINER_ID.match(str(status.get("containerID") or ""))
-            return found.group(1) if found else None
+            if found is None:
+                return None
+            qos = str((pod.get("status") or {}).get("qosClass") or "")
+            return Container(found.group(1), found.group(2), str(pod["metadata"].get("uid") or ""), qos)
     return None
 
 
-def pids_of(container: str, proc: Path) -> list[int]:
-    """The processes whose cgroup names the container (every cgroup driver puts its id in the path)."""
+def _cgroup_lines(path: Path) -> list[cgroups.Line] | None:
+    try:
+        with path.open("rb") as f:
+            text = f.read(cgroups.MAX_BYTES + 1)
+    except OSError:
+        return None  # ended meanwhile, or not ours to read
+    return cgroups.parse(text) if len(text) <= cgroups.MAX_BYTES else None
+
+
+def own_cgroup(proc: Path) -> list[cgroups.Line] | None:
+    """The agent's own cgroup file, what every other is judged against; None: unknown (nothing answers)."""
+    lines = _cgroup_lines(proc / "self" / "cgroup")
+    return lines if lines is not None and cgroups.path_of(lines) is not None else None
+
+
+def pids_of(container: Container, proc: Path, own: list[cgroups.Line]) -> list[int]:
+    """The processes in exactly the container's cgroup (not a child of it, not a name that holds its id)."""
     found = []
     with os.scandir(proc) as entries:
         for entry in entries:
             if not entry.name.isdigit():
                 continue
-            try:
-                with (Path(entry.path) / "cgroup").open("rb") as f:
-                    text = f.read(MAX_CGROUP_BYTES)
-            except OSError:
-                continue  # ended meanwhile, or not ours to read
-            if container.encode() in text:
+            lines = _cgroup_lines(Path(entry.path) / "cgroup")
+            if lines is not None and cgroups.answers(own, lines, container):
                 found.append(int(entry.name))
     return sorted(found)
 
@@ -89,13 +104,14 @@ def workspace_of(root: Path, namespace: str, name: str) -> Identity | OSError | 
 
 def check(pod: Obj, root: Path, namespace: str, name: str, proc: Path) -> MountCheck:
     """Verified, Mismatch, or Unknown (not readable yet: asked again on the next pass)."""
-    container = container_id(pod)
-    if container is None:
+    container = container_of(pod)
+    own = own_cgroup(proc)
+    if container is None or own is None:
         return MountCheck.UNKNOWN
     want = workspace_of(root, namespace, name)
     if isinstance(want, OSError):
         return MountCheck.UNKNOWN
-    for pid in pids_of(container, proc):
+    for pid in pids_of(container, proc, own):
         got = seen_by(pid, proc)
         if got is not None:
             return MountCheck.VERIFIED if want is not None and got == want else MountCheck.MISMATCH
@@ -117,10 +133,13 @@ def entries(
     sandbox: Obj, pods: list[Obj], root: Path, proc: Path, now: datetime, known: Mapping[str, Obj]
 ) -> list[Obj]:
     """`status.sessions` for this sandbox: one entry per session Pod. A settled answer is not read again,
-    and an unchanged one is kept as it was, so a Pod that stays Unknown costs no status write per pass."""
+    and an unchanged one is kept as it was, so a Pod that stays Unknown costs no status write per pass.
+    The oldest SESSION_VERIFY_SLOTS Pods are read (the controller refuses a session over that), so a newer
+    one never takes an older one's slot."""
     namespace, name = sandbox["metadata"]["namespace"], sandbox["metadata"]["name"]
     out = []
-    for pod in pods[:MAX_SESSIONS]:
+    oldest = sorted(pods, key=lambda p: (str(p["metadata"].get("creationTimestamp") or ""), p["metadata"]["name"]))
+    for pod in oldest[: c.SESSION_VERIFY_SLOTS]:
         meta = pod["metadata"]
         old = known.get(meta["uid"])
         if old is not None and old.get("mount") in (MountCheck.VERIFIED, MountCheck.MISMATCH):
