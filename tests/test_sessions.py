@@ -670,9 +670,10 @@ def test_an_image_not_allowed_is_refused_at_create_and_by_the_controller(sbed: B
 def test_a_session_over_the_sandboxs_verification_slots_is_refused_and_one_asked_again_later_starts(
     sbed: Bed,
 ) -> None:
-    sbed.controller()
-    sbed.sandbox("run-5")
     slots = c.SESSION_VERIFY_SLOTS
+    caps = (c.SESSIONS_MAX_PER_USER, c.SESSIONS_MAX_PER_NAMESPACE)  # above the slots: this is about the slots
+    sbed.controller(*(f"{bound.flag}={2 * slots}" for bound in caps))
+    sbed.sandbox("run-5")
 
     def create(*names: str) -> None:
         items = [
