@@ -125,6 +125,7 @@ class Condition(StrEnum):
     IN_USE = "InUse"
     TOMBSTONE_STUCK = "TombstoneStuck"
     ORPHANS_SURVIVED = "OrphansSurvived"
+    SIZE_PARTIAL = "SizePartial"  # sizeBytes is what was counted before the walk stopped (issue 25, item 8)
 
 
 class PolicyCondition(StrEnum):
@@ -227,6 +228,10 @@ class Reason(StrEnum):
     IMAGE_PULL_FAILED = "ImagePullFailed"  # its Pod's image cannot be pulled (a typo? a private registry?)
     SESSIONS_UNGUARDED = "SessionsUnguarded"  # the admission policy that proves who asked is not installed
     BAD_SESSION = "BadSession"  # a field the controller cannot use (its lifetime, over the cap, ...)
+    # measuring sizes (issue 25, item 8): why a sandbox's sizeBytes is a lower bound (condition SizePartial)
+    SIZE_TOO_SLOW = "SizeTooSlow"  # the walk ran past --size-budget: the bytes counted until then
+    SIZE_INTERRUPTED = "SizeInterrupted"  # the tree changed under the walk so it could not go on safely
+    SIZE_UNREADABLE = "SizeUnreadable"  # a directory in it could not be opened or read: its contents not counted
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------
