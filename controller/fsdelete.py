@@ -122,6 +122,32 @@ def mount_id(fd: int) -> int | None:
     return None
 
 
+_STATX_BASIC_STATS = 0x7FF
+# struct statx: stx_mask, stx_ino (32), stx_blocks (48), stx_dev_major/minor (136), stx_mnt_id (144)
+_STATX_FIELDS = struct.Struct("=I28xQ8xQ80xIIQ")
+
+
+class Ident(NamedTuple):
+    dev: tuple[int, int]  # (major, minor) of the filesystem
+    ino: int
+    blocks: int  # 512-byte blocks allocated
+    mnt: int | None  # the mount it is on; None: unknown (the caller treats that as a mount)
+
+
+def identify(fd: int, buf: ctypes.Array[ctypes.c_char] | None = None) -> Ident:
+    """Device, inode, blocks and mount of an open fd in one statx (a walk passes its own `buf`, reused);
+    fstat and `mount_id` where statx or its STATX_MNT_ID is missing."""
+    if _statx is not None:
+        buf = buf if buf is not None else ctypes.create_string_buffer(256)
+        if _statx(fd, b"", _AT_EMPTY_PATH | _AT_SYMLINK_NOFOLLOW, _STATX_BASIC_STATS | _STATX_MNT_ID, buf) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+        mask, ino, blocks, major, minor, mnt = _STATX_FIELDS.unpack_from(buf)
+        return Ident((major, minor), ino, blocks, mnt if mask & _STATX_MNT_ID else mount_id(fd))
+    st = os.fstat(fd)
+    return Ident((os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_blocks, mount_id(fd))
+
+
 def unescape_mountinfo(text: str) -> str:
     """mountinfo writes space, tab, newline and backslash as octal escapes (`\\040`)."""
     if "\\" not in text:
@@ -652,14 +678,13 @@ class _Level:
     once the batch is measured. Only a paused reader pushed out of the descriptor budget is read again.
     """
 
-    __slots__ = ("depth", "done", "fd", "ident", "it", "name", "parent", "taken", "todo")
+    __slots__ = ("done", "fd", "ident", "it", "name", "parent", "taken", "todo")
 
-    def __init__(self, fd: int, name: str, parent: _Level | None, ident: tuple[int, int]) -> None:
+    def __init__(self, fd: int, name: str, parent: _Level | None, ino: int) -> None:
         self.fd: int | None = fd
         self.name = name
         self.parent = parent
-        self.ident = ident  # (st_dev, st_ino): a reopen through `..` must land on the same directory
-        self.depth: int = 0 if parent is None else parent.depth + 1
+        self.ident = ino  # a reopen through `..` must land on the same directory (and the walk's device, mount)
         self.it: Iterator[os.DirEntry[str]] | None = None  # open only while paused in the middle of a batch
         self.taken = 0  # entries read so far (a paused reader pushed out skips them when read again)
         self.todo: list[str] = []  # subdirectories read and not yet measured
@@ -675,20 +700,21 @@ _CLOCK_EVERY = 4096  # entries read between two looks at the clock
 class _SizeWalk:
     """One measurement: depth-first over an explicit stack of `_Level`s, each directory read once.
 
-    Every directory is opened O_DIRECTORY|O_NOFOLLOW relative to its parent's fd and checked to be on the
-    walk's mount. Past `SIZE_OPEN` descriptors the shallowest open level not paused is closed; coming back
-    up to a closed level that still has work reopens it through `..` from its open child, checked to be the
-    same inode on the same mount (else the walk stops: SizeInterrupted). So each directory is opened at most
-    twice and read once, except a paused level closed to stay in budget (more than `SIZE_OPEN` levels on
-    one path, each with more than `SIZE_NAMES` subdirectories), which skips what it read before.
+    Every directory is opened O_DIRECTORY|O_NOFOLLOW relative to its parent's fd and checked (one statx) to
+    be on the walk's mount. At `SIZE_OPEN` descriptors the shallowest open level not paused is closed; on
+    the way back up a closed level is reopened through `..` from its child, checked to be the same inode on
+    the same mount (else the walk stops: SizeInterrupted), so the stack's top always has its fd. Each
+    directory is opened at most twice and read once, except a paused level closed to stay in budget (more
+    than `SIZE_OPEN` levels on one path each with more than `SIZE_NAMES` subdirectories), read again.
     """
 
     def __init__(self, parent_fd: int, budget: float | None) -> None:
         self.parent_fd = parent_fd
-        st = os.fstat(parent_fd)
-        self.dev, self.mnt = st.st_dev, mount_id(parent_fd)
+        self.buf = ctypes.create_string_buffer(256)  # statx's answer, reused for every directory
+        where = identify(parent_fd, self.buf)
+        self.dev, self.mnt = where.dev, where.mnt
         self.deadline = None if budget is None or budget <= 0 else time.monotonic() + budget
-        self.open: list[_Level] = []  # levels holding a descriptor
+        self.open: deque[_Level] = deque()  # levels holding a descriptor, shallowest first
         self.fds = 0
         self.held = 0  # names in every level's todo
         self.bytes = self.files = 0
@@ -712,9 +738,15 @@ class _SizeWalk:
                     self.read(level)
                     continue
                 stack.pop()
-                if stack and stack[-1].fd is None:  # the way back up: every level on it has its fd when popped
-                    self.reopen_parent(level)
+                parent = stack[-1] if stack else None
+                fd = self.up(level) if parent is not None and parent.fd is None else None
                 self.close(level)
+                if parent is not None and fd is not None:  # the way back up: the stack's top always has its fd
+                    parent.fd = fd
+                    self.open.append(parent)  # still the deepest open level
+                    self.fds += 1
+                    if self.fds >= SIZE_OPEN:
+                        self.trim(parent)
         except _TooSlow:
             self.why = Reason.SIZE_TOO_SLOW
         except (_Stop, OSError):
@@ -727,6 +759,18 @@ class _SizeWalk:
     def clock(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise _TooSlow
+
+    def here(self, fd: int) -> Ident | None:
+        """The directory `fd` as the walk sees it; None (and `fd` closed) when it is on another mount."""
+        try:
+            ident = identify(fd, self.buf)
+        except OSError:
+            os.close(fd)
+            raise
+        if ident.dev != self.dev or self.mnt is None or ident.mnt != self.mnt:
+            os.close(fd)
+            return None
+        return ident
 
     def enter(self, parent: _Level | None, name: str) -> _Level | None:
         """Open a subdirectory and count its own blocks; a link or a file by now is counted as one, never
@@ -743,17 +787,15 @@ class _SizeWalk:
                 self.count_one(dir_fd, name, files=0)
                 self.why = self.why or Reason.SIZE_UNREADABLE
             return None
-        try:
-            st = os.fstat(fd)
-            if st.st_dev != self.dev or self.mnt is None or mount_id(fd) != self.mnt:
-                os.close(fd)
-                return None
-        except OSError:
-            os.close(fd)
-            raise
-        self.bytes += st.st_blocks * 512
-        level = _Level(fd, name, parent, (st.st_dev, st.st_ino))
-        self.hold(level, 1)
+        ident = self.here(fd)
+        if ident is None:
+            return None
+        self.bytes += ident.blocks * 512
+        level = _Level(fd, name, parent, ident.ino)
+        self.open.append(level)  # the deepest open level: the stack's top
+        self.fds += 1
+        if self.fds >= SIZE_OPEN:
+            self.trim(level)
         return level
 
     def count_one(self, dir_fd: int, name: str, files: int = 1) -> None:
@@ -763,7 +805,7 @@ class _SizeWalk:
 
     def read(self, level: _Level) -> None:
         """Read `level` on from where it stopped: count its files, keep its subdirectories' names, until the
-        end (the reader closes) or a full batch (the reader pauses, holding its place)."""
+        end (the reader closes) or a full batch (the reader pauses, holding its place and a descriptor)."""
         it = level.it
         if it is None:
             assert level.fd is not None
@@ -773,11 +815,11 @@ class _SizeWalk:
                 level.done = True
                 self.why = self.why or Reason.SIZE_UNREADABLE
                 return
-            level.it = it
-            self.hold(level, 1)
-            skip, level.taken = level.taken, 0
-            for _ in itertools.islice(it, skip):  # a paused reader closed to stay in budget: skip what was read
-                level.taken += 1
+            for _ in itertools.islice(it, level.taken):  # a paused reader closed to stay in budget: skip
+                pass
+        else:
+            level.it = None  # in hand: the one descriptor the budget leaves for the reader being read
+            self.fds -= 1
         todo, blocks, files, taken = level.todo, 0, 0, level.taken
         before = len(todo)
         room = max(min(SIZE_NAMES - before, SIZE_HELD - self.held), 1)
@@ -797,7 +839,10 @@ class _SizeWalk:
                             break
                         continue
                     blocks += entry.stat(follow_symlinks=False).st_blocks
-                except OSError:  # gone since it was read
+                except FileNotFoundError:  # gone since it was read
+                    continue
+                except OSError:  # EACCES (a directory readable but not searchable)...: not counted, and said
+                    self.why = self.why or Reason.SIZE_UNREADABLE
                     continue
                 files += 1
         except OSError:  # the directory itself could not be read on (EIO, removed under it...)
@@ -806,20 +851,26 @@ class _SizeWalk:
             self.bytes, self.files = self.bytes + blocks * 512, self.files + files
             self.held += len(todo) - before
             level.taken = taken
-        if not paused:
-            level.done = True
-            self.drop_reader(level)
+            if paused:
+                level.it = it
+                self.fds += 1
+            else:
+                level.done = True
+                it.close()  # type: ignore[attr-defined]
+        if self.fds >= SIZE_OPEN:
+            self.trim(level)
 
     # --- the descriptor budget ------------------------------------------------------------------------
 
-    def hold(self, level: _Level, fds: int) -> None:
-        """`level` took `fds` more descriptors: close the shallowest levels not paused until back in budget."""
-        if level not in self.open:
-            self.open.append(level)
-        self.fds += fds
-        while self.fds > SIZE_OPEN:
-            idle = [lv for lv in self.open if lv.it is None and lv is not level]
-            victim = min(idle or [lv for lv in self.open if lv is not level], key=lambda lv: lv.depth, default=None)
+    def trim(self, keep: _Level) -> None:
+        """At the budget (one descriptor is left for the reader in hand): close the shallowest open levels
+        not paused (else paused ones), never `keep`.
+
+        `open` stays shallowest first: a level is opened, or reopened on the way back up, as the stack's top.
+        """
+        while self.fds >= SIZE_OPEN:
+            victim = next((lv for lv in self.open if lv.it is None and lv is not keep), None)
+            victim = victim or next((lv for lv in self.open if lv is not keep), None)
             if victim is None:
                 return
             self.close(victim)
@@ -836,24 +887,22 @@ class _SizeWalk:
             os.close(level.fd)
             level.fd = None
             self.fds -= 1
-        if level in self.open:
-            self.open.remove(level)
+            if self.open[-1] is level:
+                self.open.pop()
+            else:
+                self.open.remove(level)
 
-    def reopen_parent(self, child: _Level) -> None:
-        """Open `child`'s parent again through `..` (it has work left): the same inode on the same mount, or stop."""
+    def up(self, child: _Level) -> int:
+        """An fd of `child`'s parent again, through `..`: the same inode on the same mount, or stop."""
         parent = child.parent
         assert parent is not None and child.fd is not None
         fd = os.open("..", _DIR, dir_fd=child.fd)
-        try:
-            st = os.fstat(fd)
-            same = (st.st_dev, st.st_ino) == parent.ident and mount_id(fd) == self.mnt
-        except OSError:
-            same = False
-        if not same:  # moved since: its `..` is another directory now, which is not this walk's to count
-            os.close(fd)
+        ident = self.here(fd)
+        if ident is None or ident.ino != parent.ident:  # moved since: its `..` is another directory now
+            if ident is not None:
+                os.close(fd)
             raise _Stop(E.ESTALE, None)
-        parent.fd = fd
-        self.hold(parent, 1)
+        return fd
 
 
 class _TooSlow(Exception):

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from controller import logs
 from controller.agent.sessions import workspace_stat
 from controller.fsdelete import TreeSize
 from controller.store import Root
 
 Key = tuple[str, str]
+log = logging.getLogger("sandkeep.agent")
 
 
 def measure(root: Root, namespace: str, name: str, budget: float | None = None) -> TreeSize:
@@ -65,7 +68,10 @@ class Sizer(threading.Thread):
                 return
             with self.lock:
                 self.pending.discard(key)
-            self.measure_one(key)
+            try:
+                self.measure_one(key)
+            except Exception as err:  # a bug must not end the only thread that measures: said, tried next pass
+                logs.say(log, "size_failed", level=logging.ERROR, object="/".join(key), error=repr(err)[:300])
 
     def measure_one(self, key: Key) -> None:
         size, who = measure(self.root, *key, budget=self.budget), owner(self.root, *key)
