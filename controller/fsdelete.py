@@ -694,7 +694,7 @@ class _Level:
 SIZE_OPEN = 64  # descriptors the size walk holds: one per open level, one more per paused reader
 SIZE_NAMES = 16_384  # subdirectory names one level holds at once; more are read in batches
 SIZE_HELD = 1 << 20  # subdirectory names all levels hold together (beyond: one per level)
-_CLOCK_EVERY = 4096  # entries read between two looks at the clock
+_CLOCK_MASK = 4095  # the clock is read once every 4,096 entries
 
 
 class _SizeWalk:
@@ -821,13 +821,12 @@ class _SizeWalk:
             level.it = None  # in hand: the one descriptor the budget leaves for the reader being read
             self.fds -= 1
         todo, blocks, files, taken = level.todo, 0, 0, level.taken
-        before = len(todo)
+        first, before = taken + 1, len(todo)
         room = max(min(SIZE_NAMES - before, SIZE_HELD - self.held), 1)
         paused = False
         try:
-            for entry in it:
-                taken += 1
-                if not taken % _CLOCK_EVERY:
+            for taken, entry in enumerate(it, first):  # `taken`: where a pause holds its place
+                if not taken & _CLOCK_MASK:
                     self.bytes, self.files, blocks, files = self.bytes + blocks * 512, self.files + files, 0, 0
                     self.clock()
                 try:
