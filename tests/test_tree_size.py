@@ -76,10 +76,7 @@ class Listings:
         ino = os.fstat(fd).st_ino
         self.count[ino] += 1
         self.peak = max(self.peak, open_fds())
-        return self._entries(self.real(fd), ino)
-
-    def _entries(self, it: Any, ino: int) -> Any:
-        return _Reader(self, it, ino)
+        return _Reader(self, self.real(fd), ino)
 
 
 class _Reader:
