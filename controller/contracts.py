@@ -145,6 +145,7 @@ class Condition(StrEnum):
     IN_USE = "InUse"
     TOMBSTONE_STUCK = "TombstoneStuck"
     ORPHANS_SURVIVED = "OrphansSurvived"
+    SIZE_PARTIAL = "SizePartial"  # sizeBytes is what was counted before the walk stopped (issue 25, item 8)
 
 
 class PolicyCondition(StrEnum):
@@ -251,6 +252,10 @@ class Reason(StrEnum):
     IMAGE_NOT_ALLOWED = "ImageNotAllowed"  # its image is not one of sessions.allowedImages
     VERIFY_LIMIT = "VerifyLimit"  # SESSION_VERIFY_SLOTS other sessions of its sandbox hold every verification slot
     CGROUPS_UNKNOWN = "CgroupsUnknown"  # the agent cannot read whose cgroup a process is in: no process answers
+    # measuring sizes (issue 25, item 8): why a sandbox's sizeBytes is a lower bound (condition SizePartial)
+    SIZE_TOO_SLOW = "SizeTooSlow"  # the walk ran past --size-budget: the bytes counted until then
+    SIZE_INTERRUPTED = "SizeInterrupted"  # the tree changed under the walk so it could not go on safely
+    SIZE_UNREADABLE = "SizeUnreadable"  # a directory in it could not be opened or read: its contents not counted
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------

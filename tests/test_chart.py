@@ -387,6 +387,7 @@ def test_promtool_fires_the_overridden_rules_as_configured(tools: Path, tmp_path
         ("controller.leaseDuration=15s", "/controller/leaseDuration"),
         ("agent.quarantineGrace=1 day", "/agent/quarantineGrace"),
         ("agent.quarantineGrace=-1h", "/agent/quarantineGrace"),
+        ("agent.sizeBudget=2 minutes", "/agent/sizeBudget"),
         ("criticalPriorityQuota.pods=many", "/criticalPriorityQuota/pods"),
         ("monitoring.serviceMonitor.enabled=yes", "/monitoring/serviceMonitor/enabled"),
         ("monitoring.podMonitor.enabeld=false", "enabeld"),

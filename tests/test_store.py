@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from diskkit import NOW, REPO, User, listing, make_job, outside_bait, retain
 
+from controller import fsdelete
 from controller.contracts import LOCK_NAME, Reason
 from controller.inuse import uninspectable_pids
 from controller.reaper import Reaper
@@ -524,7 +525,7 @@ def test_usage_counts_a_sandboxs_bytes_and_files_without_following_links(tmp_pat
     usage = root.usage("ns", "sized")
     assert usage.files == 7 + 1 + 1 + 1  # the job's 7 files, big, the link, the manifest
     assert 200_000 <= usage.bytes < 2_000_000 and root.size("ns", "sized") == usage.bytes
-    assert root.usage("ns", "absent") == (0, 0)
+    assert root.usage("ns", "absent") == fsdelete.TreeSize(0, 0)
 
 
 # --- a replacing retain keeps a deletion's rules (issue 12, item 5) ------------------------------------------

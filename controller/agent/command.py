@@ -56,6 +56,11 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pressure-min-free-bytes", type=int, help="also release while fewer bytes than this are available (default 0)"
     )
+    parser.add_argument(
+        "--size-budget",
+        help="how long measuring one sandbox may take; past it the bytes counted so far are reported, with "
+        "condition SizePartial (default 2m; 0: no limit)",
+    )
 
 
 def settings_from(args: argparse.Namespace) -> AgentSettings:

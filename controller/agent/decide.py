@@ -14,20 +14,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
 from controller import kube
 from controller.contracts import FINALIZER, Condition, Reason, ReleasePriority
-from controller.durations import instant_or_none
+from controller.durations import format_duration, instant_or_none
+from controller.fsdelete import TreeSize
 from controller.inuse import Usage
 from controller.kube import Obj, finalizers
 from controller.pressure import Candidate
 from controller.reaper import Claim, Clear, Fate, Finish, Keep
+from controller.sizes import human_size
 
 Key = tuple[str, str]
-OWNED_CONDITIONS = (Condition.DISK_PRESENT, Condition.IN_USE, Condition.TOMBSTONE_STUCK, Condition.ORPHANS_SURVIVED)
+OWNED_CONDITIONS = (
+    Condition.DISK_PRESENT,
+    Condition.IN_USE,
+    Condition.TOMBSTONE_STUCK,
+    Condition.ORPHANS_SURVIVED,
+    Condition.SIZE_PARTIAL,
+)
 OWNED_FIELDS = ("sizeBytes", "size", "fileCount", "inUse", "heldBy", "tombstone")
 
 
@@ -145,6 +153,30 @@ def discount_orphans(
         if answer.in_use is True and answer.only_pids and answer.held_only_by(orphans_of(paths[key])):
             out[key] = orphans_pending(answer.pids)
     return out
+
+
+# --- sizes ----------------------------------------------------------------------------------------------
+
+
+def size_partial(sandbox: str, node: str, size: TreeSize, budget: timedelta) -> tuple[Reason, str] | None:
+    """Why `size` is short of the whole tree, in words for condition SizePartial; None for a complete count.
+
+    A partial size is still the size reported (sizeBytes): a lower bound, which the quota and disk pressure
+    count, where a sandbox never measured would count nothing and never be released for space.
+    """
+    if size.complete:
+        return None
+    reason = size.reason or Reason.SIZE_INTERRUPTED
+    counted = f"sizeBytes ({human_size(size.bytes)} in {size.files} files) is what was counted"
+    why = {
+        Reason.SIZE_TOO_SLOW: f"measuring it took longer than --size-budget ({format_duration(budget)})",
+        Reason.SIZE_UNREADABLE: "a directory in it could not be opened or read, so what that holds is not counted",
+    }.get(reason, "its tree changed under the walk in a way that made going on unsafe (a directory moved)")
+    fix = " Raise agent.sizeBudget to measure it whole." if reason == Reason.SIZE_TOO_SLOW else ""
+    return reason, (
+        f"sandbox {sandbox} on node {node}: {why}; {counted}, a lower bound that the namespace's quota and "
+        f"the node's disk pressure count. It is measured again every pass.{fix}"
+    )
 
 
 # --- disk pressure --------------------------------------------------------------------------------------

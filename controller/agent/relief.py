@@ -30,6 +30,7 @@ from controller.agent.decide import Key, candidate, dry_run, release_refusal
 from controller.agent.report import Reporter
 from controller.agent.state import Part, Shared
 from controller.contracts import Reason
+from controller.fsdelete import TreeSize
 from controller.inuse import Usage
 from controller.kube import KubeError, Obj
 from controller.pressure import Candidate, Disk, Plan, Watermarks, choose, percent
@@ -69,6 +70,10 @@ def unrelieved_report(node: str, disk: Disk, marks: Watermarks, plan: Plan) -> O
     }
 
 
+def _bytes(size: TreeSize | None) -> int | None:
+    return None if size is None else size.bytes
+
+
 class Relief(Part):
     def __init__(
         self, shared: Shared, report: Reporter, in_use_now: Callable[[dict[Key, Path]], dict[Key, Usage]]
@@ -88,8 +93,8 @@ class Relief(Part):
 
     def candidates(self, now: datetime) -> list[Candidate]:
         sizes = self.sizes()
-        return [
-            candidate(obj, (sizes.get(key) or (None, 0))[0], self.state.usage.get(key), now)
+        return [  # a partial size (too slow to measure whole) is what was counted: a lower bound, never skipped
+            candidate(obj, _bytes(sizes.get(key)), self.state.usage.get(key), now)
             for key, obj in self.state.objects.items()
             if key in self.state.present
         ]
@@ -175,7 +180,7 @@ class Relief(Part):
         self.released[uid] = Reason.DISK_PRESSURE
         if isinstance(answer, dict) and answer.get("metadata", {}).get("uid") == uid:
             self.state.remember(answer)  # deleting now: the next pass projects its bytes as freed
-        size = (self.sizes().get(key) or (0, 0))[0]
+        size = _bytes(self.sizes().get(key)) or 0
         rv = fresh["metadata"]["resourceVersion"]
         message = (
             f"{key[0]}/{key[1]} released for disk pressure ({human_size(size)}): {words}; oldest unpinned, "

@@ -19,7 +19,7 @@ from enum import Enum
 from typing import Any
 
 from controller import commands, kube, logs
-from controller.agent.decide import status_changed
+from controller.agent.decide import size_partial, status_changed
 from controller.agent.state import Part
 from controller.contracts import FINALIZER, Condition, Phase, Reason
 from controller.inuse import Usage
@@ -133,8 +133,14 @@ class Reporter(Part):
             status["heldBy"] = list(usage.holders)
         size = self.sizes().get(key)
         if size is not None and key in self.state.present:
-            status["sizeBytes"], status["fileCount"] = size
-            status["size"] = human_size(size[0])
+            status["sizeBytes"], status["fileCount"] = size.bytes, size.files
+            status["size"] = human_size(size.bytes)
+            partial = size_partial("/".join(key), self.s.node, size, self.s.size_budget)
+            if partial is not None:
+                reason, message = partial
+                cond = kube.condition(Condition.SIZE_PARTIAL, True, reason, message, previous=conditions(obj))
+                status["conditions"].append(cond)
+                self.say_limited(f"size:{key}", "size_partial", reason=reason, object="/".join(key), bytes=size.bytes)
         who = self.owners().get(key)
         if who is not None and key in self.state.present:
             status["owner"] = {"uid": who[0], "gid": who[1]}
@@ -348,7 +354,8 @@ class Reporter(Part):
         for key, obj in self.state.objects.items():
             phase = (obj.get("status") or {}).get("phase") or "Unknown"
             phases[phase] = phases.get(phase, 0) + 1
-            sizes[phase] = sizes.get(phase, 0) + known.get(key, (0, 0))[0]
+            measured = known.get(key)
+            sizes[phase] = sizes.get(phase, 0) + (measured.bytes if measured is not None else 0)
         self.m.sandboxes.clear()
         self.m.retained_bytes.clear()
         for phase, n in phases.items():

@@ -72,7 +72,7 @@ class Agent:
         self.state = AgentState()
         self.queue: WorkQueue[Key] = WorkQueue()  # a held or failed key comes back with per-key backoff
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.sizer = Sizer(root, self._size_changed)
+        self.sizer = Sizer(root, self._size_changed, settings.size_budget.total_seconds() or None)
         shared = Shared(
             settings, client, root, agent_metrics, self.state, lambda: self.sizer.sizes, lambda: self.sizer.owners
         )

@@ -54,6 +54,9 @@ class AgentSettings(Settings):
     # The namespace the controller runs SandboxSession Pods in: only its Pods are verified for a session
     # (controller/agent/sessions.py). Empty: sessions are not verified here, so none is ever granted.
     sessions_namespace: str = ""
+    # How long one sandbox's size may take to measure (one thread measures them all, one after another):
+    # past it the bytes counted so far are reported, with condition SizePartial (SizeTooSlow). 0: no limit.
+    size_budget: HumanDuration = timedelta(minutes=2)
 
     @model_validator(mode="after")
     def _watermarks(self) -> AgentSettings:

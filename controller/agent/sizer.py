@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from controller import logs
 from controller.agent.sessions import workspace_stat
+from controller.fsdelete import TreeSize
 from controller.store import Root
 
 Key = tuple[str, str]
+log = logging.getLogger("sandkeep.agent")
 
 
-def measure(root: Root, namespace: str, name: str) -> tuple[int, int]:
-    """(allocated bytes, files) under a sandbox: `Root.usage`, fd-relative, never following links or entering
-    mounts, never recursing, with memory bounded per open level (a 2,000-level chain once killed this thread)."""
+def measure(root: Root, namespace: str, name: str, budget: float | None = None) -> TreeSize:
+    """(allocated bytes, files, complete, reason) under a sandbox: `Root.usage`, fd-relative, never following
+    links or entering mounts, linear in the tree, memory bounded (a 2,000-level chain once killed this thread).
+
+    One thread measures every sandbox of the node, so one tree must not hold it: past `budget` seconds the
+    walk stops and the bytes it counted are the size, marked incomplete (SizeTooSlow). A partial size is a
+    lower bound, still counted by the quota and disk pressure; 0 (never measured) would count nothing.
+    """
     try:
-        size = root.usage(namespace, name)
+        return root.usage(namespace, name, budget)
     except (OSError, ValueError):
-        return 0, 0
-    return size.bytes, size.files
+        return TreeSize(0, 0)
 
 
 def owner(root: Root, namespace: str, name: str) -> tuple[int, int] | None:
@@ -32,11 +40,12 @@ def owner(root: Root, namespace: str, name: str) -> tuple[int, int] | None:
 class Sizer(threading.Thread):
     """Measures sandbox sizes (and workspace owners) off the loop; tells the loop when one changed."""
 
-    def __init__(self, root: Root, changed: Callable[[Key], None]) -> None:
+    def __init__(self, root: Root, changed: Callable[[Key], None], budget: float | None = None) -> None:
         super().__init__(name="sizes", daemon=True)
         self.root = root
         self.changed = changed
-        self.sizes: dict[Key, tuple[int, int]] = {}
+        self.budget = budget  # seconds one sandbox's walk may take (None: no limit)
+        self.sizes: dict[Key, TreeSize] = {}
         self.owners: dict[Key, tuple[int, int]] = {}
         self.todo: queue.Queue[Key | None] = queue.Queue()  # None: stop
         self.pending: set[Key] = set()
@@ -59,9 +68,15 @@ class Sizer(threading.Thread):
                 return
             with self.lock:
                 self.pending.discard(key)
-            size, who = measure(self.root, *key), owner(self.root, *key)
-            if self.sizes.get(key) != size or (who is not None and self.owners.get(key) != who):
-                if who is not None:  # first: a report between the two must never see the size alone
-                    self.owners[key] = who
-                self.sizes[key] = size
-                self.changed(key)
+            try:
+                self.measure_one(key)
+            except Exception as err:  # a bug must not end the only thread that measures: said, tried next pass
+                logs.say(log, "size_failed", level=logging.ERROR, object="/".join(key), error=repr(err)[:300])
+
+    def measure_one(self, key: Key) -> None:
+        size, who = measure(self.root, *key, budget=self.budget), owner(self.root, *key)
+        if self.sizes.get(key) != size or (who is not None and self.owners.get(key) != who):
+            if who is not None:  # first: a report between the two must never see the size alone
+                self.owners[key] = who
+            self.sizes[key] = size
+            self.changed(key)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from controller import kube
 from controller.agent.settings import AgentSettings
+from controller.fsdelete import TreeSize
 from controller.inuse import Usage
 from controller.kube import Kube, Obj
 from controller.metrics import AgentMetrics
@@ -71,14 +72,14 @@ class AgentState:
 @dataclass(frozen=True)
 class Shared:
     """What every part of the agent works with: the settings, the API client, the node's root, the metrics,
-    the cache, and the sizes the background measurer last saw ((bytes, files) by sandbox)."""
+    the cache, and the sizes the background measurer last saw (bytes, files, complete, by sandbox)."""
 
     settings: AgentSettings
     kube: Kube
     root: Root
     metrics: AgentMetrics
     state: AgentState
-    sizes: Callable[[], dict[Key, tuple[int, int]]]
+    sizes: Callable[[], dict[Key, TreeSize]]
     owners: Callable[[], dict[Key, tuple[int, int]]] = dict  # (uid, gid) of each workspace, as last measured
 
 

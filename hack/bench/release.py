@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "hack"))
 
 from controller import contracts as c  # noqa: E402
 from controller.agent.decide import candidate  # noqa: E402
+from controller.fsdelete import TreeSize  # noqa: E402
 from controller.inuse import Usage  # noqa: E402
 from controller.policy import Quota  # noqa: E402
 from controller.pressure import Disk, Watermarks, choose  # noqa: E402
@@ -142,7 +143,7 @@ def measure_release(count: int, releases: int, workdir: Path) -> dict[str, float
             bench.state.objects[key] = obj
             bench.state.present.add(key)
             bench.state.usage[key] = Usage(False, ())
-            bench.sizer.sizes[key] = (size, 1)
+            bench.sizer.sizes[key] = TreeSize(size, 1)
 
         async def relieve() -> None:
             bench.loop = asyncio.get_running_loop()
