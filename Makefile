@@ -50,6 +50,7 @@ image:
 lint: venv
 	$(VENV)/bin/ruff check controller tests hack
 	$(VENV)/bin/ruff format --check controller tests hack
+	$(VENV)/bin/lint-imports
 
 types: venv
 	$(VENV)/bin/mypy

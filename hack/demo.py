@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, signals_raise, tools_bin
 
-from controller import contracts as c
-from controller.durations import Invalid, instant_or_none, parse_duration
-from controller.inuse import uninspectable_pids
-from controller.kube import condition_of, now_utc
+from controller.api.kube import condition_of, now_utc
+from controller.node.inuse import uninspectable_pids
+from controller.rules import contracts as c
+from controller.rules.durations import Invalid, instant_or_none, parse_duration
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -891,9 +891,9 @@ def play(demo: Demo) -> None:
 
 
 def sandkeep_command() -> list[str]:
-    """The `sandkeep` console script next to this Python (the virtualenv's), else `python -m controller.cli`."""
+    """The `sandkeep` console script next to this Python (the virtualenv's), else its module."""
     script = Path(sys.executable).parent / "sandkeep"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "controller.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "controller.cli.sandkeep"]
 
 
 def cleanup(demo: Demo) -> None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from controller.inuse import uninspectable_pids
+from controller.node.inuse import uninspectable_pids
 
 REPO = Path(__file__).resolve().parent.parent
 START = time.monotonic()
@@ -38,7 +38,7 @@ def say(step: str, text: str) -> None:
 
 def sandkeep_cmd() -> list[str]:
     script = Path(sys.executable).parent / "sandkeep"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "controller.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "controller.cli.sandkeep"]
 
 
 def run(*args: str, show: bool = True) -> subprocess.CompletedProcess[str]:

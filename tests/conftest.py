@@ -32,7 +32,7 @@ from controller_harness import install_crds, kube_for
 from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin, tools_dir
 from procs import alive
 
-from controller.kube import Kube
+from controller.api.kube import Kube
 
 _CLUSTER_KEY = pytest.StashKey[LocalCluster]()
 

@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 import yaml
 from localcluster import kube_version, tools_bin
 
-from controller import contracts as c
-from controller.durations import format_instant
-from controller.kube import Kube, load_config
+from controller.api.kube import Kube, load_config
+from controller.rules import contracts as c
+from controller.rules.durations import format_instant
 
 REPO = Path(__file__).resolve().parent.parent
 CRDS = REPO / "crds"
@@ -114,7 +114,7 @@ class Controller:
         cmd = [
             sys.executable,
             "-m",
-            "controller.cli",
+            "controller.cli.sandkeep",
             "controller",
             f"--kubeconfig={cluster.kubeconfig}",
             f"--namespace={namespace}",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.store import Root
+from controller.node.store import Root
 
 REPO = Path(__file__).resolve().parent.parent
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -4,7 +4,7 @@ A pin that does not parse, or one added to a sandbox already being deleted, used
 `kubectl annotate` and then ignored. The policy refuses both at annotate time, with a message that says
 what to write instead; removing a pin is always allowed, and the components' own writes are never refused.
 The refusals are checked word for word through the real `kubectl annotate`; a generated test compares the
-API server's verdict on thousands of texts with controller/durations.py's, which the controller applies.
+API server's verdict on thousands of texts with controller/rules/durations.py's, which the controller applies.
 
 The policy is bound to this module's namespace alone (chart value `admission.namespaceSelector`): the
 cluster is shared with tests that write malformed pins on purpose to see the controller's own checks.
@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from localcluster import LocalCluster
 
-from controller import contracts as c
-from controller.durations import MAX_DURATION, Invalid, parse_duration, parse_instant
-from controller.kube import Kube, KubeError, sandbox_path
+from controller.api.kube import Kube, KubeError, sandbox_path
+from controller.rules import contracts as c
+from controller.rules.durations import MAX_DURATION, Invalid, parse_duration, parse_instant
 
 RELEASE = "pins"
 POLICY = f"{RELEASE}-sandkeep-pins"

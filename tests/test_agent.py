@@ -29,14 +29,16 @@ import pytest
 from controller_harness import Controller, install_crds
 
 from controller import agent as agent_mod
-from controller import commands, kube, metrics
-from controller import contracts as c
 from controller.agent import watch as agent_watch
-from controller.inuse import uninspectable_pids
-from controller.reaper import Reaper
-from controller.sizes import human_size
-from controller.standalone import Replacer, in_use_checker
-from controller.store import Root
+from controller.api import kube
+from controller.cli.standalone import Replacer, in_use_checker
+from controller.node import orphans
+from controller.node.inuse import uninspectable_pids
+from controller.node.reaper import Reaper
+from controller.node.store import Root
+from controller.observe import metrics
+from controller.rules import contracts as c
+from controller.rules.sizes import human_size
 
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "sandkeep.io_retainedsandboxes.yaml"
@@ -44,7 +46,7 @@ T = TypeVar("T")
 
 
 IGNORE = sorted(uninspectable_pids())
-DOCTOR = [sys.executable, "-m", "controller.cli", "doctor"]
+DOCTOR = [sys.executable, "-m", "controller.cli.sandkeep", "doctor"]
 
 
 def wait_for(check: Callable[[], T], timeout: float = 30.0, what: str = "condition") -> T:
@@ -120,7 +122,7 @@ class AgentProcess:
             "--pressure-high": "100",
             "--pressure-low": "99",
         }
-        cli = [*(wrap or []), sys.executable, "-m", "controller.cli"]  # wrap: e.g. strace, to record its calls
+        cli = [*(wrap or []), sys.executable, "-m", "controller.cli.sandkeep"]  # wrap: e.g. strace, to record its calls
         args = [*cli, "agent", *(part for kv in flags.items() for part in kv)]
         for pid in IGNORE:
             args += ["--ignore-pid", str(pid)]
@@ -531,7 +533,7 @@ def orphans_of_a_killed_exec(node: Node, namespace: str, name: str, script: str)
     wait until its leader and both children are recorded, SIGKILL the recorder; the recorded pids."""
     flags = getattr(node, "exec_flags", ())  # a caller whose sandbox is already expired opens it under its own window
     argv = ["exec", f"{namespace}/{name}", "--root", str(node.root.path), *flags, "--", "sh", "-c", script]
-    cli = [sys.executable, "-m", "controller.cli"]
+    cli = [sys.executable, "-m", "controller.cli.sandkeep"]
     recorder = subprocess.Popen([*cli, *argv], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert recorder.stdout is not None and recorder.stdout.readline().strip() == "ready"
     records = node.root.path / namespace / name / c.COMMANDS_DIR
@@ -615,7 +617,7 @@ def _running(pid: int) -> bool:
 class InProcessAgent:
     """The agent in a thread of the test process, for seams only a constructor can take (`kill`)."""
 
-    def __init__(self, cluster: Any, node: Node, namespace: str, kill: commands.Kill) -> None:
+    def __init__(self, cluster: Any, node: Node, namespace: str, kill: orphans.Kill) -> None:
         settings = agent_mod.AgentSettings(
             node=node.name,
             root=node.root.path,
@@ -992,7 +994,7 @@ def test_the_longest_names_are_retained_adopted_opened_pinned_and_deleted(cluste
     63-character namespace on a 253-character node is retained on disk, adopted by the real agent (its node
     label bounded), opened with `sandkeep exec`, pinned with kubectl, and deleted from disk on request."""
     seed = secrets.token_hex(3)
-    sandkeep_exec = [sys.executable, "-m", "controller.cli", "exec"]
+    sandkeep_exec = [sys.executable, "-m", "controller.cli.sandkeep", "exec"]
 
     def longest(prefix: str) -> str:  # a 253-character DNS-1123 subdomain
         part = (prefix + seed + "x" * 63)[:63]

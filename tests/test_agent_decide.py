@@ -14,7 +14,6 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller import contracts as c
 from controller.agent.decide import (
     Observation,
     Step,
@@ -26,12 +25,13 @@ from controller.agent.decide import (
     orphans_pending,
     status_changed,
 )
-from controller.contracts import Reason
-from controller.inuse import Usage
-from controller.models import Manifest
-from controller.reaper import ORDER, RENAME, Claim, Clear, Finish, Held, Keep, Look, Refused, Stop
-from controller.reaper import next_step as pipeline_step
-from controller.store import Absent, Mismatch, Present, Transient
+from controller.node.inuse import Usage
+from controller.node.reaper import ORDER, RENAME, Claim, Clear, Finish, Held, Keep, Look, Refused, Stop
+from controller.node.reaper import next_step as pipeline_step
+from controller.node.store import Absent, Mismatch, Present, Transient
+from controller.rules import contracts as c
+from controller.rules.contracts import Reason
+from controller.rules.models import Manifest
 
 NODE = "n1"
 NOW_PATH = Path("/nonexistent/ns/run-1")  # never opened: the orphan reader is the test's

@@ -16,20 +16,20 @@ import pytest
 import test_agent
 from test_agent import Node, cond, get, wait_for
 
-from controller import contracts as c
 from controller.agent import AgentSettings, command
 from controller.agent.decide import OWNED_CONDITIONS, size_partial
 from controller.agent.relief import Relief
 from controller.agent.report import Reporter
 from controller.agent.sizer import Sizer
 from controller.agent.state import AgentState, Shared
-from controller.contracts import Reason
-from controller.fsdelete import TreeSize
-from controller.inuse import Usage
-from controller.policy import Quota
-from controller.pressure import Disk, Watermarks, choose
-from controller.quota import choose as choose_quota
-from controller.store import Root
+from controller.node.fsdelete import TreeSize
+from controller.node.inuse import Usage
+from controller.node.store import Root
+from controller.rules import contracts as c
+from controller.rules.contracts import Reason
+from controller.rules.policy import Quota
+from controller.rules.pressure import Disk, Watermarks, choose
+from controller.rules.quota import choose as choose_quota
 
 crd, agents, procs = test_agent.crd, test_agent.agents, test_agent.procs  # the agent tests' own fixtures
 KEY = ("team", "big")

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from controller import contracts as c
 from controller.agent import cgroups
 from controller.agent.cgroups import Container, answers, parse
 from controller.agent.sessions import check, pids_of
+from controller.rules import contracts as c
 
 V1 = ("12:pids", "7:cpu,cpuacct", "4:memory", "3:devices", "1:name=systemd", "0:")
 Path_ = tuple[str, ...]

@@ -25,11 +25,11 @@ import yaml
 from controller_harness import install_crds, only_in, wait_for
 from localcluster import LocalCluster, kube_version
 
-from controller import contracts as c
-from controller import logs
-from controller.durations import MAX_DURATION, MAX_INSTANT, MIN_INSTANT, format_instant
-from controller.metrics import series_names
-from controller.models import NAME_MAX
+from controller.observe import logs
+from controller.observe.metrics import series_names
+from controller.rules import contracts as c
+from controller.rules.durations import MAX_DURATION, MAX_INSTANT, MIN_INSTANT, format_instant
+from controller.rules.models import NAME_MAX
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "sandkeep"
@@ -410,8 +410,8 @@ def test_a_wrong_value_fails_at_template_time(tools: Path, value: str, complaint
 
 
 def test_schema_durations_agree_with_the_parser(tools: Path) -> None:
-    # The schema's pattern and controller/durations.py must accept and refuse the same spellings.
-    from controller.durations import Invalid, parse_duration
+    # The schema's pattern and controller/rules/durations.py must accept and refuse the same spellings.
+    from controller.rules.durations import Invalid, parse_duration
 
     template = ("template", "sk", str(CHART), f"--kube-version={kube_version()}")
     for text in ("72h", "30d", "2w", "1h30m", "45s", "0", "10m"):
@@ -628,7 +628,7 @@ def test_container_args_are_accepted_by_the_real_command_line(
     # so a renamed flag or an env value the process would refuse at start fails here, not in a cluster.
     import importlib
 
-    from controller import cli
+    from controller.cli import sandkeep
 
     values = [
         "--set=agent.scanInterval=15s",
@@ -645,9 +645,9 @@ def test_container_args_are_accepted_by_the_real_command_line(
     args = [a.replace("$(NODE_NAME)", "node-a") for a in container["args"]]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert env["SANDKEEP_LOG_FORMAT"] == "json"
-    parsed = cli._parser(command).parse_args(args)
+    parsed = sandkeep._parser(command).parse_args(args)
     assert parsed.command == command
-    module = importlib.import_module(cli.COMMANDS[command][0])
+    module = importlib.import_module(sandkeep.COMMANDS[command][0])
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     settings = module.settings_from(parsed)
@@ -1054,9 +1054,9 @@ SESSIONS_ON = "--set=sessions.enabled=true"
 
 
 def test_session_bounds_are_the_contracts_defaults_and_reach_the_controller_as_it_parses_them(tools: Path) -> None:
-    from controller import cli
-    from controller.controller import settings_from
-    from controller.sessions import DEFAULT_RESOURCES
+    from controller.cli import sandkeep
+    from controller.cluster.controller import settings_from
+    from controller.cluster.sessions import DEFAULT_RESOURCES
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     sessions = values["sessions"]
@@ -1074,7 +1074,7 @@ def test_session_bounds_are_the_contracts_defaults_and_reach_the_controller_as_i
         args = container_of(find(objects(render(tools, SESSIONS_ON, *given)), "Deployment"))["args"]
         assert any(a.startswith(c.SESSIONS_RESOURCES + "=") for a in args)
         assert any(a.startswith(c.SESSIONS_TOLERATIONS + "=") for a in args)
-        session = settings_from(cli._parser("controller").parse_args(args)).session_settings()
+        session = settings_from(sandkeep._parser("controller").parse_args(args)).session_settings()
         assert session is not None
         assert session.resources == DEFAULT_RESOURCES and session.min_owner_id == c.SESSIONS_MIN_OWNER_ID.default
         assert session.policy_name == session.admission_binding == "sk-sandkeep-sessions"

@@ -25,7 +25,7 @@ from localcluster import LocalCluster
 from own_cluster import own_cluster
 from test_chart import CHART, MONITORING_CRDS, NO_HOOKS, helm
 
-from controller import contracts as c
+from controller.rules import contracts as c
 
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "operations.md"

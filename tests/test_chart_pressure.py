@@ -15,9 +15,9 @@ from localcluster import kube_version
 from test_chart import CHART, find, helm, objects, render
 
 from controller import agent
-from controller import controller as controller_mod
-from controller.controller import ControllerSettings
-from controller.policy import Quota
+from controller.cluster import controller as controller_mod
+from controller.cluster.controller import ControllerSettings
+from controller.rules.policy import Quota
 
 
 def parsed_args(manifest: str, kind: str, component: Any, prefix: str) -> Any:

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from procs import alive
 
-from controller.commands import Handle, Mark, boot_id, orphan_pids, reap_orphans
-from controller.store import Root
+from controller.cli import exec as sandkeep_exec
+from controller.node.orphans import Handle, Mark, boot_id, orphan_pids, reap_orphans
+from controller.node.store import Root
 
-SANDKEEP = [sys.executable, "-m", "controller.cli"]
+SANDKEEP = [sys.executable, "-m", "controller.cli.sandkeep"]
 
 
 def _start_ticks(pid: int) -> int:
@@ -148,7 +149,7 @@ def test_a_survivor_is_reported_with_its_command_line_and_stays_recorded(sandbox
 NEVER_SELF = """
 import json, os, subprocess, sys
 from pathlib import Path
-from controller.commands import boot_id, reap_orphans
+from controller.node.orphans import boot_id, reap_orphans
 
 def mark(pid):
     text = Path(f"/proc/{pid}/stat").read_text()
@@ -250,19 +251,17 @@ def test_exec_reaps_what_a_killed_exec_left_before_starting(sandbox, pids):
 def test_exec_refuses_to_start_beside_a_survivor_and_names_it(sandbox, pids, monkeypatch, capsys):
     import argparse
 
-    from controller import commands
-
     root, box = sandbox
     victim = _victim(pids, 309, box / "workspace")
     _record_leader(box, victim.pid)
-    monkeypatch.setattr(commands, "EXEC_KILL", [lambda target, sig: None])  # SIGKILL that does not kill
+    monkeypatch.setattr(sandkeep_exec, "EXEC_KILL", [lambda target, sig: None])  # SIGKILL that does not kill
     marker = box / "workspace" / "ran"
     args = argparse.Namespace(
         rest=["ns/box", "--root", str(root), "--orphan-timeout", "1s", "--", "touch", str(marker)],
         root=None,
         orphan_timeout="10s",
     )
-    assert commands.run("exec", args) == commands.EXIT_REFUSED
+    assert sandkeep_exec.run("exec", args) == sandkeep_exec.EXIT_REFUSED
     err = capsys.readouterr().err
     assert "refused to start (OrphanSurvivor)" in err and f"pid {victim.pid} (sleep 309)" in err
     assert f"kill -9 {victim.pid}" in err

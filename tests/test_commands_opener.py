@@ -3,7 +3,7 @@
 Real roots, real tombstones, real processes: every refusal exits EXIT_REFUSED with nothing started (a
 marker the command would touch stays absent), names the sandbox and the reason code; `ls` with the same
 flags calls the same sandbox Expired. The post-launch look is driven through a small driver process that
-adds a hook to `commands.AFTER_LAUNCH`: it sweeps the sandbox (and retains another of the same name)
+adds a hook to `sandkeep_exec.AFTER_LAUNCH`: it sweeps the sandbox (and retains another of the same name)
 while the real command runs, and `sandkeep exec` ends that command's session with the reason.
 """
 
@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from procs import alive
 
-from controller.commands import EXIT_REFUSED
-from controller.store import Root, standalone_id
+from controller.cli.exec import EXIT_REFUSED
+from controller.node.store import Root, standalone_id
 
 REPO = Path(__file__).parent.parent
-SANDKEEP = [sys.executable, "-m", "controller.cli"]
+SANDKEEP = [sys.executable, "-m", "controller.cli.sandkeep"]
 
 
 def _retain(root: Root, tmp: Path, *, created: timedelta, retention: timedelta | None, name: str = "box") -> Path:
@@ -147,8 +147,9 @@ _DRIVER = textwrap.dedent(
     import ctypes, os, sys, threading, time
     from datetime import UTC, datetime
     from pathlib import Path
-    from controller import cli, commands
-    from controller.store import Root, standalone_id, tombstone_name
+    from controller.cli import sandkeep
+    from controller.cli import exec as sandkeep_exec
+    from controller.node.store import Root, standalone_id, tombstone_name
 
     root_dir, other, ready, when = sys.argv[1:5]
 
@@ -167,11 +168,11 @@ _DRIVER = textwrap.dedent(
         os.rename(theirs, f"{root_dir}/{tombstone_name(standalone_id(), datetime.now(UTC))}")
 
     if when == "at-launch":
-        commands.AFTER_LAUNCH.append(sweep)
+        sandkeep_exec.AFTER_LAUNCH.append(sweep)
     else:  # during the walks: the look must repeat after the first one found nothing
-        commands.LOOK_FOR = 60.0  # the swap comes as soon as the command runs; a loaded machine is slow
-        commands.AFTER_LAUNCH.append(lambda: threading.Thread(target=sweep, daemon=True).start())
-    sys.exit(cli.main(sys.argv[5:]))
+        sandkeep_exec.LOOK_FOR = 60.0  # the swap comes as soon as the command runs; a loaded machine is slow
+        sandkeep_exec.AFTER_LAUNCH.append(lambda: threading.Thread(target=sweep, daemon=True).start())
+    sys.exit(sandkeep.main(sys.argv[5:]))
     """
 )
 

@@ -30,11 +30,11 @@ from controller_harness import (
 )
 from localcluster import LocalCluster, settled_writes, writes_by_resource
 
-from controller import contracts as c
-from controller.controller import Context, add_arguments, decide, settings_from, status_changed
-from controller.durations import format_instant, instant_or_none, parse_instant
-from controller.kube import Kube, KubeError, policy_path
-from controller.policy import Policy, deadline, phase_of
+from controller.api.kube import Kube, KubeError, policy_path
+from controller.cluster.controller import Context, add_arguments, decide, settings_from, status_changed
+from controller.rules import contracts as c
+from controller.rules.durations import format_instant, instant_or_none, parse_instant
+from controller.rules.policy import Policy, deadline, phase_of
 
 HOUR = timedelta(hours=1)
 
@@ -112,7 +112,7 @@ def test_phase_follows_the_verdict_and_the_agents_observations() -> None:
 
 
 def _facts() -> Any:
-    from controller.kube import sandbox_facts
+    from controller.api.kube import sandbox_facts
 
     return sandbox_facts(_obj())
 
@@ -515,7 +515,7 @@ def test_randomized_pins_racing_expiring_deletes_never_lose_a_pinned_sandbox(
 
 
 def _path(namespace: str, name: str) -> str:
-    from controller.kube import sandbox_path
+    from controller.api.kube import sandbox_path
 
     return sandbox_path(namespace, name)
 
@@ -614,7 +614,7 @@ def test_a_standby_takes_over_within_30s_of_the_leader_being_killed(kube: Kube, 
 def test_an_expired_sandbox_the_agent_sees_in_use_is_held_until_released(
     kube: Kube, namespace: str, start: Any
 ) -> None:
-    from controller.kube import AGENT_MANAGER
+    from controller.api.kube import AGENT_MANAGER
 
     start("--retention=3s")
     obj = kube.create_sandbox(namespace, sandbox("busy"))
@@ -633,8 +633,8 @@ def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:
     # a new Event is dropped and counted, so memory does not grow with the wave (client-go bounds its own).
     from kubernetes import client as k8s
 
-    from controller.controller import EVENTS_BACKLOG, ControllerSettings, Reconciler
-    from controller.metrics import ControllerMetrics
+    from controller.cluster.controller import EVENTS_BACKLOG, ControllerSettings, Reconciler
+    from controller.observe.metrics import ControllerMetrics
 
     answered = threading.Event()
 

@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from localcluster import KubectlError, LocalCluster
 
-from controller import contracts as c
-from controller.durations import Invalid
-from controller.sizes import human_size, parse_size
+from controller.rules import contracts as c
+from controller.rules.durations import Invalid
+from controller.rules.sizes import human_size, parse_size
 
 
 def crd(name: str) -> dict[str, Any]:

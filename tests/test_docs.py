@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import contracts as c
-from controller.metrics import series_names
+from controller.observe.metrics import series_names
+from controller.rules import contracts as c
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "charts" / "sandkeep" / "README.md"]
@@ -56,3 +56,23 @@ def test_the_docs_use_the_api_group_and_short_name_the_crd_serves() -> None:
     readme = _text(REPO / "README.md")
     assert f"kubectl get {c.SANDBOX_SHORT} -A" in readme
     assert c.ANN_PIN_FOR in readme and c.ANN_PIN_UNTIL in readme and c.FINALIZER in readme
+
+
+def test_the_module_map_names_every_module_and_no_module_that_is_gone() -> None:
+    # Issue 26: the package is in layers; the README's map is how a person finds a file, so it follows every move.
+    readme = _text(REPO / "README.md")
+    mapped = set(re.findall(r"^\| `([a-z_]+/[a-z_]+\.py)` \|", readme, flags=re.M))
+    package = REPO / "controller"
+    modules = {
+        str(p.relative_to(package))
+        for p in package.glob("*/*.py")
+        if p.name != "__init__.py" and p.parent.name != "agent"
+    }
+    assert mapped == modules, (
+        f"README.md's module map lacks {sorted(modules - mapped)}, names gone {sorted(mapped - modules)}"
+    )
+    agent_row = next(line for line in readme.splitlines() if line.startswith("| `agent/` |"))
+    unnamed = [
+        p.name for p in (package / "agent").glob("*.py") if p.name != "__init__.py" and f"`{p.name}`" not in agent_row
+    ]
+    assert not unnamed, f"README.md's agent/ row does not name {unnamed}"

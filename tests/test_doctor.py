@@ -15,13 +15,13 @@ import pytest
 from localcluster import LocalCluster
 from own_cluster import own_cluster
 
-from controller import contracts as c
-from controller import kube, leases
 from controller.agent import stuck_message
-from controller.doctor import build_report, choose_install, render
-from controller.durations import format_instant
-from controller.kube import AGENT_MANAGER, Kube
-from controller.store import tombstone_name
+from controller.api import kube, leases
+from controller.api.kube import AGENT_MANAGER, Kube
+from controller.cli.doctor import build_report, choose_install, render
+from controller.node.store import tombstone_name
+from controller.rules import contracts as c
+from controller.rules.durations import format_instant
 
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "sandkeep.io_retainedsandboxes.yaml"
@@ -47,7 +47,15 @@ def _create(client: Kube, namespace: str, name: str, node: str, **meta: Any) -> 
 
 
 def _run_doctor(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "controller.cli", "doctor", "--kubeconfig", str(cluster.kubeconfig), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "controller.cli.sandkeep",
+        "doctor",
+        "--kubeconfig",
+        str(cluster.kubeconfig),
+        *args,
+    ]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
@@ -134,7 +142,7 @@ def test_doctor_says_when_it_cannot_reach_the_cluster(tmp_path):
     bad = tmp_path / "kubeconfig"
     bad.write_text("apiVersion: v1\nkind: Config\nclusters: []\ncontexts: []\nusers: []\n")
     result = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "doctor", "--kubeconfig", str(bad)],
+        [sys.executable, "-m", "controller.cli.sandkeep", "doctor", "--kubeconfig", str(bad)],
         cwd=REPO,
         capture_output=True,
         text=True,

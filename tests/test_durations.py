@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.durations import (
+from controller.rules.durations import (
     MAX_DURATION,
     MAX_INSTANT,
     MIN_INSTANT,

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from e2e_bed import SYSTEM_NS, UNPULLABLE_IMAGE, Bed, eventually, make_bed, say
 
-from controller import contracts as c
+from controller.rules import contracts as c
 
 # The first test also pays for the bed: on a fresh machine that includes the image's cold build (a Debian
 # base made with mmdebstrap, then the pip install), minutes more than the suite's default timeout.

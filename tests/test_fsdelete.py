@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from diskkit import User, listing, make_immutable, outside_bait, require_root
 
-from controller import fsdelete
-from controller.contracts import Reason
+from controller.node import fsdelete
+from controller.rules.contracts import Reason
 
 pytest_plugins = ["diskkit"]  # fixtures: throwaway_user, shared_tmp, immutable, mounts
 

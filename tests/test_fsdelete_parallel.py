@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from diskkit import User, listing, make_immutable, outside_bait, require_root
 
-from controller import fsdelete
-from controller.contracts import Reason
+from controller.node import fsdelete
+from controller.rules.contracts import Reason
 
 pytest_plugins = ["diskkit"]
 

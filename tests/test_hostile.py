@@ -27,12 +27,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from localcluster import LocalCluster
 
-from controller import contracts as c
-from controller import fsdelete
-from controller.durations import format_instant
-from controller.kube import Kube
-from controller.leases import agent_heartbeats, heartbeat_name, lease_path, read_lease, renew_heartbeat
-from controller.models import (
+from controller.api.kube import Kube
+from controller.api.leases import agent_heartbeats, heartbeat_name, lease_path, read_lease, renew_heartbeat
+from controller.node import fsdelete
+from controller.node.store import Root, StoreError, parse_tombstone
+from controller.rules import contracts as c
+from controller.rules.durations import format_instant
+from controller.rules.models import (
     LABEL_VALUE_MAX,
     NAME_MAX,
     Manifest,
@@ -40,7 +41,6 @@ from controller.models import (
     is_object_name,
     label_value,
 )
-from controller.store import Root, StoreError, parse_tombstone
 
 pytest_plugins = ["diskkit"]
 H = timedelta(hours=1)
@@ -112,7 +112,7 @@ def test_retain_refuses_a_created_at_out_of_range_and_the_root_stays_listable(tm
 
 
 def test_a_manifest_with_out_of_range_times_reads_as_expired_not_as_a_crash(tmp_path: Path) -> None:
-    from controller.policy import Policy, deadline
+    from controller.rules.policy import Policy, deadline
 
     body = {
         "namespace": "ns",
@@ -263,7 +263,7 @@ def test_a_root_holds_the_longest_names(tmp_path: Path) -> None:
 
 _CHILD = r"""
 import json, os, resource, sys
-from controller import fsdelete
+from controller.node import fsdelete
 parent, name, what = sys.argv[1], sys.argv[2], sys.argv[3]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if what == "size":

@@ -34,9 +34,10 @@ from test_commands import (  # the reaper's fixtures and helpers, shared rather 
     sandbox,
 )
 
-from controller import commands
-from controller.commands import MAX_MEMBERS, MAX_RECORD_BYTES, MAX_RECORDS, Mark, boot_id, orphan_pids, reap_orphans
-from controller.contracts import COMMANDS_DIR, Reason
+from controller.cli import exec as sandkeep_exec
+from controller.node import orphans
+from controller.node.orphans import MAX_MEMBERS, MAX_RECORD_BYTES, MAX_RECORDS, Mark, boot_id, orphan_pids, reap_orphans
+from controller.rules.contracts import COMMANDS_DIR, Reason
 
 __all__ = ["sandbox"]  # a fixture (pids comes from conftest)
 NOBODY = 65534
@@ -70,7 +71,7 @@ def test_a_forged_record_naming_a_process_outside_the_sandbox_never_signals_it_a
     (survivor,) = result.survivors
     assert survivor.pid == victim.pid and survivor.why is not None and "cwd" in survivor.why
     assert len(_records(box)) == 1  # kept for a person to look at: it holds the sandbox until removed
-    message = commands.held_message("sandbox ns/box", result, 1)
+    message = orphans.held_message("sandbox ns/box", result, 1)
     assert f"pid {victim.pid} (sleep 330)" in message and "not signalled" in message and "forged" in message
 
 
@@ -104,7 +105,7 @@ def test_a_child_that_left_the_session_and_lost_its_parents_cannot_be_proven_and
 
     def strays() -> list[int]:
         members = [m["pid"] for m in _records(box)[0]["members"] if alive(m["pid"])]
-        return [pid for pid in members if commands.command_line(Path("/proc"), pid) == "sleep 333"]
+        return [pid for pid in members if orphans.command_line(Path("/proc"), pid) == "sleep 333"]
 
     _wait_for(lambda: len(strays()) == 1)  # recorded once `setsid` became the sleep (pruned of the subshell)
     stray = strays()
@@ -182,7 +183,7 @@ def test_a_directory_flooded_with_entries_is_not_listed_whole(sandbox, pids):
 _WORST = """
 import json, resource, sys
 from pathlib import Path
-from controller.commands import orphan_pids, reap_orphans
+from controller.node.orphans import orphan_pids, reap_orphans
 
 box = Path(sys.argv[1])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -221,8 +222,8 @@ def test_the_most_a_forger_can_write_is_judged_in_bounded_memory(sandbox, pids, 
 
 
 def test_the_largest_record_a_recorder_can_write_fits_the_cap() -> None:
-    biggest = Mark(commands.PID_MAX, (1 << 64) - 1)
-    body = commands._body("f" * 36, biggest, [biggest] * MAX_MEMBERS)
+    biggest = Mark(orphans.PID_MAX, (1 << 64) - 1)
+    body = orphans._body("f" * 36, biggest, [biggest] * MAX_MEMBERS)
     assert len(json.dumps(body).encode()) <= MAX_RECORD_BYTES
 
 
@@ -232,7 +233,7 @@ def test_a_recorder_of_a_command_with_more_processes_than_the_cap_records_the_ca
     # The record stays bounded however many processes the command starts; those it could not record are
     # still of the command's session, which the reaper reaches through /proc (the old kill(-pgid)).
     caplog.set_level(logging.WARNING, "sandkeep")
-    monkeypatch.setattr(commands, "MAX_MEMBERS", 3)
+    monkeypatch.setattr(orphans, "MAX_MEMBERS", 3)
     _root, box = sandbox
     script = "for i in 1 2 3 4 5 6; do sleep 338 & done; echo ready; wait"
     leader = subprocess.Popen(
@@ -240,9 +241,9 @@ def test_a_recorder_of_a_command_with_more_processes_than_the_cap_records_the_ca
     )
     pids.append(leader.pid)
     assert leader.stdout is not None and leader.stdout.readline().strip() == b"ready"
-    with commands._open_commands_dir(box, create=False) as cfd:
+    with orphans._open_commands_dir(box, create=False) as cfd:
         assert cfd is not None
-        recorder = commands.Recorder(cfd, Mark(leader.pid, _start_ticks(leader.pid)), boot_id() or "")
+        recorder = orphans.Recorder(cfd, Mark(leader.pid, _start_ticks(leader.pid)), boot_id() or "")
         assert recorder.walk()
         (record,) = _records(box)
         assert len(record["members"]) == 3
@@ -335,7 +336,7 @@ def test_exec_refuses_to_start_beside_records_it_does_not_trust_and_signals_noth
     args = argparse.Namespace(
         rest=["ns/box", "--root", str(root), "--", "touch", str(marker)], root=None, orphan_timeout="1s"
     )
-    assert commands.run("exec", args) == commands.EXIT_REFUSED
+    assert sandkeep_exec.run("exec", args) == sandkeep_exec.EXIT_REFUSED
     err = capsys.readouterr().err
     assert "refused to start" in err and "others may write it" in err and "remove them" in err
     assert not marker.exists() and alive(orphan.pid)

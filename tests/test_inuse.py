@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from diskkit import make_job
 
-from controller.contracts import Reason
-from controller.fsdelete import delete_tree
-from controller.inuse import _fs_location, _mounts, scan_usage, uninspectable_pids
-from controller.store import Root
+from controller.node.fsdelete import delete_tree
+from controller.node.inuse import _fs_location, _mounts, scan_usage, uninspectable_pids
+from controller.node.store import Root
+from controller.rules.contracts import Reason
 
 
 @pytest.fixture
@@ -171,7 +171,7 @@ def _without_capabilities(code: str, *args: str) -> str:
 def test_a_process_the_scan_cannot_inspect_makes_the_answer_unknown(sandboxes):
     # A scan with no capabilities cannot read the processes that have some: "unknown", never "free".
     code = (
-        "import sys\nfrom pathlib import Path\nfrom controller.inuse import scan_usage\n"
+        "import sys\nfrom pathlib import Path\nfrom controller.node.inuse import scan_usage\n"
         "u = scan_usage({'a': Path(sys.argv[1])})['a']\n"
         "print(u.in_use, u.reason, u.holds)"
     )
@@ -204,7 +204,7 @@ def test_the_holding_pids_are_carried_and_only_processes_alone_can_release_a_san
 def test_a_process_holder_beside_a_process_nobody_can_inspect_is_not_the_only_holder(sandboxes):
     # A scan without capabilities sees its own (equally powerless) child, not the machine's other processes.
     code = (
-        "import subprocess, sys\nfrom pathlib import Path\nfrom controller.inuse import scan_usage\n"
+        "import subprocess, sys\nfrom pathlib import Path\nfrom controller.node.inuse import scan_usage\n"
         "holder = subprocess.Popen(['sleep', '60'], cwd=sys.argv[1])\n"
         "u = scan_usage({'a': Path(sys.argv[1])})['a']\n"
         "holder.kill()\nholder.wait()\n"
@@ -311,7 +311,7 @@ def test_processes_nobody_may_inspect_are_named_so_an_operator_can_act(procs):
     # warns about at start (every answer would be unknown), and what `--ignore-pid` vouches for.
     other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
     procs.append(other)
-    code = "from controller.inuse import uninspectable_pids; print(*uninspectable_pids())"
+    code = "from controller.node.inuse import uninspectable_pids; print(*uninspectable_pids())"
     blind = _without_capabilities(code)
     assert str(other.pid) in blind.split()
     assert other.pid not in uninspectable_pids()  # root with its capabilities sees it fine
@@ -348,10 +348,10 @@ def test_a_scan_that_cannot_read_its_own_mountinfo_answers_unknown_not_free(sand
 EMFILE_REAP = """
 import json, os, resource, sys
 from pathlib import Path
-from controller.contracts import Reason
-from controller.reaper import Claim, Reaper, Target
-from controller.standalone import in_use_checker
-from controller.store import Root
+from controller.rules.contracts import Reason
+from controller.node.reaper import Claim, Reaper, Target
+from controller.cli.standalone import in_use_checker
+from controller.node.store import Root
 
 root, free, ignore = Root(sys.argv[1], create=False), int(sys.argv[2]), json.loads(sys.argv[3])
 check = in_use_checker(ignore)

@@ -1,4 +1,4 @@
-"""controller.kube and controller.leases against the real API server: the contracts both components use.
+"""controller.api.kube and controller.api.leases against the real API server: the contracts both components use.
 
 Status ownership by server-side apply (two managers never clobber each other), Events that never raise,
 guarded patches and deletes, Lease election races (exactly one winner) and the agent heartbeat.
@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 from controller_harness import sandbox, wait_for
 
-from controller import contracts as c
-from controller.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, KubeError, now_utc
-from controller.kube import condition as make_condition
-from controller.leases import (
+from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, KubeError, now_utc
+from controller.api.kube import condition as make_condition
+from controller.api.leases import (
     LeaderElector,
     Observed,
     agent_heartbeats,
@@ -28,6 +27,7 @@ from controller.leases import (
     renew_heartbeat,
     try_acquire_or_renew,
 )
+from controller.rules import contracts as c
 
 
 def test_controller_and_agent_status_applies_never_clobber_each_other(kube: Kube, namespace: str) -> None:

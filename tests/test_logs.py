@@ -17,8 +17,8 @@ from controller_harness import Controller, sandbox, wait_for
 from localcluster import LocalCluster
 
 from controller import __version__
-from controller import contracts as c
-from controller.kube import Kube
+from controller.api.kube import Kube
+from controller.rules import contracts as c
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 # a secret-looking key, and a None that both formats drop; then an exception with its traceback.
 SCRIPT = """
 import logging, pathlib
-from controller import logs
-from controller.contracts import Reason
+from controller.observe import logs
+from controller.rules.contracts import Reason
 logs.setup()
 log = logging.getLogger("sandkeep.test")
 logs.say(log, "delete_failed", level=logging.WARNING, reason=Reason.DELETE_FAILED, files=3,
@@ -77,9 +77,9 @@ def test_json_and_text_lines_carry_the_same_event_reason_and_fields() -> None:
 
 
 def test_an_unknown_log_format_is_refused_by_flag_and_by_environment() -> None:
-    flag = _run("-m", "controller.cli", "--log-format", "yaml", "doctor")
+    flag = _run("-m", "controller.cli.sandkeep", "--log-format", "yaml", "doctor")
     assert flag.returncode == 2 and "invalid choice: 'yaml'" in flag.stderr
-    env = _run("-m", "controller.cli", "doctor", env={"SANDKEEP_LOG_FORMAT": "yaml"})
+    env = _run("-m", "controller.cli.sandkeep", "doctor", env={"SANDKEEP_LOG_FORMAT": "yaml"})
     assert env.returncode == 2 and "'yaml' is not one of text, json" in env.stderr
 
 

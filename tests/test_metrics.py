@@ -9,8 +9,8 @@ from importlib.metadata import version
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller import __version__
-from controller import contracts as c
-from controller.metrics import AgentMetrics, ControllerMetrics, series_names, serve
+from controller.observe.metrics import AgentMetrics, ControllerMetrics, series_names, serve
+from controller.rules import contracts as c
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 

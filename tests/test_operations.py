@@ -20,7 +20,7 @@ from controller_harness import instant
 from localcluster import LocalCluster
 from own_cluster import own_cluster
 
-from controller import contracts as c
+from controller.rules import contracts as c
 
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "operations.md"

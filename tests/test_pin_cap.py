@@ -16,11 +16,11 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller import contracts as c
-from controller.controller import Context, decide
-from controller.durations import format_instant, parse_instant
-from controller.kube import pin_holds
-from controller.policy import Facts, Policy, deadline
+from controller.api.kube import pin_holds
+from controller.cluster.controller import Context, decide
+from controller.rules import contracts as c
+from controller.rules.durations import format_instant, parse_instant
+from controller.rules.policy import Facts, Policy, deadline
 
 START = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 RETENTION = timedelta(hours=2)
@@ -146,7 +146,7 @@ def test_the_rule_without_a_record_never_counts_from_after_now(pin: str | None, 
 def test_the_controllers_view_keeps_the_record_the_cap_counts_from() -> None:
     # The view keeps only what a decision reads: without status.pinSeen in it, every look was a first sight
     # and the cap slid forward by maxPin each time the pin came due (found on the real API server).
-    from controller.controller import _slim
+    from controller.cluster.controller import _slim
 
     annotations = {c.ANN_PIN_UNTIL: "2099-01-01T00:00:00Z"}
     first = decide(sandbox(annotations, {}), Context(POLICY), START)

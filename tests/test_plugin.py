@@ -22,10 +22,10 @@ import pytest
 import yaml
 from controller_harness import install_crds, kube_for, wait_for
 
-from controller import contracts as c
-from controller.durations import format_instant
-from controller.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube
-from controller.sessions import session_path
+from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube
+from controller.cluster.sessions import session_path
+from controller.rules import contracts as c
+from controller.rules.durations import format_instant
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -44,12 +44,24 @@ def client(cluster: Any, crds: None) -> Any:
 
 
 def plugin(cluster: Any, *args: str, kubeconfig: Path | None = None, env: dict[str, str] | None = None) -> Any:
-    command = [sys.executable, "-m", "controller.plugin", f"--kubeconfig={kubeconfig or cluster.kubeconfig}", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "controller.cli.kubectl_plugin",
+        f"--kubeconfig={kubeconfig or cluster.kubeconfig}",
+        *args,
+    ]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=90, env=env)
 
 
 def start_plugin(cluster: Any, *args: str, kubeconfig: Path | None = None, env: dict[str, str] | None = None) -> Any:
-    command = [sys.executable, "-m", "controller.plugin", f"--kubeconfig={kubeconfig or cluster.kubeconfig}", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "controller.cli.kubectl_plugin",
+        f"--kubeconfig={kubeconfig or cluster.kubeconfig}",
+        *args,
+    ]
     return subprocess.Popen(
         command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -243,7 +255,7 @@ def test_doctor_is_sandkeep_doctors_report_and_exits_non_zero_on_a_stuck_sandbox
     make(client, namespace, "fine")
     stuck = make(client, namespace, "stuck", "node-a")
     client.apply_status(stuck, {"phase": "Stuck"}, AGENT_MANAGER)
-    command = [sys.executable, "-m", "controller.cli", "doctor", "--kubeconfig", str(cluster.kubeconfig)]
+    command = [sys.executable, "-m", "controller.cli.sandkeep", "doctor", "--kubeconfig", str(cluster.kubeconfig)]
     command += ["--namespace", namespace, "--sandbox-namespace", namespace]
     theirs = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     ours = plugin(cluster, "doctor", "-n", namespace, "--install-namespace", namespace)

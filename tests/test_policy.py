@@ -7,10 +7,10 @@ from datetime import UTC, datetime, timedelta, timezone
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from controller.contracts import DeadlineSource, Reason
-from controller.durations import format_instant
-from controller.models import Manifest
-from controller.policy import Ceiling, Facts, Policy, deadline, effective_policy
+from controller.rules.contracts import DeadlineSource, Reason
+from controller.rules.durations import format_instant
+from controller.rules.models import Manifest
+from controller.rules.policy import Ceiling, Facts, Policy, deadline, effective_policy
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 H = timedelta(hours=1)

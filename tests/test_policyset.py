@@ -7,9 +7,9 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from controller import contracts as c
-from controller.kube import CONTROLLER_MANAGER, Kube
-from controller.policyset import in_force, policy_statuses, write_statuses
+from controller.api.kube import CONTROLLER_MANAGER, Kube
+from controller.cluster.policyset import in_force, policy_statuses, write_statuses
+from controller.rules import contracts as c
 
 NOW = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 

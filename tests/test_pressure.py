@@ -1,4 +1,4 @@
-"""The pressure choice (controller/pressure.py), pure: which sandboxes a filling node releases."""
+"""The pressure choice (controller/rules/pressure.py), pure: which sandboxes a filling node releases."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.agent.decide import age_of, candidate, release_refusal
-from controller.contracts import ANN_PIN_FOR, ANN_PIN_UNTIL
-from controller.inuse import Usage
-from controller.kube import pin_holds
-from controller.pressure import Candidate, Disk, Watermarks, choose
+from controller.api.kube import pin_holds
+from controller.node.inuse import Usage
+from controller.rules.contracts import ANN_PIN_FOR, ANN_PIN_UNTIL
+from controller.rules.pressure import Candidate, Disk, Watermarks, choose
 
 GiB = 1 << 30
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -23,9 +23,10 @@ import test_agent
 from test_agent import IGNORE, REPO, Node, adopted, get, wait_for
 
 from controller import agent as agent_mod
-from controller import contracts as c
-from controller import kube, metrics
-from controller.pressure import Disk, percent
+from controller.api import kube
+from controller.observe import metrics
+from controller.rules import contracts as c
+from controller.rules.pressure import Disk, percent
 
 MiB = 1 << 20
 pytestmark = pytest.mark.cluster
@@ -125,7 +126,7 @@ def test_a_full_node_with_only_pinned_and_held_sandboxes_says_so(cluster, namesp
     assert any(f"pid {holder.pid} (sleep) cwd" in h for h in report["blocked"][1]["holders"])
     assert report["usedPercent"] > 80 and report["high"] == 80
     wait_for(lambda: f'{c.M_PRESSURE_UNRELIEVED}{{node="{node.name}"}} 1.0' in agent.metrics(), 30, "the gauge")
-    cli = [sys.executable, "-m", "controller.cli", "doctor", "--namespace", namespace]
+    cli = [sys.executable, "-m", "controller.cli.sandkeep", "doctor", "--namespace", namespace]
     cli += ["--kubeconfig", str(cluster.kubeconfig), "--sandbox-namespace", namespace]
     doctor = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr  # something needs a person
@@ -176,7 +177,17 @@ def test_with_dry_run_on_a_full_node_says_what_it_would_release_and_deletes_noth
     ],
 )
 def test_the_agent_refuses_bad_watermarks_at_start(tmp_path: Path, flags: list[str], words: str) -> None:
-    args = [sys.executable, "-m", "controller.cli", "agent", "--node", "n1", "--root", str(tmp_path / "r"), *flags]
+    args = [
+        sys.executable,
+        "-m",
+        "controller.cli.sandkeep",
+        "agent",
+        "--node",
+        "n1",
+        "--root",
+        str(tmp_path / "r"),
+        *flags,
+    ]
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "invalid settings" in done.stderr and words in done.stderr

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from controller import contracts as c
 from controller.agent.quarantine import MAX_RECORDS, Record, Sighting, advance, due, dumps, loads
-from controller.contracts import Reason
-from controller.inuse import scan_usage, uninspectable_pids
-from controller.reaper import Claim, Deleted, Held, Reaper, Refused, Unadoptable
-from controller.store import Root
+from controller.node.inuse import scan_usage, uninspectable_pids
+from controller.node.reaper import Claim, Deleted, Held, Reaper, Refused, Unadoptable
+from controller.node.store import Root
+from controller.rules import contracts as c
+from controller.rules.contracts import Reason
 
 IGNORE = {os.getpid(), *uninspectable_pids()}
 

@@ -1,4 +1,4 @@
-"""Quotas per namespace: the pure choice (controller/quota.py) and the controller enforcing it against the
+"""Quotas per namespace: the pure choice (controller/rules/quota.py) and the controller enforcing it against the
 real API server, with the expiry's own guarded DELETE (fresh read, the checks again, uid+resourceVersion)."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from localcluster import LocalCluster
 
-from controller import contracts as c
 from controller.agent.decide import candidate, release_priority
-from controller.kube import Kube, namespace_policy
-from controller.policy import Ceiling, Policy, Quota, effective_policy
-from controller.pressure import Candidate, Disk, Watermarks, choose
-from controller.quota import choose as quota_choose
+from controller.api.kube import Kube, namespace_policy
+from controller.rules import contracts as c
+from controller.rules.policy import Ceiling, Policy, Quota, effective_policy
+from controller.rules.pressure import Candidate, Disk, Watermarks, choose
+from controller.rules.quota import choose as quota_choose
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 MiB = 1 << 20
@@ -139,7 +139,7 @@ def test_a_node_releases_first_the_namespaces_marked_first_and_last_those_marked
 
     objs = [obj("last-oldest", 1, "Last"), obj("normal", 2, None), obj("first-newest", 3, "First")]
     assert [release_priority(o) for o in objs] == [1, 0, -1]
-    from controller.inuse import Usage
+    from controller.node.inuse import Usage
 
     cands = [candidate(o, 10 * MiB, Usage(False, ()), T0) for o in objs]
     plan = choose(Disk(size=100 * MiB, available=5 * MiB), Watermarks(high=85, low=80), cands)

@@ -9,8 +9,8 @@ from localcluster import LocalCluster
 from pydantic import ValidationError
 
 from controller.agent.settings import AgentSettings
-from controller.controller import ControllerSettings
-from controller.kube import Kube, RateLimiter, load_config
+from controller.api.kube import Kube, RateLimiter, load_config
+from controller.cluster.controller import ControllerSettings
 
 
 class Clock:

@@ -34,14 +34,14 @@ import pytest
 from controller_harness import install_crds, only_in, render_templates, wait_for
 from localcluster import LocalCluster
 
-from controller import contracts as c
 from controller.agent.sessions import SESSIONS_MANAGER_SUFFIX
-from controller.controller import SEAM_ENV
-from controller.inuse import uninspectable_pids
-from controller.kube import AGENT_MANAGER, Kube, KubeError, load_config
-from controller.leases import heartbeat_name, read_lease, renew_heartbeat
-from controller.models import NAME_MAX, bounded_name, label_value
-from controller.store import Root
+from controller.api.kube import AGENT_MANAGER, Kube, KubeError, load_config
+from controller.api.leases import heartbeat_name, read_lease, renew_heartbeat
+from controller.cluster.controller import SEAM_ENV
+from controller.node.inuse import uninspectable_pids
+from controller.node.store import Root
+from controller.rules import contracts as c
+from controller.rules.models import NAME_MAX, bounded_name, label_value
 
 REPO = Path(__file__).resolve().parent.parent
 RBAC_TEMPLATES = (
@@ -194,7 +194,7 @@ class Process:
         self.log_path = log_path
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", *args],
+            [sys.executable, "-m", "controller.cli.sandkeep", *args],
             cwd=REPO,
             env={**os.environ, **(env or {})},
             stdout=self._log,

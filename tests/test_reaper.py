@@ -34,12 +34,12 @@ from test_agent import (  # the agent's fixtures and helpers, shared rather than
     wait_for,
 )
 
-from controller import contracts as c
-from controller.contracts import Reason
-from controller.durations import parse_duration
-from controller.policy import Policy
-from controller.standalone import Sweeper, in_use_checker
-from controller.store import Root
+from controller.cli.standalone import Sweeper, in_use_checker
+from controller.node.store import Root
+from controller.rules import contracts as c
+from controller.rules.contracts import Reason
+from controller.rules.durations import parse_duration
+from controller.rules.policy import Policy
 
 pytest_plugins = ["diskkit"]  # fixtures: immutable
 __all__ = ["agents", "crd", "nodes"]  # fixtures used through request.getfixturevalue

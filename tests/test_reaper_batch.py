@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from test_agent import IGNORE
 
-from controller.contracts import Reason
-from controller.inuse import Usage, scan_usage
-from controller.reaper import Claim, Deleted, Held, Reaper, Renamed, Target
-from controller.store import Root
+from controller.node.inuse import Usage, scan_usage
+from controller.node.reaper import Claim, Deleted, Held, Reaper, Renamed, Target
+from controller.node.store import Root
+from controller.rules.contracts import Reason
 
 
 class CountingScan:

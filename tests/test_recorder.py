@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from diskkit import make_immutable
 
-from controller import commands
-from controller.commands import Mark, Recorder, boot_id
-from controller.store import Root
+from controller.cli import exec as sandkeep_exec
+from controller.node import orphans
+from controller.node.orphans import Mark, Recorder, boot_id
+from controller.node.store import Root
 
 pytest_plugins = ["diskkit"]  # fixtures: immutable
 
@@ -41,11 +42,11 @@ def test_a_record_that_cannot_be_written_is_said_once_and_written_on_the_next_wa
     leader = subprocess.Popen(["sleep", "30"])  # the recorded command, alive throughout
     waited = subprocess.Popen(["sleep", "0.6"])  # what the walks run beside: about six of them
     try:
-        with commands._open_commands_dir(box, create=True) as cfd:
+        with orphans._open_commands_dir(box, create=True) as cfd:
             assert cfd is not None
             recorder = Recorder(cfd, Mark(leader.pid, start_ticks(leader.pid)), boot_id() or "")
             make_immutable(immutable, box / ".commands")  # no file can be created in it, by root either
-            assert commands._wait_recording(waited, recorder) == 0
+            assert sandkeep_exec._wait_recording(waited, recorder) == 0
             assert [m for m in caplog.messages if m.startswith("record_failed")] != []
             assert len([m for m in caplog.messages if m.startswith("record_failed")]) == 1
             assert recorder.dirty and list((box / ".commands").glob("*.json")) == []

@@ -22,11 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from localcluster import LocalCluster
 
-from controller import contracts as c
-from controller.contracts import MountCheck, Reason, SessionPhase
-from controller.durations import format_instant
-from controller.kube import AGENT_MANAGER
-from controller.sessions import (
+from controller.api.kube import AGENT_MANAGER
+from controller.cluster.sessions import (
     DEFAULT_RESOURCES,
     SessionSettings,
     decide,
@@ -37,6 +34,9 @@ from controller.sessions import (
     session_tolerations,
     tolerates,
 )
+from controller.rules import contracts as c
+from controller.rules.contracts import MountCheck, Reason, SessionPhase
+from controller.rules.durations import format_instant
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -813,8 +813,8 @@ def test_a_deleted_session_is_torn_down_only_by_the_install_that_started_it() ->
 
     from kubernetes import client as k8s
 
-    from controller.kube import Kube
-    from controller.sessions import Sessions, object_name
+    from controller.api.kube import Kube
+    from controller.cluster.sessions import Sessions, object_name
 
     async def main() -> None:
         ours = Sessions(Kube(k8s.Configuration()), SETTINGS, lambda _o, _t: False, lambda _ns: timedelta(hours=1))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.durations import Invalid
-from controller.sizes import MAX_BYTES, human_size, parse_size
+from controller.rules.durations import Invalid
+from controller.rules.sizes import MAX_BYTES, human_size, parse_size
 
 
 @pytest.mark.parametrize(

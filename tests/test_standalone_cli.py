@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from diskkit import REPO, User, bind_mount, listing, make_job
 
-from controller.contracts import Reason
-from controller.inuse import uninspectable_pids
-from controller.reaper import Reaper
-from controller.standalone import Replacer, in_use_checker
-from controller.store import Root, StoreError
+from controller.cli.standalone import Replacer, in_use_checker
+from controller.node.inuse import uninspectable_pids
+from controller.node.reaper import Reaper
+from controller.node.store import Root, StoreError
+from controller.rules.contracts import Reason
 
 pytest_plugins = ["diskkit"]  # fixtures: throwaway_user, mounts
 
@@ -30,7 +30,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "SANDKEEP_LOG_LEVEL": "INFO"}
 
 def sandkeep(*args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
     out = subprocess.run(
-        [sys.executable, "-m", "controller.cli", *args], capture_output=True, text=True, env=ENV, timeout=60
+        [sys.executable, "-m", "controller.cli.sandkeep", *args], capture_output=True, text=True, env=ENV, timeout=60
     )
     if check:
         assert out.returncode == 0, out.stdout + out.stderr
@@ -39,7 +39,7 @@ def sandkeep(*args: str, check: bool = False) -> subprocess.CompletedProcess[str
 
 def start(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", *args],
+        [sys.executable, "-m", "controller.cli.sandkeep", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

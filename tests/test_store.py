@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 from diskkit import NOW, REPO, User, listing, make_job, outside_bait, retain
 
-from controller import fsdelete
-from controller.contracts import LOCK_NAME, Reason
-from controller.inuse import uninspectable_pids
-from controller.reaper import Reaper
-from controller.standalone import Replacer, in_use_checker
-from controller.store import (
+from controller.cli.standalone import Replacer, in_use_checker
+from controller.node import fsdelete
+from controller.node.inuse import uninspectable_pids
+from controller.node.reaper import Reaper
+from controller.node.store import (
     Absent,
     Mismatch,
     Present,
@@ -39,6 +38,7 @@ from controller.store import (
     standalone_id,
     tombstone_name,
 )
+from controller.rules.contracts import LOCK_NAME, Reason
 
 pytest_plugins = ["diskkit"]  # fixtures: throwaway_user, shared_tmp, immutable
 H = timedelta(hours=1)
@@ -71,7 +71,7 @@ def test_a_root_owned_by_another_uid_is_refused(tmp_path: Path, throwaway_user: 
 def test_a_non_root_user_refuses_a_root_owned_by_root(shared_tmp: Path, throwaway_user: User) -> None:
     path = shared_tmp / "root"
     path.mkdir(mode=0o755)
-    code = "import sys; from controller.store import Root, RootRefused\n"
+    code = "import sys; from controller.node.store import Root, RootRefused\n"
     code += "try:\n Root(sys.argv[1])\nexcept RootRefused as e:\n print(e.reason)"
     out = throwaway_user.python(code, str(path))
     assert out.stdout.strip() == "RootForeignOwner", out.stderr
@@ -86,7 +86,7 @@ def test_a_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
 
 def test_the_lock_refuses_a_second_holder_naming_the_first(tmp_path: Path) -> None:
     root = Root(tmp_path / "root")
-    hold = "import sys, time\nfrom controller.store import Root\nwith Root(sys.argv[1]).lock():\n"
+    hold = "import sys, time\nfrom controller.node.store import Root\nwith Root(sys.argv[1]).lock():\n"
     hold += " print('held', flush=True)\n time.sleep(60)"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     holder = subprocess.Popen([sys.executable, "-c", hold, str(root.path)], stdout=subprocess.PIPE, text=True, env=env)
@@ -321,7 +321,7 @@ def test_a_read_that_runs_out_of_descriptors_is_transient(tmp_path: Path) -> Non
     retain(root, tmp_path, "ns", "run", age=H)
     code = textwrap.dedent("""
         import os, resource, sys
-        from controller.store import Root
+        from controller.node.store import Root
         root = Root(sys.argv[1])
         fds = []
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))

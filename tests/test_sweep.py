@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from diskkit import NOW, REPO, bind_mount, listing, make_immutable, make_job, outside_bait, retain
 
-from controller.contracts import Reason
-from controller.inuse import Usage, uninspectable_pids
-from controller.policy import Policy
-from controller.reaper import Reaper
-from controller.standalone import Replacer, Sweeper, in_use_checker
-from controller.store import Entry, Read, Root, Tombstone, Transient, tombstone_name
+from controller.cli.standalone import Replacer, Sweeper, in_use_checker
+from controller.node.inuse import Usage, uninspectable_pids
+from controller.node.reaper import Reaper
+from controller.node.store import Entry, Read, Root, Tombstone, Transient, tombstone_name
+from controller.rules.contracts import Reason
+from controller.rules.policy import Policy
 
 pytest_plugins = ["diskkit"]  # fixtures: immutable, mounts
 
@@ -309,10 +309,10 @@ def test_a_crash_between_rename_and_delete_leaves_a_tombstone_the_next_pass_clea
     retain(root, tmp_path, "ns", "run", age=10 * D)
     code = textwrap.dedent("""
         import os, signal, sys
-        from controller.policy import Policy
-        from controller.inuse import Usage
-        from controller.standalone import Sweeper
-        from controller.store import Root
+        from controller.rules.policy import Policy
+        from controller.node.inuse import Usage
+        from controller.cli.standalone import Sweeper
+        from controller.node.store import Root
         from datetime import timedelta
         root = Root(sys.argv[1])
         def crash(entry, tombstone):

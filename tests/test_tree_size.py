@@ -25,9 +25,9 @@ from diskkit import outside_bait
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller import fsdelete
-from controller.contracts import Reason
-from controller.fsdelete import TreeSize
+from controller.node import fsdelete
+from controller.node.fsdelete import TreeSize
+from controller.rules.contracts import Reason
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY
 

@@ -25,9 +25,9 @@ from controller_harness import kube_for, render_templates, wait_for
 from localcluster import LocalCluster
 from own_cluster import own_cluster
 
-from controller import contracts as c
-from controller.durations import format_instant
-from controller.kube import Kube
+from controller.api.kube import Kube
+from controller.rules import contracts as c
+from controller.rules.durations import format_instant
 
 REPO = Path(__file__).resolve().parent.parent
 OTHER_FINALIZER = "example.com/keep-me"
@@ -85,7 +85,7 @@ class Bed:
         return bool(got.stdout.strip())
 
     def uninstall(self, *args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "controller.cli", "uninstall", f"--kubeconfig={self.kubeconfig}"]
+        cmd = [sys.executable, "-m", "controller.cli.sandkeep", "uninstall", f"--kubeconfig={self.kubeconfig}"]
         cmd += [f"--namespace={self.namespace}", f"--agent-daemonset={self.daemonset}", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
 
@@ -233,7 +233,15 @@ def test_the_hooks_serviceaccount_can_do_that_and_nothing_more(
 
 def test_uninstall_refuses_a_bad_timeout() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "uninstall", "--namespace=x", "--agent-daemonset=y", "--timeout=soon"],
+        [
+            sys.executable,
+            "-m",
+            "controller.cli.sandkeep",
+            "uninstall",
+            "--namespace=x",
+            "--agent-daemonset=y",
+            "--timeout=soon",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

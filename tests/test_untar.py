@@ -1,4 +1,4 @@
-"""`controller.untar` on real files: hostile tar streams never write outside DEST, never follow a link, never
+"""`controller.node.untar` on real files: hostile tar streams never write outside DEST, never follow a link, never
 overwrite, and fail with one UntarError (never another exception); GNU tar's own streams round-trip."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller import untar
+from controller.node import untar
 
 
 # --- helpers -----------------------------------------------------------------------------------------------

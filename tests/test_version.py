@@ -25,7 +25,11 @@ def test_the_package_version_is_pyprojects() -> None:
 
 def test_the_cli_says_the_same_version() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "--version"], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "controller.cli.sandkeep", "--version"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.stdout.strip() == f"sandkeep {_pyproject_version()}"
 

@@ -1,4 +1,4 @@
-"""`watching.ListWatch`, the controller's own list and watch of RetainedSandboxes, against the real API server.
+"""`listwatch.ListWatch`, the controller's own list and watch of RetainedSandboxes, against the real API server.
 
 Each test runs a ListWatch in this process on one namespace and records what it hands on: the listed
 objects (type None) a page at a time, then the watch's events; a relist after 410 Gone says what vanished.
@@ -17,11 +17,11 @@ from controller_harness import sandbox
 from kubernetes import client as k8s
 
 from controller import agent as agent_mod
-from controller import watching
-from controller.controller import ControllerSettings, Reconciler
-from controller.kube import Kube, KubeError, Obj, key_of, sandbox_path
-from controller.metrics import AgentMetrics, ControllerMetrics
-from controller.store import Root
+from controller.api import listwatch
+from controller.api.kube import Kube, KubeError, Obj, key_of, sandbox_path
+from controller.cluster.controller import ControllerSettings, Reconciler
+from controller.node.store import Root
+from controller.observe.metrics import AgentMetrics, ControllerMetrics
 
 Key = tuple[str, str]
 
@@ -47,7 +47,7 @@ async def until(what: str, done: Callable[[], bool], timeout: float = 20.0) -> N
         await asyncio.sleep(0.05)
 
 
-def run_watch(watch: watching.ListWatch, body: Callable[[], Awaitable[None]]) -> None:
+def run_watch(watch: listwatch.ListWatch, body: Callable[[], Awaitable[None]]) -> None:
     """Run `watch` while `body` runs; the watch must still be running at the end (it never ends by itself)."""
 
     async def main() -> None:
@@ -66,7 +66,7 @@ def test_a_listing_comes_in_pages_then_the_watch_brings_each_change_in_order(kub
     for i in range(7):
         kube.create_sandbox(namespace, sandbox(f"s{i}"))
     seen = Recorder()
-    watch = watching.ListWatch(kube, sandbox_path(namespace), seen.on_event, seen.listed, limit=3)
+    watch = listwatch.ListWatch(kube, sandbox_path(namespace), seen.on_event, seen.listed, limit=3)
     before = kube.requests
 
     async def body() -> None:
@@ -92,7 +92,7 @@ def test_a_watch_the_server_ends_resumes_where_it_stopped_without_listing_again(
     # The server ends every watch request at its timeout (here 1 s); the next one starts from the last
     # resourceVersion seen, so nothing is listed twice and no event is lost in the gap.
     seen = Recorder()
-    watch = watching.ListWatch(kube, sandbox_path(namespace), seen.on_event, seen.listed, timeout=1)
+    watch = listwatch.ListWatch(kube, sandbox_path(namespace), seen.on_event, seen.listed, timeout=1)
 
     async def body() -> None:
         await asyncio.wait_for(watch.synced.wait(), 20)
@@ -112,7 +112,7 @@ def test_after_410_gone_it_lists_again_and_says_what_vanished_meanwhile(kube: Ku
     for name in ("stays", "goes"):
         kube.create_sandbox(namespace, sandbox(name))
     seen = Recorder()
-    watch = watching.ListWatch(kube, sandbox_path(namespace), seen.on_event, seen.listed)
+    watch = listwatch.ListWatch(kube, sandbox_path(namespace), seen.on_event, seen.listed)
 
     async def main() -> None:
         first = asyncio.create_task(watch.run())
@@ -157,7 +157,7 @@ def test_a_refused_watch_is_said_and_retried_and_never_ends(
 ) -> None:
     seen = Recorder()
     path = sandbox_path(namespace).replace("retainedsandboxes", "nosuchresources")
-    watch = watching.ListWatch(kube, path, seen.on_event, seen.listed)
+    watch = listwatch.ListWatch(kube, path, seen.on_event, seen.listed)
 
     async def body() -> None:
         await until("two refusals", lambda: caplog.text.count("watch_failed") >= 2, timeout=10)
@@ -175,11 +175,11 @@ def test_a_watch_line_longer_than_any_object_is_refused_not_held() -> None:
             yield b"x" * 65536
 
     async def read(total: int) -> list[bytes]:
-        return [line async for line in watching.lines(chunks(total))]
+        return [line async for line in listwatch.lines(chunks(total))]
 
     assert asyncio.run(read(1 << 20))[0] == b'{"type": "ADDED"}', "an ordinary line is handed on"
     with pytest.raises(KubeError, match="longer than"):
-        asyncio.run(read(watching.MAX_EVENT + 1))
+        asyncio.run(read(listwatch.MAX_EVENT + 1))
 
 
 def _obj(name: str, namespace: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from controller.workqueue import WorkQueue
+from controller.api.workqueue import WorkQueue
 
 T = TypeVar("T")
 

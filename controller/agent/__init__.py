@@ -16,7 +16,7 @@ Its parts, each named for its job (the data flow is drawn in docs/architecture.m
     settings.py   AgentSettings and the few fixed numbers
 
 The deletion itself (reap orphans, in-use check, rename, read back, delete, stuck bookkeeping, leftover
-tombstones) is `controller/reaper.py`, shared with the standalone sweep.
+tombstones) is `controller/node/reaper.py`, shared with the standalone sweep.
 """
 
 from controller.agent.command import add_arguments, run, settings_from

@@ -7,15 +7,15 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from controller import contracts as c
-from controller import logs
 from controller.agent.decide import Key
 from controller.agent.report import Reporter
 from controller.agent.state import Part, Shared
-from controller.contracts import FINALIZER, Reason
-from controller.kube import KubeError, Obj
-from controller.models import label_value
-from controller.store import Entry, Mismatch, Present, Read, Transient
+from controller.api.kube import KubeError, Obj
+from controller.node.store import Entry, Mismatch, Present, Read, Transient
+from controller.observe import logs
+from controller.rules import contracts as c
+from controller.rules.contracts import FINALIZER, Reason
+from controller.rules.models import label_value
 
 log = logging.getLogger("sandkeep.agent")
 

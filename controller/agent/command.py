@@ -12,13 +12,15 @@ import sys
 import time
 from collections.abc import Collection
 
-from controller import flags, kube, logs, metrics
 from controller.agent.runtime import Agent
 from controller.agent.settings import AgentSettings
-from controller.contracts import Reason
-from controller.inuse import uninspectable_pids
-from controller.kube import Kube
-from controller.store import Root, RootRefused
+from controller.api import kube
+from controller.api.kube import Kube
+from controller.node.inuse import uninspectable_pids
+from controller.node.store import Root, RootRefused
+from controller.observe import logs, metrics
+from controller.rules import flags
+from controller.rules.contracts import Reason
 
 log = logging.getLogger("sandkeep.agent")
 

@@ -2,7 +2,7 @@
 
 No I/O, no clock, no client: `observe()` reduces an object (and whether a tombstone of it exists) to an
 `Observation`, and `next_step()` says what to do with it, as the controller's `decide()` does. The runtime
-(`runtime.py`) does what it says; the deletion itself is the shared pipeline (`controller/reaper.py`),
+(`runtime.py`) does what it says; the deletion itself is the shared pipeline (`controller/node/reaper.py`),
 whose own pure core is `reaper.next_step`. Tested without a server in tests/test_agent_decide.py.
 
 The rule that matters: only an object being deleted (the controller's decision, or a person's `kubectl
@@ -18,15 +18,15 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
-from controller import kube
-from controller.contracts import FINALIZER, Condition, Reason, ReleasePriority
-from controller.durations import format_duration, instant_or_none
-from controller.fsdelete import TreeSize
-from controller.inuse import Usage
-from controller.kube import Obj, finalizers
-from controller.pressure import Candidate
-from controller.reaper import Claim, Clear, Fate, Finish, Keep
-from controller.sizes import human_size
+from controller.api import kube
+from controller.api.kube import Obj, finalizers
+from controller.node.fsdelete import TreeSize
+from controller.node.inuse import Usage
+from controller.node.reaper import Claim, Clear, Fate, Finish, Keep
+from controller.rules.contracts import FINALIZER, Condition, Reason, ReleasePriority
+from controller.rules.durations import format_duration, instant_or_none
+from controller.rules.pressure import Candidate
+from controller.rules.sizes import human_size
 
 Key = tuple[str, str]
 OWNED_CONDITIONS = (
@@ -145,7 +145,7 @@ def discount_orphans(
     deletion, before the in-use check right before the rename. Counting them as users would hold an
     expired sandbox forever, since only a deletion reaps them. Any other holder (a live command, a
     process nobody recorded, a Pod, a mount, a process that cannot be inspected) keeps it in use.
-    `orphans_of` reads the records (commands.orphan_pids); it is asked only for sandboxes held by
+    `orphans_of` reads the records (orphans.orphan_pids); it is asked only for sandboxes held by
     processes alone, and signals nothing.
     """
     out = dict(usage)

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from controller import logs
 from controller.agent.adoption import Refusal
 from controller.agent.report import Reporter
 from controller.agent.state import Part, Shared
-from controller.contracts import QUARANTINE_FILE, Reason
-from controller.durations import format_duration, format_instant
-from controller.reaper import Claim, Deleted, Held, Outcome, Stuck, Unadoptable
-from controller.store import Stray
+from controller.node.reaper import Claim, Deleted, Held, Outcome, Stuck, Unadoptable
+from controller.node.store import Stray
+from controller.observe import logs
+from controller.rules.contracts import QUARANTINE_FILE, Reason
+from controller.rules.durations import format_duration, format_instant
 
 log = logging.getLogger("sandkeep.agent")
 

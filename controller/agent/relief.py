@@ -25,16 +25,16 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from controller import logs
 from controller.agent.decide import Key, candidate, dry_run, release_refusal
 from controller.agent.report import Reporter
 from controller.agent.state import Part, Shared
-from controller.contracts import Reason
-from controller.fsdelete import TreeSize
-from controller.inuse import Usage
-from controller.kube import KubeError, Obj
-from controller.pressure import Candidate, Disk, Plan, Watermarks, choose, percent
-from controller.sizes import human_size
+from controller.api.kube import KubeError, Obj
+from controller.node.fsdelete import TreeSize
+from controller.node.inuse import Usage
+from controller.observe import logs
+from controller.rules.contracts import Reason
+from controller.rules.pressure import Candidate, Disk, Plan, Watermarks, choose, percent
+from controller.rules.sizes import human_size
 
 log = logging.getLogger("sandkeep.agent")
 InUseBatch = Callable[[dict[Key, Path]], dict[Key, Usage]]

@@ -1,7 +1,7 @@
 """What the agent says: status and conditions on its objects, Events, metrics and log lines.
 
 Everything a person or Prometheus reads about a node comes from here; nothing here decides. `outcome()`
-turns one result of the deletion pipeline (`controller/reaper.py`) into status, an Event, metrics and a
+turns one result of the deletion pipeline (`controller/node/reaper.py`) into status, an Event, metrics and a
 line, and tells the runtime what follows (`After`): remove the finalizer, retry later, or nothing.
 """
 
@@ -18,15 +18,17 @@ from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
 
-from controller import commands, kube, logs
 from controller.agent.decide import size_partial, status_changed
 from controller.agent.state import Part
-from controller.contracts import FINALIZER, Condition, Phase, Reason
-from controller.inuse import Usage
-from controller.kube import AGENT_MANAGER, KubeError, Obj, finalizers
-from controller.reaper import Deleted, Held, Outcome, Reaper, Refused, Restored, Stuck
-from controller.sizes import human_size
-from controller.store import Tombstone
+from controller.api import kube
+from controller.api.kube import AGENT_MANAGER, KubeError, Obj, finalizers
+from controller.node import orphans
+from controller.node.inuse import Usage
+from controller.node.reaper import Deleted, Held, Outcome, Reaper, Refused, Restored, Stuck
+from controller.node.store import Tombstone
+from controller.observe import logs
+from controller.rules.contracts import FINALIZER, Condition, Phase, Reason
+from controller.rules.sizes import human_size
 
 log = logging.getLogger("sandkeep.agent")
 
@@ -268,8 +270,8 @@ class Reporter(Part):
         command's (never signalled), or records not trusted; condition OrphansSurvived says which."""
         key = kube.key_of(obj)
         where = f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held"
-        result = commands.ReapResult(survivors=held.survivors, refused=held.refused)
-        message = commands.held_message(where, result, self.s.orphan_timeout.total_seconds())
+        result = orphans.ReapResult(survivors=held.survivors, refused=held.refused)
+        message = orphans.held_message(where, result, self.s.orphan_timeout.total_seconds())
         cond = kube.condition(Condition.ORPHANS_SURVIVED, True, held.reason, message, previous=conditions(obj))
         held_by = [str(h)[:256] for h in (*held.survivors, *held.refused)]  # heldBy items are at most 512 long
         status = self.deleting_status(obj, Phase.HELD, extra=[cond], held_by=held_by)

@@ -3,7 +3,7 @@
 One asyncio loop, one worker: every object is processed level-triggered (`process(key)` may run any
 number of times and always moves the object one safe step closer to what its state asks, as
 `decide.next_step` says). Blocking work runs in threads: API calls and disk reads in the default
-executor, the deletion pipeline (`controller/reaper.py`) in the agent's own reap threads. A pass:
+executor, the deletion pipeline (`controller/node/reaper.py`) in the agent's own reap threads. A pass:
 leftover tombstones first, then the disk scan, in-use, adoption, every object, relief, quarantine,
 metrics, the heartbeat. Between passes, queued keys (watch events, size changes, retries with per-key
 backoff) are processed.
@@ -25,8 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from controller import commands, kube, leases, logs, metrics
-from controller import contracts as c
 from controller.agent import sessions, watch
 from controller.agent.adoption import Adopter
 from controller.agent.decide import Key, Step, claim_of, discount_orphans, fate, next_step, observe
@@ -43,12 +41,16 @@ from controller.agent.settings import (
 )
 from controller.agent.sizer import Sizer
 from controller.agent.state import AgentState, Shared
-from controller.contracts import FINALIZER, MountCheck, Phase, Reason
-from controller.inuse import Usage, scan_usage
-from controller.kube import AGENT_MANAGER, Kube, KubeError, Obj, finalizers, now_utc
-from controller.reaper import Held, Hooks, Outcome, Reaper, Refused, Renamed, Target
-from controller.store import Root, Tombstone
-from controller.workqueue import WorkQueue
+from controller.api import kube, leases
+from controller.api.kube import AGENT_MANAGER, Kube, KubeError, Obj, finalizers, now_utc
+from controller.api.workqueue import WorkQueue
+from controller.node import orphans
+from controller.node.inuse import Usage, scan_usage
+from controller.node.reaper import Held, Hooks, Outcome, Reaper, Refused, Renamed, Target
+from controller.node.store import Root, Tombstone
+from controller.observe import logs, metrics
+from controller.rules import contracts as c
+from controller.rules.contracts import FINALIZER, MountCheck, Phase, Reason
 
 log = logging.getLogger("sandkeep.agent")
 T = TypeVar("T")
@@ -63,7 +65,7 @@ class Agent:
         root: Root,
         agent_metrics: metrics.AgentMetrics,
         *,
-        kill: commands.Kill = commands.send,
+        kill: orphans.Kill = orphans.send,
     ) -> None:
         self.s = settings
         self.kube = client
@@ -205,7 +207,7 @@ class Agent:
         pods = self._pod_paths(listed) or []  # a deletion asks again, and holds without them
         usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
         self.m.inuse_scans.labels(self.s.node).inc()
-        self.state.usage = await asyncio.to_thread(discount_orphans, usage, keys, commands.orphan_pids)
+        self.state.usage = await asyncio.to_thread(discount_orphans, usage, keys, orphans.orphan_pids)
         refused = await self.adopter.adopt(scan.sandboxes)
         self.sizer.request(keys)
         self._prune(set(keys))

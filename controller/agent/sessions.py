@@ -19,13 +19,13 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 
-from controller import contracts as c
 from controller.agent import cgroups
 from controller.agent.cgroups import Container
-from controller.contracts import MountCheck
-from controller.durations import format_instant
-from controller.fsdelete import open_no_symlinks
-from controller.kube import Obj
+from controller.api.kube import Obj
+from controller.node.fsdelete import open_no_symlinks
+from controller.rules import contracts as c
+from controller.rules.contracts import MountCheck
+from controller.rules.durations import format_instant
 
 SESSIONS_MANAGER_SUFFIX = "-sessions"
 _CONTAINER_ID = re.compile(r"^([a-z0-9-]+)://([0-9a-f]{64})$")

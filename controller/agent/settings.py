@@ -8,9 +8,9 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from controller.flags import HumanDuration, KubeQps
-from controller.models import Settings
-from controller.pressure import Watermarks
+from controller.rules.flags import HumanDuration, KubeQps
+from controller.rules.models import Settings
+from controller.rules.pressure import Watermarks
 
 HEARTBEAT_EVERY = 15.0  # seconds between heartbeat renewals (the Lease says 60 s)
 PARALLEL = 8  # API requests (and reaps) in flight at once during a pass

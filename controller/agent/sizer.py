@@ -8,10 +8,10 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from controller import logs
 from controller.agent.sessions import workspace_stat
-from controller.fsdelete import TreeSize
-from controller.store import Root
+from controller.node.fsdelete import TreeSize
+from controller.node.store import Root
+from controller.observe import logs
 
 Key = tuple[str, str]
 log = logging.getLogger("sandkeep.agent")

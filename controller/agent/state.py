@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controller import kube
 from controller.agent.settings import AgentSettings
-from controller.fsdelete import TreeSize
-from controller.inuse import Usage
-from controller.kube import Kube, Obj
-from controller.metrics import AgentMetrics
-from controller.store import Root
+from controller.api import kube
+from controller.api.kube import Kube, Obj
+from controller.node.fsdelete import TreeSize
+from controller.node.inuse import Usage
+from controller.node.store import Root
+from controller.observe.metrics import AgentMetrics
 
 Key = tuple[str, str]
 GONE_REMEMBERED = 4096  # uids of objects seen deleted, kept so a late answer cannot bring one back

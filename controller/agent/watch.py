@@ -1,4 +1,4 @@
-"""The agent's watch: its node's RetainedSandboxes through `watching.ListWatch`, with the API server
+"""The agent's watch: its node's RetainedSandboxes through `listwatch.ListWatch`, with the API server
 filtering on `spec.nodeName=<node>` (a selectable field of the CRD), so other nodes' objects never arrive.
 
 The listing says when it is complete (`synced`): the first pass must not adopt, as new, directories
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from controller import watching
-from controller.kube import Kube, Obj, sandbox_path
+from controller.api import listwatch
+from controller.api.kube import Kube, Obj, sandbox_path
 
 
 def sandboxes(
@@ -20,6 +20,6 @@ def sandboxes(
     node: str,
     on_event: Callable[[str | None, Obj], None],
     listed: Callable[[set[tuple[str, str]]], None],
-) -> watching.ListWatch:
+) -> listwatch.ListWatch:
     """This node's objects, listed in pages and then watched; each event handed to `on_event`."""
-    return watching.ListWatch(kube, sandbox_path(), on_event, listed, query={"fieldSelector": f"spec.nodeName={node}"})
+    return listwatch.ListWatch(kube, sandbox_path(), on_event, listed, query={"fieldSelector": f"spec.nodeName={node}"})

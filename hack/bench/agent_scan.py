@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "hack"))
 
-from controller.inuse import scan_usage  # noqa: E402
-from controller.models import Manifest  # noqa: E402
-from controller.store import Root  # noqa: E402
+from controller.node.inuse import scan_usage  # noqa: E402
+from controller.node.store import Root  # noqa: E402
+from controller.rules.models import Manifest  # noqa: E402
 
 
 def build_root(root: Path, count: int, namespaces: int = 10) -> None:
@@ -107,7 +107,13 @@ def measure_agent(root: Root, count: int, workdir: Path, kube_qps: float | None)
         }
         if kube_qps is not None:
             flags["--kube-qps"] = str(kube_qps)
-        args = [sys.executable, "-m", "controller.cli", "agent", *(f"{flag}={value}" for flag, value in flags.items())]
+        args = [
+            sys.executable,
+            "-m",
+            "controller.cli.sandkeep",
+            "agent",
+            *(f"{flag}={value}" for flag, value in flags.items()),
+        ]
         args += [f"--ignore-pid={pid}" for pid in pids]
         before = writes_by_resource(cluster.metrics_text())
         with log.open("wb") as out:

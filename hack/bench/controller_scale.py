@@ -37,9 +37,9 @@ sys.path.insert(0, str(REPO))
 
 from localcluster import LocalCluster, settled_writes, tools_bin, writes_by_resource  # noqa: E402
 
-from controller import contracts as c  # noqa: E402
-from controller.durations import format_instant, parse_instant  # noqa: E402
-from controller.kube import Kube, KubeError, load_config, sandbox_path  # noqa: E402
+from controller.api.kube import Kube, KubeError, load_config, sandbox_path  # noqa: E402
+from controller.rules import contracts as c  # noqa: E402
+from controller.rules.durations import format_instant, parse_instant  # noqa: E402
 
 TARGET_LAG_P99 = 2.0
 TARGET_RSS_MIB = 200
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
     # 2. the controller, as a real process, watching the bench namespaces; first one with nothing to hold
     log_path = Path(tempfile.mkdtemp(prefix="sandkeep-bench-")) / "controller.log"
     flags = [f"--kubeconfig={cluster.kubeconfig}", f"--namespace={namespaces[0]}", f"--workers={args.workers}"]
-    cmd = [sys.executable, "-m", "controller.cli", "controller", *flags, "--metrics-port=0", "--retention=1h"]
+    cmd = [sys.executable, "-m", "controller.cli.sandkeep", "controller", *flags, "--metrics-port=0", "--retention=1h"]
     args.baseline_rss = empty_rss_mib(cluster, cmd, log_path.with_name("empty.log"))
     if args.per_namespace:  # one watch per namespace and resource, as `controller.watchNamespaces` makes it
         cmd += [f"--watch-namespace={ns}" for ns in namespaces]

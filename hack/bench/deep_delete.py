@@ -5,7 +5,7 @@
 Builds each tree fd-relative (deeper than PATH_MAX allows by path), then runs `delete_tree` (one plain walk and
 the 4-worker split) and `tree_size` in a fresh child process and prints that child's peak RSS (`ru_maxrss`)
 before and after the walk. `--fsdelete FILE` loads another implementation (e.g. the one before the fix:
-`git show <commit>:controller/fsdelete.py > /tmp/old.py`), so before/after run on the same machine; with a
+`git show <commit>:controller/node/fsdelete.py > /tmp/old.py`), so before/after run on the same machine; with a
 module that has no `tree_size`, the size walk measured is `os.fwalk`, which the agent's `measure` used.
 """
 
@@ -36,7 +36,7 @@ if sys.argv[2]:
     sys.modules[spec.name] = fsdelete
     spec.loader.exec_module(fsdelete)
 else:
-    from controller import fsdelete
+    from controller.node import fsdelete
 parent, name, what = sys.argv[3], sys.argv[4], sys.argv[5]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if what == "size" and hasattr(fsdelete, "tree_size"):
@@ -92,7 +92,7 @@ def run_child(parent: Path, name: str, what: str, impl: str) -> dict[str, object
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=None, help="where to build the trees (default: a temp dir)")
-    parser.add_argument("--fsdelete", default="", help="an fsdelete.py to load instead of controller.fsdelete")
+    parser.add_argument("--fsdelete", default="", help="an fsdelete.py to load instead of controller.node.fsdelete")
     parser.add_argument("--only", nargs="*", default=list(TREES), choices=list(TREES))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

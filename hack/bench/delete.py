@@ -23,7 +23,7 @@ and the child reports its peak RSS (`ru_maxrss`). The peers run as subprocesses:
   sandkeep's parallelism N (`fsdelete.WORKERS`): the strongest peer.
 
 `--fsdelete FILE` adds another implementation (e.g. the one before a change:
-`git show <commit>:controller/fsdelete.py > /tmp/old.py`) as one more tool in the same rounds; it is reported
+`git show <commit>:controller/node/fsdelete.py > /tmp/old.py`) as one more tool in the same rounds; it is reported
 but never counted as a peer. The last line is exactly `ratio_vs_best X.XX`: the best peer's median time over
 sandkeep's, on the shape where that is lowest (>= 1.0 means sandkeep is the fastest on every shape).
 """
@@ -60,7 +60,7 @@ if sys.argv[2]:
     sys.modules[spec.name] = fsdelete
     spec.loader.exec_module(fsdelete)
 else:
-    from controller import fsdelete
+    from controller.node import fsdelete
 parent, name, workers = sys.argv[3], sys.argv[4], int(sys.argv[5])
 TICK = 0.005
 

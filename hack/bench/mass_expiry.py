@@ -37,9 +37,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "hack"))
 
-from controller import contracts as c  # noqa: E402
-from controller.inuse import scan_usage, uninspectable_pids  # noqa: E402
-from controller.models import Manifest  # noqa: E402
+from controller.node.inuse import scan_usage, uninspectable_pids  # noqa: E402
+from controller.rules import contracts as c  # noqa: E402
+from controller.rules.models import Manifest  # noqa: E402
 
 NODE = "mass-node"
 NAMESPACE = "mass"
@@ -90,7 +90,7 @@ def main() -> int:
     args = parser.parse_args()
     from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 
-    from controller.kube import Kube, load_config
+    from controller.api.kube import Kube, load_config
 
     load = os.getloadavg()
     print(f"load average: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
@@ -126,7 +126,7 @@ def main() -> int:
         ]
         with log.open("wb") as out:
             agent = subprocess.Popen(
-                [sys.executable, "-m", "controller.cli", "agent", *flags],
+                [sys.executable, "-m", "controller.cli.sandkeep", "agent", *flags],
                 cwd=REPO,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -188,7 +188,7 @@ def main() -> int:
 
 
 def kube_path(obj: dict[str, object]) -> str:
-    from controller.kube import sandbox_path
+    from controller.api.kube import sandbox_path
 
     meta = obj["metadata"]
     assert isinstance(meta, dict)

@@ -32,13 +32,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "hack"))
 
-from controller import contracts as c  # noqa: E402
 from controller.agent.decide import candidate  # noqa: E402
-from controller.fsdelete import TreeSize  # noqa: E402
-from controller.inuse import Usage  # noqa: E402
-from controller.policy import Quota  # noqa: E402
-from controller.pressure import Disk, Watermarks, choose  # noqa: E402
-from controller.quota import choose as quota_choose  # noqa: E402
+from controller.node.fsdelete import TreeSize  # noqa: E402
+from controller.node.inuse import Usage  # noqa: E402
+from controller.rules import contracts as c  # noqa: E402
+from controller.rules.policy import Quota  # noqa: E402
+from controller.rules.pressure import Disk, Watermarks, choose  # noqa: E402
+from controller.rules.quota import choose as quota_choose  # noqa: E402
 
 NODE = "bench-node"
 NAMESPACES = 10
@@ -93,9 +93,11 @@ def measure_release(count: int, releases: int, workdir: Path) -> dict[str, float
     """The agent's release path against the local control plane, against a bare GET + DELETE."""
     from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 
-    from controller import agent, kube, metrics
-    from controller.inuse import uninspectable_pids
-    from controller.store import Root
+    from controller import agent
+    from controller.api import kube
+    from controller.node.inuse import uninspectable_pids
+    from controller.node.store import Root
+    from controller.observe import metrics
 
     cluster = LocalCluster(workdir / "cluster", tools_bin(CLUSTER_TOOLS))
     cluster.start()

@@ -15,7 +15,7 @@ Each round times `du -s -B1` (a subprocess) and `tree_size` (in this process, as
 calls it) on the same warm tree, in an order alternated round by round, after one untimed `du` warms the
 caches. Printed per shape: the median times, their ratio (tree_size over du; the goal is at most 3), and
 whether the two byte counts agree. `--fsdelete FILE` times another implementation too (e.g. the one before
-the change: `git show <commit>:controller/fsdelete.py > /tmp/old.py`), reported beside, never in the ratio.
+the change: `git show <commit>:controller/node/fsdelete.py > /tmp/old.py`), reported beside, never in the ratio.
 The last line is exactly `ratio_vs_du X.XX`: the highest ratio over the shapes.
 """
 

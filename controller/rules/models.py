@@ -14,9 +14,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from controller.durations import instant_or_none
-from controller.flags import HumanDuration
-from controller.policy import Ceiling, Facts, Policy
+from controller.rules.durations import instant_or_none
+from controller.rules.flags import HumanDuration
+from controller.rules.policy import Ceiling, Facts, Policy
 
 # Whole-string matches: `$` also matches before a final newline, which let `ns\n` pass as a namespace.
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")

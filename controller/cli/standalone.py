@@ -38,16 +38,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from controller import logs
-from controller.commands import Kill, send
-from controller.contracts import Reason
-from controller.durations import Invalid, format_duration, format_instant, parse_duration, parse_instant
-from controller.flags import HumanDuration, settings_from
-from controller.inuse import Usage, pid_alive, scan_usage
-from controller.models import Settings, is_namespace_name, is_object_name
-from controller.opener import expiry
-from controller.policy import Policy, deadline
-from controller.reaper import (
+from controller.node.inuse import Usage, pid_alive, scan_usage
+from controller.node.opener import expiry
+from controller.node.orphans import Kill, send
+from controller.node.reaper import (
     Claim,
     Clear,
     Deleted,
@@ -65,8 +59,7 @@ from controller.reaper import (
     Target,
     WouldDelete,
 )
-from controller.sizes import human_size
-from controller.store import (
+from controller.node.store import (
     Entry,
     Mismatch,
     Present,
@@ -80,6 +73,13 @@ from controller.store import (
     Transient,
     standalone_id,
 )
+from controller.observe import logs
+from controller.rules.contracts import Reason
+from controller.rules.durations import Invalid, format_duration, format_instant, parse_duration, parse_instant
+from controller.rules.flags import HumanDuration, settings_from
+from controller.rules.models import Settings, is_namespace_name, is_object_name
+from controller.rules.policy import Policy, deadline
+from controller.rules.sizes import human_size
 
 log = logging.getLogger("sandkeep.sweep")
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from controller import contracts as c
-from controller import kube, leases
-from controller.durations import Invalid, format_duration, instant_or_none, parse_duration
-from controller.kube import Kube, Obj
-from controller.sizes import human_size
-from controller.store import parse_tombstone
+from controller.api import kube, leases
+from controller.api.kube import Kube, Obj
+from controller.node.store import parse_tombstone
+from controller.rules import contracts as c
+from controller.rules.durations import Invalid, format_duration, instant_or_none, parse_duration
+from controller.rules.sizes import human_size
 
 ORPHANS_ANNOTATION = c.ANN_ORPHAN_TOMBSTONES
 LAPSING_WITHIN = timedelta(days=1)

@@ -33,10 +33,9 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
-from controller import commands, logs
-from controller.contracts import Reason
-from controller.inuse import Usage, pid_alive
-from controller.store import (
+from controller.node import orphans
+from controller.node.inuse import Usage, pid_alive
+from controller.node.store import (
     Mismatch,
     Present,
     Read,
@@ -47,6 +46,8 @@ from controller.store import (
     same_read,
     standalone_id,
 )
+from controller.observe import logs
+from controller.rules.contracts import Reason
 
 log = logging.getLogger("sandkeep.reaper")
 
@@ -177,8 +178,8 @@ class Held:
     tombstone: str | None = None
     key: Key | None = None  # the sandbox a held tombstone belongs to
     usage: Usage | None = None
-    survivors: tuple[commands.Survivor, ...] = ()
-    refused: tuple[commands.Refusal, ...] = ()  # orphan records not acted on (untrusted, over the caps)
+    survivors: tuple[orphans.Survivor, ...] = ()
+    refused: tuple[orphans.Refusal, ...] = ()  # orphan records not acted on (untrusted, over the caps)
     errno: int | None = None
     pid: int | None = None
     error: str | None = None
@@ -317,7 +318,7 @@ class Reaper:
     stuck_after: timedelta = timedelta(minutes=10)  # a younger tombstone of a live process is in progress
     orphan_timeout: timedelta = timedelta(seconds=10)
     dry_run: bool = False
-    kill: commands.Kill = commands.send
+    kill: orphans.Kill = orphans.send
     alive: Callable[[int], bool] = pid_alive
     clock: Clock = utcnow
     hooks: Hooks = field(default_factory=Hooks)
@@ -436,14 +437,14 @@ class Reaper:
         hold the sandbox forever on exactly the processes the reap exists to end). Survivors, recorded
         processes not proven the command's (never signalled) and records not trusted hold it."""
         timeout = self.orphan_timeout.total_seconds()
-        reaped = commands.reap_orphans(path, timeout=timeout, kill=self.kill)
+        reaped = orphans.reap_orphans(path, timeout=timeout, kill=self.kill)
         if reaped.signalled:
             logs.say(
                 log, "orphans_reaped", reason=Reason.ORPHAN_REAPED, object="/".join(key), signalled=reaped.signalled
             )
         if reaped.hold is None:
             return None
-        message = commands.held_message(f"sandbox {key[0]}/{key[1]}", reaped, timeout)
+        message = orphans.held_message(f"sandbox {key[0]}/{key[1]}", reaped, timeout)
         return Held(reaped.hold, survivors=reaped.survivors, refused=reaped.refused, error=message)
 
     def _check_in_use(self, paths: Mapping[int, Path]) -> dict[int, Held | None]:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from controller.contracts import Reason
-from controller.fsdelete import unescape_mountinfo
+from controller.node.fsdelete import unescape_mountinfo
+from controller.rules.contracts import Reason
 
 K = TypeVar("K")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from controller.policy import Quota
-from controller.pressure import BLOCKED_SHOWN, Candidate, Key, oldest_first
-from controller.sizes import human_size
+from controller.rules.policy import Quota
+from controller.rules.pressure import BLOCKED_SHOWN, Candidate, Key, oldest_first
+from controller.rules.sizes import human_size
 
 
 @dataclass(frozen=True)

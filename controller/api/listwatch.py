@@ -11,7 +11,7 @@ a listing is complete nor what vanished while a watch was down, both of which Li
 The controller's other watches, SandboxPolicies, Nodes and SandboxSessions, are kopf's, with low-level
 `on.event` handlers only, no peering (sandkeep's own Leases elect), no kopf-posted Events and no
 progress or diff-base storage: no kopf annotation, status field or finalizer ever lands on an object.
-Credentials come from the same configuration as the JSON client (`controller.kube`), so all clients
+Credentials come from the same configuration as the JSON client (`controller.api.kube`), so all clients
 always talk to the same server.
 """
 
@@ -27,8 +27,8 @@ from typing import Any
 import aiohttp
 import kopf
 
-from controller import logs
-from controller.kube import PAGE, Kube, KubeError, Obj, key_of, sandbox_items, status_message
+from controller.api.kube import PAGE, Kube, KubeError, Obj, key_of, sandbox_items, status_message
+from controller.observe import logs
 
 log = logging.getLogger("sandkeep.watch")
 

@@ -26,10 +26,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from controller import contracts as c
-from controller import kube, logs
-from controller.durations import Invalid, parse_duration
-from controller.kube import Kube, KubeError, Obj, finalizers
+from controller.api import kube
+from controller.api.kube import Kube, KubeError, Obj, finalizers
+from controller.observe import logs
+from controller.rules import contracts as c
+from controller.rules.durations import Invalid, parse_duration
 
 log = logging.getLogger("sandkeep.uninstall")
 POLL = 1.0  # seconds between looks while waiting

@@ -29,12 +29,13 @@ from urllib.parse import quote
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from controller import __version__, logs
-from controller import contracts as c
-from controller.durations import Invalid, format_instant, instant_or_none, parse_duration, parse_instant
-from controller.models import bounded_name
-from controller.policy import Facts, PinSeen, Policy, Quota
-from controller.sizes import parse_size
+from controller import __version__
+from controller.observe import logs
+from controller.rules import contracts as c
+from controller.rules.durations import Invalid, format_instant, instant_or_none, parse_duration, parse_instant
+from controller.rules.models import bounded_name
+from controller.rules.policy import Facts, PinSeen, Policy, Quota
+from controller.rules.sizes import parse_size
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 kubectl finds `kubectl-sandkeep` on PATH and passes every argument through, so this program follows kubectl's
 own conventions: `--kubeconfig`, `--context`, `-n/--namespace` (default: the context's namespace, else
 `default`), `-A/--all-namespaces`, `-o json|yaml|wide`, and exit 0 on success, 1 with one `error: ...` line on
-stderr that says what to do next. Reads and writes go through sandkeep's own client (`controller.kube`);
+stderr that says what to do next. Reads and writes go through sandkeep's own client (`controller.api.kube`);
 `kubectl` itself runs only for exec, which needs its streaming, with the same --kubeconfig and --context.
 
     ls      sandboxes with node, phase, size, deadline, pin, holders
@@ -34,9 +34,14 @@ from typing import NoReturn
 
 import yaml
 
-from controller import __version__, doctor, kube, untar
-from controller import contracts as c
-from controller.durations import (
+from controller import __version__
+from controller.api import kube
+from controller.api.kube import Kube, KubeError, Obj
+from controller.cli import doctor
+from controller.cluster.sessions import sandbox_refusal, session_path
+from controller.node import untar
+from controller.rules import contracts as c
+from controller.rules.durations import (
     Invalid,
     format_duration,
     format_instant,
@@ -44,9 +49,7 @@ from controller.durations import (
     parse_duration,
     parse_instant,
 )
-from controller.kube import Kube, KubeError, Obj
-from controller.sessions import sandbox_refusal, session_path
-from controller.sizes import human_size
+from controller.rules.sizes import human_size
 
 RESOURCE = f"{c.SANDBOX_SINGULAR}.{c.GROUP}"  # how kubectl names the kind in its messages
 SESSION_RESOURCE = f"{c.SESSION_SINGULAR}.{c.GROUP}"

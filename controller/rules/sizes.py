@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from controller.durations import Invalid
+from controller.rules.durations import Invalid
 
 
 def human_size(size: int) -> str:

@@ -1,9 +1,9 @@
 """`sandkeep controller`: decide, for every RetainedSandbox, keep or delete, and say why.
 
 The controller lists and watches RetainedSandboxes itself, in pages and with bookmarks
-(`watching.ListWatch`), and SandboxPolicies, Nodes and SandboxSessions through kopf (the watch stack
+(`listwatch.ListWatch`), and SandboxPolicies, Nodes and SandboxSessions through kopf (the watch stack
 the agent uses too), persisting nothing on the objects. Every watch event updates an in-memory view and
-queues the object's key (`controller/workqueue.py`); a few workers reconcile keys one at a time each, and
+queues the object's key (`controller/api/workqueue.py`); a few workers reconcile keys one at a time each, and
 a key is queued again exactly when its deadline passes, with the queue's `add_after`, as the
 TTL-after-finished controller's `AddAfter` does. With nothing changing, nothing is written.
 
@@ -36,12 +36,8 @@ from typing import Annotated, Any, TypeVar
 import kopf
 from pydantic import Field
 
-from controller import contracts as c
-from controller import flags, logs, metrics, models, watching
-from controller.contracts import Phase, Reason
-from controller.durations import Invalid, format_instant, parse_duration, parse_instant
-from controller.flags import HumanDuration, HumanSize, JsonList, JsonObject, KubeQps
-from controller.kube import (
+from controller.api import listwatch
+from controller.api.kube import (
     CONTROLLER_MANAGER,
     Kube,
     KubeError,
@@ -63,20 +59,26 @@ from controller.kube import (
     sandbox_facts,
     sandbox_path,
 )
-from controller.leases import LeaderElector
-from controller.policy import Ceiling, Policy, Quota, Verdict, deadline, effective_policy, phase_of
-from controller.policyset import in_force, write_statuses
-from controller.pressure import Candidate
-from controller.quota import choose as quota_plan
-from controller.sessions import COLLECT_ALL, DEFAULT_RESOURCES, MAX_ID, Sessions, SessionSettings
-from controller.workqueue import WorkQueue
+from controller.api.leases import LeaderElector
+from controller.api.workqueue import WorkQueue
+from controller.cluster.policyset import in_force, write_statuses
+from controller.cluster.sessions import COLLECT_ALL, DEFAULT_RESOURCES, MAX_ID, Sessions, SessionSettings
+from controller.observe import logs, metrics
+from controller.rules import contracts as c
+from controller.rules import flags, models
+from controller.rules.contracts import Phase, Reason
+from controller.rules.durations import Invalid, format_instant, parse_duration, parse_instant
+from controller.rules.flags import HumanDuration, HumanSize, JsonList, JsonObject, KubeQps
+from controller.rules.policy import Ceiling, Policy, Quota, Verdict, deadline, effective_policy, phase_of
+from controller.rules.pressure import Candidate
+from controller.rules.quota import choose as quota_plan
 
 log = logging.getLogger("sandkeep.controller")
 Q = TypeVar("Q")  # what a work queue holds: a sandbox key, or a namespace
 
 Key = tuple[str, str]
 COMPONENT = "sandkeep-controller"
-# status fields and condition types this controller owns (the agent owns the rest; see controller.kube)
+# status fields and condition types this controller owns (the agent owns the rest; see controller.api.kube)
 OWNED_FIELDS = (
     "phase",
     "deadline",
@@ -127,7 +129,7 @@ class ControllerSettings(models.Settings):
     quota_max_count: Annotated[int, Field(ge=0)] | None = None
     quota_ceiling_bytes: HumanSize | None = None
     quota_ceiling_count: Annotated[int, Field(ge=0)] | None = None
-    # SandboxSessions (controller/sessions.py): the namespace their Pods run in (empty: sessions are not
+    # SandboxSessions (controller/cluster/sessions.py): the namespace their Pods run in (empty: sessions are not
     # served), the nodes' sandbox root, the default image, the longest lifetime, the uid a session runs
     # as when its workspace's owner is not known (or a system id), the admission policy binding proving
     # who asked (and the policy it binds), and the bounds of issue 25: caps on live sessions, the lowest
@@ -511,7 +513,7 @@ class Reconciler:
         self.is_leader: Callable[[], bool] = lambda: True
         self.before_delete: Callable[[Obj], Awaitable[None]] | None = None
         self.queue: WorkQueue[Key] = WorkQueue()
-        self.quotas: WorkQueue[str] = WorkQueue()  # namespaces whose quota to check (controller/quota.py)
+        self.quotas: WorkQueue[str] = WorkQueue()  # namespaces whose quota to check (controller/rules/quota.py)
         self._would_release: set[str] = set()  # uids a dry-run quota release was already reported for
         self._quota_flagged: dict[str, str] = {}  # namespace -> what was said while over quota with nothing left
         self._phases: dict[Key, tuple[str, str, bool]] = {}  # key -> (phase, node, pinned) as the metrics count
@@ -1086,15 +1088,17 @@ def _session_fields(key: Key) -> dict[str, Any]:
 
 
 # --- the watches -----------------------------------------------------------------------------------------
-def sandbox_watches(rec: Reconciler) -> list[watching.ListWatch]:
-    """The RetainedSandboxes, listed and watched by the controller itself (`watching.ListWatch`): all of the
+def sandbox_watches(rec: Reconciler) -> list[listwatch.ListWatch]:
+    """The RetainedSandboxes, listed and watched by the controller itself (`listwatch.ListWatch`): all of the
     cluster's, or one watch per namespace of `--watch-namespaces`."""
     scopes: list[str | None] = [*rec.settings.watch_namespaces] or [None]
-    return [watching.ListWatch(rec.kube, sandbox_path(ns), rec.on_sandbox, partial(rec.on_listed, ns)) for ns in scopes]
+    return [
+        listwatch.ListWatch(rec.kube, sandbox_path(ns), rec.on_sandbox, partial(rec.on_listed, ns)) for ns in scopes
+    ]
 
 
 def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
-    """The controller's kopf watches (controller/watching.py): each event feeds the view and never writes to
+    """The controller's kopf watches (controller/listwatch.py): each event feeds the view and never writes to
     the watched objects, but for the leader's SandboxPolicy status (which policy of a namespace applies)."""
 
     async def policy_event(event_type: str | None, obj: Obj) -> None:
@@ -1104,7 +1108,7 @@ def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
     async def node_event(event_type: str | None, obj: Obj) -> None:
         rec.on_node(event_type, obj)
 
-    watches: dict[tuple[str, ...], watching.Handler] = {
+    watches: dict[tuple[str, ...], listwatch.Handler] = {
         (c.GROUP, c.VERSION, c.POLICY_PLURAL): policy_event,
         ("v1", "nodes"): node_event,
     }
@@ -1115,7 +1119,7 @@ def build_registry(rec: Reconciler) -> kopf.OperatorRegistry:
             sessions.on_session(event_type, obj)
 
         watches[c.GROUP, c.VERSION, c.SESSION_PLURAL] = session_event
-    return watching.registry(rec.kube, watches)
+    return listwatch.registry(rec.kube, watches)
 
 
 async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None) -> Reconciler:
@@ -1163,11 +1167,11 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
         metrics=f"http://{settings.metrics_host}:{server.server_port}/metrics",
         watch=",".join(settings.watch_namespaces) or "cluster",
     )
-    http = watching.http_session(kube)
+    http = listwatch.http_session(kube)
     tasks += [asyncio.create_task(w.run(http), name=f"watch-{w.path}") for w in sandbox_watches(rec)]
     election = asyncio.create_task(elector.run(), name="leader-election")
-    kopf_settings = watching.operator_settings(discover=not settings.watch_namespaces)  # names: nothing to scan
-    operator = watching.run(build_registry(rec), kopf_settings, namespaces=settings.watch_namespaces)
+    kopf_settings = listwatch.operator_settings(discover=not settings.watch_namespaces)  # names: nothing to scan
+    operator = listwatch.run(build_registry(rec), kopf_settings, namespaces=settings.watch_namespaces)
     if ready is not None:
         ready.set()
     try:

@@ -19,11 +19,11 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
-from controller import contracts as c
-from controller import logs
-from controller.durations import instant_or_none
-from controller.kube import Kube, KubeError, micro_time, now_utc
-from controller.models import NAME_MAX, label_value
+from controller.api.kube import Kube, KubeError, micro_time, now_utc
+from controller.observe import logs
+from controller.rules import contracts as c
+from controller.rules.durations import instant_or_none
+from controller.rules.models import NAME_MAX, label_value
 
 log = logging.getLogger(__name__)
 

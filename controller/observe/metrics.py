@@ -28,7 +28,7 @@ from prometheus_client import (
 )
 
 from controller import __version__
-from controller import contracts as c
+from controller.rules import contracts as c
 
 # Deletions of a real tree take from milliseconds to minutes; lag is seconds unless something is wrong.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

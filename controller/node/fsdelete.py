@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from controller.contracts import Reason
+from controller.rules.contracts import Reason
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_OPEN = 32  # levels held open at once (two fds each: the dir and its iterator); deeper ones reopen via `..`

@@ -15,8 +15,8 @@ from typing import Annotated, Any, TypeVar
 from pydantic import AfterValidator, BeforeValidator, Field
 from pydantic_settings import BaseSettings
 
-from controller.durations import Invalid, parse_duration
-from controller.sizes import parse_size
+from controller.rules.durations import Invalid, parse_duration
+from controller.rules.sizes import parse_size
 
 S = TypeVar("S", bound=BaseSettings)
 

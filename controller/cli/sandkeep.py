@@ -10,19 +10,20 @@ import argparse
 import importlib
 import sys
 
-from controller import __version__, logs
+from controller import __version__
+from controller.observe import logs
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "retain": ("controller.standalone", "retain a finished job's directory under a root (rename, never copy)"),
-    "pin": ("controller.standalone", "pin a retained sandbox in a standalone root"),
-    "ls": ("controller.standalone", "list the sandboxes of a root with their deadlines"),
-    "sweep": ("controller.standalone", "the standalone sweep: delete expired sandboxes of one root safely"),
-    "controller": ("controller.controller", "run the cluster controller (kopf): decide keep or delete"),
+    "retain": ("controller.cli.standalone", "retain a finished job's directory under a root (rename, never copy)"),
+    "pin": ("controller.cli.standalone", "pin a retained sandbox in a standalone root"),
+    "ls": ("controller.cli.standalone", "list the sandboxes of a root with their deadlines"),
+    "sweep": ("controller.cli.standalone", "the standalone sweep: delete expired sandboxes of one root safely"),
+    "controller": ("controller.cluster.controller", "run the cluster controller (kopf): decide keep or delete"),
     "agent": ("controller.agent", "run the node agent: observe the node's root, delete behind the finalizer"),
-    "exec": ("controller.commands", "run a command inside a sandbox's workspace, recording its processes"),
-    "doctor": ("controller.doctor", "report what needs a person: stuck tombstones, holds, lapsing pins"),
-    "uninstall": ("controller.uninstall", "before `helm uninstall`: stop the agents and release every sandbox"),
+    "exec": ("controller.cli.exec", "run a command inside a sandbox's workspace, recording its processes"),
+    "doctor": ("controller.cli.doctor", "report what needs a person: stuck tombstones, holds, lapsing pins"),
+    "uninstall": ("controller.cli.uninstall", "before `helm uninstall`: stop the agents and release every sandbox"),
 }
 
 

@@ -64,8 +64,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from controller import fsdelete
-from controller.contracts import (
+from controller.node import fsdelete
+from controller.rules.contracts import (
     COMMANDS_DIR,
     LOCK_NAME,
     MANIFEST_NAME,
@@ -74,8 +74,8 @@ from controller.contracts import (
     WORKSPACE_DIR,
     Reason,
 )
-from controller.durations import MAX_INSTANT, MIN_INSTANT, format_instant, instant_or_none, shift
-from controller.models import Manifest, is_namespace_name, is_object_name
+from controller.rules.durations import MAX_INSTANT, MIN_INSTANT, format_instant, instant_or_none, shift
+from controller.rules.models import Manifest, is_namespace_name, is_object_name
 
 # A read that failed for a moment: held this pass and read again next pass, never acted on.
 TRANSIENT_ERRNOS = frozenset(

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime
 
-from controller import contracts as c
-from controller import kube
-from controller.kube import CONTROLLER_MANAGER, Kube, Obj, policy_path
+from controller.api import kube
+from controller.api.kube import CONTROLLER_MANAGER, Kube, Obj, policy_path
+from controller.rules import contracts as c
 
 
 def _age_key(name: str, obj: Obj) -> tuple[str, str]:

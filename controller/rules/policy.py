@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
-from controller.contracts import DeadlineSource, Phase, Reason, ReleasePriority
-from controller.durations import Invalid, format_duration, format_instant, parse_instant, shift
+from controller.rules.contracts import DeadlineSource, Phase, Reason, ReleasePriority
+from controller.rules.durations import Invalid, format_duration, format_instant, parse_instant, shift
 
 
 @dataclass(frozen=True)

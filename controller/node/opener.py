@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from controller.contracts import Reason
-from controller.durations import format_duration, format_instant
-from controller.policy import Policy, Verdict, deadline
-from controller.store import Absent, Mismatch, Present, Read, Refusal, Tombstone, Transient, Unparsed, Unreadable
+from controller.node.store import Absent, Mismatch, Present, Read, Refusal, Tombstone, Transient, Unparsed, Unreadable
+from controller.rules.contracts import Reason
+from controller.rules.durations import format_duration, format_instant
+from controller.rules.policy import Policy, Verdict, deadline
 
 Ident = tuple[int, int]  # (st_dev, st_ino)
 

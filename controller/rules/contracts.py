@@ -45,7 +45,7 @@ ANN_ORPHAN_TOMBSTONES = f"{GROUP}/orphan-tombstones"  # on an agent's heartbeat 
 ANN_PRESSURE = f"{GROUP}/pressure"  # on an agent's heartbeat Lease: JSON, the node's unrelieved disk pressure
 ANN_QUARANTINE = f"{GROUP}/quarantine"  # on an agent's heartbeat Lease: JSON, the node's unadoptable entries
 
-# A session's Pod (controller/sessions.py), in the namespace the chart owns for them: labels the controller
+# A session's Pod (controller/cluster/sessions.py), in the namespace the chart owns for them: labels the controller
 # selects its Pods, Roles and RoleBindings by, and the one container and mount path the agent verifies.
 LABEL_SESSION_UID = f"{GROUP}/session-uid"  # the SandboxSession's uid
 LABEL_SANDBOX_UID = f"{GROUP}/sandbox-uid"  # the RetainedSandbox's uid: how the agent finds a session's Pod

@@ -1,0 +1,1 @@
+"""The Kubernetes API adapters: the client, list+watch, leases and the work queue."""

@@ -1,0 +1,1 @@
+"""The commands people run: `sandkeep`, `kubectl sandkeep`, exec, the standalone sweep, doctor."""

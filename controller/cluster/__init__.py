@@ -1,0 +1,1 @@
+"""The controller: one decision per object, the sessions, the policies."""

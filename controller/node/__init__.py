@@ -1,0 +1,1 @@
+"""The node's disk and processes: the store, the one deletion pipeline, in-use checks, orphans."""
