@@ -147,7 +147,7 @@ def test_read_only_directories_the_user_owns_are_deleted_as_that_user(
     (top / "d1" / "inner").chmod(0o000)
     (top / "d2").chmod(0o300)
     top.chmod(0o500)
-    code = "import sys; from controller import fsdelete\n"
+    code = "import sys; from controller.node import fsdelete\n"
     code += "print(fsdelete.delete_tree(sys.argv[1], 't', workers=int(sys.argv[2])))"
     out = throwaway_user.python(code, str(shared_tmp), str(workers))
     assert "ok=True" in out.stdout, out.stdout + out.stderr
@@ -164,7 +164,7 @@ def test_another_users_files_are_not_made_writable(shared_tmp: Path, throwaway_u
     (top / "d1" / "inner").chmod(0o555)
     shared_tmp.chmod(0o777)
     out = throwaway_user.python(
-        "import sys; from controller import fsdelete\n"
+        "import sys; from controller.node import fsdelete\n"
         "r = fsdelete.delete_tree(sys.argv[1], 't'); print(r.errno, r.path)",
         str(shared_tmp),
     )

@@ -167,7 +167,7 @@ def test_unreadable_wide_directories_the_user_owns_are_deleted_with_helpers(
     (top / "d0").chmod(0o000)
     (top / "d1").chmod(0o500)
     top.chmod(0o500)
-    code = "import sys; from controller import fsdelete\nprint(fsdelete.delete_tree(sys.argv[1], 't', workers=4))"
+    code = "import sys; from controller.node import fsdelete\nprint(fsdelete.delete_tree(sys.argv[1], 't', workers=4))"
     out = throwaway_user.python(code, str(shared_tmp))
     assert "ok=True" in out.stdout and f"files={n}" in out.stdout, out.stdout + out.stderr
     assert listing(shared_tmp) == []

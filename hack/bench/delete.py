@@ -46,7 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from controller import fsdelete  # noqa: E402
+from controller.node import fsdelete  # noqa: E402
 
 SEED = 15
 

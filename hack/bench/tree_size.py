@@ -37,7 +37,7 @@ from types import ModuleType
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from controller import fsdelete  # noqa: E402
+from controller.node import fsdelete  # noqa: E402
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY
 
