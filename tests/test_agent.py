@@ -38,6 +38,7 @@ from controller.node.reaper import Reaper
 from controller.node.store import Root
 from controller.observe import metrics
 from controller.rules import contracts as c
+from controller.rules import objects
 from controller.rules.sizes import human_size
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,7 +196,7 @@ def adopted(cluster: Any, namespace: str, name: str) -> dict[str, Any]:
 
 
 def cond(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
-    return None if obj is None else kube.condition_of(obj, type_)
+    return None if obj is None else objects.condition_of(obj, type_)
 
 
 def make_object(cluster: Any, namespace: str, name: str, node: str, workspace: str | None = None) -> None:

@@ -112,7 +112,7 @@ def test_phase_follows_the_verdict_and_the_agents_observations() -> None:
 
 
 def _facts() -> Any:
-    from controller.api.kube import sandbox_facts
+    from controller.rules.objects import sandbox_facts
 
     return sandbox_facts(_obj())
 

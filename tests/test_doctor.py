@@ -21,6 +21,7 @@ from controller.api.kube import AGENT_MANAGER, Kube
 from controller.cli.doctor import build_report, choose_install, render
 from controller.node.store import tombstone_name
 from controller.rules import contracts as c
+from controller.rules import objects
 from controller.rules.durations import format_instant
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,7 +77,7 @@ def test_doctor_names_stuck_held_lapsing_stale_and_orphans_and_exits_non_zero(cl
         {
             "phase": "Stuck",
             "tombstone": tomb,
-            "conditions": [kube.condition("TombstoneStuck", True, c.Reason.DELETE_FAILED, message)],
+            "conditions": [objects.condition("TombstoneStuck", True, c.Reason.DELETE_FAILED, message)],
         },
         AGENT_MANAGER,
     )
@@ -90,7 +91,7 @@ def test_doctor_names_stuck_held_lapsing_stale_and_orphans_and_exits_non_zero(cl
             "phase": "Held",
             "inUse": True,
             "heldBy": ["pid 42 (bash) cwd"],
-            "conditions": [kube.condition("InUse", True, c.Reason.IN_USE, "pid 42 (bash) cwd")],
+            "conditions": [objects.condition("InUse", True, c.Reason.IN_USE, "pid 42 (bash) cwd")],
         },
         AGENT_MANAGER,
     )

@@ -16,7 +16,6 @@ import pytest
 from controller_harness import sandbox, wait_for
 
 from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, KubeError, now_utc
-from controller.api.kube import condition as make_condition
 from controller.api.leases import (
     LeaderElector,
     Observed,
@@ -28,6 +27,7 @@ from controller.api.leases import (
     try_acquire_or_renew,
 )
 from controller.rules import contracts as c
+from controller.rules.objects import condition as make_condition
 
 
 def test_controller_and_agent_status_applies_never_clobber_each_other(kube: Kube, namespace: str) -> None:

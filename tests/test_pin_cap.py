@@ -16,10 +16,10 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.api.kube import pin_holds
 from controller.cluster.controller import Context, decide
 from controller.rules import contracts as c
 from controller.rules.durations import format_instant, parse_instant
+from controller.rules.objects import pin_holds
 from controller.rules.policy import Facts, Policy, deadline
 
 START = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

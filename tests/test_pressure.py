@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.agent.decide import age_of, candidate, release_refusal
-from controller.api.kube import pin_holds
 from controller.node.inuse import Usage
 from controller.rules.contracts import ANN_PIN_FOR, ANN_PIN_UNTIL
+from controller.rules.objects import pin_holds
 from controller.rules.pressure import Candidate, Disk, Watermarks, choose
 
 GiB = 1 << 30

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from localcluster import LocalCluster
 
 from controller.agent.decide import candidate, release_priority
-from controller.api.kube import Kube, namespace_policy
+from controller.api.kube import Kube
 from controller.rules import contracts as c
+from controller.rules.objects import namespace_policy
 from controller.rules.policy import Ceiling, Policy, Quota, effective_policy
 from controller.rules.pressure import Candidate, Disk, Watermarks, choose
 from controller.rules.quota import choose as quota_choose

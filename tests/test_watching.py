@@ -18,10 +18,11 @@ from kubernetes import client as k8s
 
 from controller import agent as agent_mod
 from controller.api import listwatch
-from controller.api.kube import Kube, KubeError, Obj, key_of, sandbox_path
+from controller.api.kube import Kube, KubeError, sandbox_path
 from controller.cluster.controller import ControllerSettings, Reconciler
 from controller.node.store import Root
 from controller.observe.metrics import AgentMetrics, ControllerMetrics
+from controller.rules.objects import Obj, key_of
 
 Key = tuple[str, str]
 

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from controller.agent.decide import Key
 from controller.agent.report import Reporter
 from controller.agent.state import Part, Shared
-from controller.api.kube import KubeError, Obj
+from controller.api.kube import KubeError
 from controller.node.store import Entry, Mismatch, Present, Read, Transient
 from controller.observe import logs
 from controller.rules import contracts as c
 from controller.rules.contracts import FINALIZER, Reason
 from controller.rules.models import label_value
+from controller.rules.objects import Obj
 
 log = logging.getLogger("sandkeep.agent")
 

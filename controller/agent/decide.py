@@ -18,13 +18,13 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
-from controller.api import kube
-from controller.api.kube import Obj, finalizers
 from controller.node.fsdelete import TreeSize
 from controller.node.inuse import Usage
 from controller.node.reaper import Claim, Clear, Fate, Finish, Keep
+from controller.rules import objects
 from controller.rules.contracts import FINALIZER, Condition, Reason, ReleasePriority
 from controller.rules.durations import format_duration, instant_or_none
+from controller.rules.objects import Obj, finalizers
 from controller.rules.pressure import Candidate
 from controller.rules.sizes import human_size
 
@@ -62,7 +62,7 @@ def observe(obj: Obj | None, node: str, tombstone: bool) -> Observation | None:
     if obj is None:
         return None
     mine = (obj.get("spec") or {}).get("nodeName") == node
-    return Observation(mine, kube.is_deleting(obj), FINALIZER in finalizers(obj), tombstone)
+    return Observation(mine, objects.is_deleting(obj), FINALIZER in finalizers(obj), tombstone)
 
 
 def next_step(seen: Observation | None) -> Step:
@@ -82,7 +82,7 @@ def claim_of(obj: Obj) -> Claim:
     A job retained again under the same name is another run, which deleting this object must not delete.
     """
     spec = obj.get("spec") or {}
-    return Claim(created_at=kube.sandbox_facts(obj).created_at, job_id=spec.get("jobId") or None)
+    return Claim(created_at=objects.sandbox_facts(obj).created_at, job_id=spec.get("jobId") or None)
 
 
 def fate(obj: Obj | None) -> Fate:
@@ -92,10 +92,10 @@ def fate(obj: Obj | None) -> Fate:
     the agent does leaves that; a hand-made rename would): put it back, never delete a sandbox still
     wanted. No object, or one deleting without our finalizer: nobody's, cleared.
     """
-    if obj is not None and kube.is_deleting(obj) and FINALIZER in finalizers(obj):
-        return Finish(kube.key_of(obj), claim_of(obj), Reason.DELETED)
-    if obj is not None and not kube.is_deleting(obj):
-        return Keep(kube.key_of(obj), Reason.TOMBSTONE_PINNED)
+    if obj is not None and objects.is_deleting(obj) and FINALIZER in finalizers(obj):
+        return Finish(objects.key_of(obj), claim_of(obj), Reason.DELETED)
+    if obj is not None and not objects.is_deleting(obj):
+        return Keep(objects.key_of(obj), Reason.TOMBSTONE_PINNED)
     return Clear()
 
 
@@ -184,7 +184,7 @@ def size_partial(sandbox: str, node: str, size: TreeSize, budget: timedelta) -> 
 
 def age_of(obj: Obj) -> datetime | None:
     """The deadline releasing orders by: the controller's, else the recorded retainUntil, else createdAt."""
-    facts = kube.sandbox_facts(obj)
+    facts = objects.sandbox_facts(obj)
     return instant_or_none((obj.get("status") or {}).get("deadline")) or facts.retain_until or facts.created_at
 
 
@@ -205,12 +205,12 @@ def dry_run(obj: Obj) -> bool:
 def candidate(obj: Obj, size: int | None, usage: Usage | None, now: datetime) -> Candidate:
     """One sandbox as the pressure choice sees it. No answer from the in-use scan yet holds (unknown)."""
     return Candidate(
-        key=kube.key_of(obj),
+        key=objects.key_of(obj),
         size=size,
         deadline=age_of(obj),
-        pinned=kube.pin_holds(obj, now),
+        pinned=objects.pin_holds(obj, now),
         held=usage is None or usage.holds,
-        deleting=kube.is_deleting(obj),
+        deleting=objects.is_deleting(obj),
         priority=release_priority(obj),
         holders=usage.holders if usage is not None else ("not checked yet",),
     )
@@ -224,8 +224,8 @@ def release_refusal(fresh: Obj | None, uid: str, now: datetime) -> str | None:
     """
     if fresh is None or fresh["metadata"].get("uid") != uid:
         return "gone or replaced"
-    if kube.is_deleting(fresh):
+    if objects.is_deleting(fresh):
         return "already being deleted"
-    if kube.pin_holds(fresh, now):
+    if objects.pin_holds(fresh, now):
         return "pinned"
     return None

@@ -28,11 +28,12 @@ from pathlib import Path
 from controller.agent.decide import Key, candidate, dry_run, release_refusal
 from controller.agent.report import Reporter
 from controller.agent.state import Part, Shared
-from controller.api.kube import KubeError, Obj
+from controller.api.kube import KubeError
 from controller.node.fsdelete import TreeSize
 from controller.node.inuse import Usage
 from controller.observe import logs
 from controller.rules.contracts import Reason
+from controller.rules.objects import Obj
 from controller.rules.pressure import Candidate, Disk, Plan, Watermarks, choose, percent
 from controller.rules.sizes import human_size
 

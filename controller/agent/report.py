@@ -20,14 +20,15 @@ from typing import Any
 
 from controller.agent.decide import size_partial, status_changed
 from controller.agent.state import Part
-from controller.api import kube
-from controller.api.kube import AGENT_MANAGER, KubeError, Obj, finalizers
+from controller.api.kube import AGENT_MANAGER, KubeError
 from controller.node import orphans
 from controller.node.inuse import Usage
 from controller.node.reaper import Deleted, Held, Outcome, Reaper, Refused, Restored, Stuck
 from controller.node.store import Tombstone
 from controller.observe import logs
+from controller.rules import objects
 from controller.rules.contracts import FINALIZER, Condition, Phase, Reason
+from controller.rules.objects import Obj, finalizers
 from controller.rules.sizes import human_size
 
 log = logging.getLogger("sandkeep.agent")
@@ -79,7 +80,7 @@ class Reporter(Part):
 
     def check_spec_path(self, obj: Obj) -> None:
         """spec.workspace.path is never used for disk work; one pointing elsewhere is reported, not followed."""
-        key = kube.key_of(obj)
+        key = objects.key_of(obj)
         given = ((obj.get("spec") or {}).get("workspace") or {}).get("path")
         mine = self.root.sandbox_path(*key)
         if given and not (given == str(mine) or given.startswith(f"{mine}/")):
@@ -95,7 +96,7 @@ class Reporter(Part):
     # --- status ----------------------------------------------------------------------------------------
 
     def disk_condition(self, obj: Obj) -> Obj:
-        path = self.root.sandbox_path(*kube.key_of(obj))
+        path = self.root.sandbox_path(*objects.key_of(obj))
         where = f"{path} on node {self.s.node}"
         status: bool | str
         try:
@@ -109,23 +110,23 @@ class Reporter(Part):
             status, reason, message = False, Reason.LOST, f"{where}: it does not exist"
         except OSError as err:
             status, reason, message = "Unknown", Reason.MANIFEST_UNREAD, f"{path}: {os.strerror(err.errno or 0)}"
-        return kube.condition(Condition.DISK_PRESENT, status, reason, message, previous=conditions(obj))
+        return objects.condition(Condition.DISK_PRESENT, status, reason, message, previous=conditions(obj))
 
     def in_use_condition(self, obj: Obj, usage: Usage | None) -> Obj:
         prev = conditions(obj)
         if usage is not None and usage.in_use is False and usage.reason is not None:  # e.g. OrphansPending
-            return kube.condition(Condition.IN_USE, False, usage.reason, "; ".join(usage.holders), previous=prev)
+            return objects.condition(Condition.IN_USE, False, usage.reason, "; ".join(usage.holders), previous=prev)
         if usage is None or usage.in_use is False:
-            return kube.condition(
+            return objects.condition(
                 Condition.IN_USE, False, Reason.RETAINED, "nothing on the node uses it", previous=prev
             )
         status: bool | str = True if usage.in_use else "Unknown"
         assert usage.reason is not None
-        return kube.condition(Condition.IN_USE, status, usage.reason, "; ".join(usage.holders), previous=prev)
+        return objects.condition(Condition.IN_USE, status, usage.reason, "; ".join(usage.holders), previous=prev)
 
     def observed_status(self, obj: Obj) -> Obj:
         """What the agent reports about a live object: presence, size, use."""
-        key = kube.key_of(obj)
+        key = objects.key_of(obj)
         usage = self.state.usage.get(key)
         status: Obj = {
             "inUse": bool(usage is not None and usage.holds),
@@ -140,7 +141,7 @@ class Reporter(Part):
             partial = size_partial("/".join(key), self.s.node, size, self.s.size_budget)
             if partial is not None:
                 reason, message = partial
-                cond = kube.condition(Condition.SIZE_PARTIAL, True, reason, message, previous=conditions(obj))
+                cond = objects.condition(Condition.SIZE_PARTIAL, True, reason, message, previous=conditions(obj))
                 status["conditions"].append(cond)
                 self.say_limited(f"size:{key}", "size_partial", reason=reason, object="/".join(key), bytes=size.bytes)
         who = self.owners().get(key)
@@ -187,9 +188,9 @@ class Reporter(Part):
 
     async def outcome(self, obj: Obj | None, tombstone: str | None, outcome: Outcome) -> After:
         """Say one pipeline outcome where a person looks; what follows for the object."""
-        ours = obj is not None and kube.is_deleting(obj) and FINALIZER in finalizers(obj)
+        ours = obj is not None and objects.is_deleting(obj) and FINALIZER in finalizers(obj)
         mine = obj if ours else None
-        ref = "/".join(kube.key_of(obj)) if mine is not None and obj is not None else None
+        ref = "/".join(objects.key_of(obj)) if mine is not None and obj is not None else None
         if isinstance(outcome, Deleted):
             self.m.deletion_duration.labels(self.s.node).observe(outcome.seconds)
             self.m.deletions.labels(self.s.node, str(outcome.reason)).inc()
@@ -217,7 +218,7 @@ class Reporter(Part):
                 f"other-run:{obj['metadata']['uid']}",
                 "deletion_skipped",
                 reason=outcome.reason,
-                object="/".join(kube.key_of(obj)),
+                object="/".join(objects.key_of(obj)),
                 action="the directory holds another run; it stays on disk and is adopted as its own object",
             )
         elif isinstance(outcome, Held):
@@ -247,7 +248,7 @@ class Reporter(Part):
             return After.NOTHING
         if obj is None:
             return After.NOTHING
-        key = kube.key_of(obj)
+        key = objects.key_of(obj)
         if held.survivors or held.refused:
             await self._held_by_orphans(obj, held)
         elif held.usage is not None or held.reason in (Reason.IN_USE, Reason.IN_USE_UNKNOWN, Reason.POD_MOUNT):
@@ -268,11 +269,11 @@ class Reporter(Part):
     async def _held_by_orphans(self, obj: Obj, held: Held) -> None:
         """Held by what the orphan records name: survivors of SIGKILL, processes not proven the recorded
         command's (never signalled), or records not trusted; condition OrphansSurvived says which."""
-        key = kube.key_of(obj)
+        key = objects.key_of(obj)
         where = f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held"
         result = orphans.ReapResult(survivors=held.survivors, refused=held.refused)
         message = orphans.held_message(where, result, self.s.orphan_timeout.total_seconds())
-        cond = kube.condition(Condition.ORPHANS_SURVIVED, True, held.reason, message, previous=conditions(obj))
+        cond = objects.condition(Condition.ORPHANS_SURVIVED, True, held.reason, message, previous=conditions(obj))
         held_by = [str(h)[:256] for h in (*held.survivors, *held.refused)]  # heldBy items are at most 512 long
         status = self.deleting_status(obj, Phase.HELD, extra=[cond], held_by=held_by)
         await self.apply(obj, status, deleting=True)
@@ -287,7 +288,7 @@ class Reporter(Part):
         )
 
     async def _held_in_use(self, obj: Obj, usage: Usage) -> None:
-        key = kube.key_of(obj)
+        key = objects.key_of(obj)
         message = (
             f"sandbox {key[0]}/{key[1]} on node {self.s.node}: deletion held, "
             f"{'in use' if usage.in_use else 'use cannot be ruled out'} by {'; '.join(usage.holders)}. "
@@ -322,9 +323,9 @@ class Reporter(Part):
                 orphan=True,
             )
             return
-        key = kube.key_of(obj)
+        key = objects.key_of(obj)
         message = stuck_message(f"{key[0]}/{key[1]}", self.s.node, stuck.tombstone, stuck.errno, stuck.path)
-        cond = kube.condition(Condition.TOMBSTONE_STUCK, True, stuck.cause, message, previous=conditions(obj))
+        cond = objects.condition(Condition.TOMBSTONE_STUCK, True, stuck.cause, message, previous=conditions(obj))
         status = self.deleting_status(obj, Phase.STUCK, extra=[cond], tombstone=stuck.tombstone)
         await self.apply(obj, status, deleting=True)
         await self.event(obj, Reason.TOMBSTONE_STUCK, message, "Warning")

@@ -42,7 +42,7 @@ from controller.agent.settings import (
 from controller.agent.sizer import Sizer
 from controller.agent.state import AgentState, Shared
 from controller.api import kube, leases
-from controller.api.kube import AGENT_MANAGER, Kube, KubeError, Obj, finalizers, now_utc
+from controller.api.kube import AGENT_MANAGER, Kube, KubeError, now_utc
 from controller.api.workqueue import WorkQueue
 from controller.node import orphans
 from controller.node.inuse import Usage, scan_usage
@@ -50,7 +50,9 @@ from controller.node.reaper import Held, Hooks, Outcome, Reaper, Refused, Rename
 from controller.node.store import Root, Tombstone
 from controller.observe import logs, metrics
 from controller.rules import contracts as c
+from controller.rules import objects
 from controller.rules.contracts import FINALIZER, MountCheck, Phase, Reason
+from controller.rules.objects import Obj, finalizers
 
 log = logging.getLogger("sandkeep.agent")
 T = TypeVar("T")
@@ -133,7 +135,7 @@ class Agent:
         """One watch event (None: an object of a listing): keep the newest version, queue the key."""
         if not self._mine(obj):
             return
-        key = kube.key_of(obj)
+        key = objects.key_of(obj)
         if event_type == "DELETED":
             self.state.forget(obj)
             self.queue.drop(key)
@@ -285,7 +287,7 @@ class Agent:
             )
         for key in list(self.state.objects) if keys is None else keys:
             obj = self.state.objects.get(key)
-            if obj is None or kube.is_deleting(obj):
+            if obj is None or objects.is_deleting(obj):
                 continue
             current = (obj.get("status") or {}).get("sessions") or []
             mine = by_uid.get(obj["metadata"]["uid"], [])
@@ -318,7 +320,7 @@ class Agent:
         out = []
         for key in keys:
             obj = self.state.objects.get(key)
-            asked = kube.annotations_of(obj or {}).get(c.ANN_VERIFY_SESSION)
+            asked = objects.annotations_of(obj or {}).get(c.ANN_VERIFY_SESSION)
             if obj is None or not asked:
                 continue
             settled = {
@@ -349,7 +351,7 @@ class Agent:
             if obj is None:
                 return
             uid = obj["metadata"]["uid"]
-            tomb = await asyncio.to_thread(self._tombstone_of, uid) if kube.is_deleting(obj) else None
+            tomb = await asyncio.to_thread(self._tombstone_of, uid) if objects.is_deleting(obj) else None
             steps[key] = (obj, tomb, next_step(observe(obj, self.s.node, tomb is not None)))
 
         async def act(key: Key) -> None:
@@ -454,7 +456,7 @@ class Agent:
         for tomb in await asyncio.to_thread(self.root.tombstones):
             obj = by_uid.get(tomb.id)
             outcome = await self._pipeline(self.reaper.leftover, tomb, lambda _read, o=obj: fate(o))
-            await self._after(obj, kube.key_of(obj) if obj is not None else None, tomb.name, outcome)
+            await self._after(obj, objects.key_of(obj) if obj is not None else None, tomb.name, outcome)
 
     async def _after(self, obj: Obj | None, key: Key | None, tombstone: str | None, outcome: Outcome) -> None:
         after = await self.report.outcome(obj, tombstone, outcome)
@@ -503,7 +505,7 @@ class Agent:
         if seam:
             threading.Timer(float(seam), os.kill, (os.getpid(), signal.SIGKILL)).start()
         obj = self.state.objects.get(key)
-        if obj is None or tomb is None or self.loop is None or not kube.is_deleting(obj):
+        if obj is None or tomb is None or self.loop is None or not objects.is_deleting(obj):
             return
         status = obj.get("status") or {}
         if tomb.name in self.reaper.stuck or (
@@ -519,7 +521,7 @@ class Agent:
 
     async def _finish(self, obj: Obj, tombstone: str | None) -> None:
         """Remove the finalizer, guarded by resourceVersion; on a conflict read fresh and try again."""
-        key = kube.key_of(obj)
+        key = objects.key_of(obj)
         for _ in range(5):
             if FINALIZER not in finalizers(obj):
                 return

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from controller.agent import cgroups
 from controller.agent.cgroups import Container
-from controller.api.kube import Obj
 from controller.node.fsdelete import open_no_symlinks
 from controller.rules import contracts as c
 from controller.rules.contracts import MountCheck
 from controller.rules.durations import format_instant
+from controller.rules.objects import Obj
 
 SESSIONS_MANAGER_SUFFIX = "-sessions"
 _CONTAINER_ID = re.compile(r"^([a-z0-9-]+)://([0-9a-f]{64})$")

@@ -6,12 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller.agent.settings import AgentSettings
-from controller.api import kube
-from controller.api.kube import Kube, Obj
+from controller.api.kube import Kube
 from controller.node.fsdelete import TreeSize
 from controller.node.inuse import Usage
 from controller.node.store import Root
 from controller.observe.metrics import AgentMetrics
+from controller.rules.objects import Obj, key_of
 
 Key = tuple[str, str]
 GONE_REMEMBERED = 4096  # uids of objects seen deleted, kept so a late answer cannot bring one back
@@ -43,7 +43,7 @@ class AgentState:
         slim(obj)
         if obj["metadata"].get("uid") in self.gone:
             return
-        key = kube.key_of(obj)
+        key = key_of(obj)
         old = self.objects.get(key)
         new_rv = int(obj["metadata"].get("resourceVersion") or 0)
         same_object = old is not None and old["metadata"].get("uid") == obj["metadata"].get("uid")
@@ -53,7 +53,7 @@ class AgentState:
 
     def forget(self, obj: Obj) -> None:
         """Drop an object that is gone (deleted, or answered 404); a newer one of the same name stays."""
-        key = kube.key_of(obj)
+        key = key_of(obj)
         uid = obj["metadata"].get("uid")
         if uid:
             self.gone[uid] = None
@@ -65,7 +65,7 @@ class AgentState:
 
     def newest(self, obj: Obj) -> Obj:
         """The cache's copy when it is the same object (our own status writes land there first)."""
-        cached = self.objects.get(kube.key_of(obj))
+        cached = self.objects.get(key_of(obj))
         return cached if cached is not None and cached["metadata"].get("uid") == obj["metadata"]["uid"] else obj
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from controller.api import listwatch
-from controller.api.kube import Kube, Obj, sandbox_path
+from controller.api.kube import Kube, sandbox_path
+from controller.rules.objects import Obj
 
 
 def sandboxes(

@@ -3,7 +3,8 @@
 One small JSON-over-HTTP adapter (`Kube.request`) on top of the official client's authentication and
 connection pool, so every call reads and writes plain dicts exactly as the API server sends them, and
 the few operations sandkeep needs: sandboxes, policies, nodes, Events, status by server-side apply,
-annotation patches and deletes guarded by uid + resourceVersion.
+annotation patches and deletes guarded by uid + resourceVersion. Transport only: what the objects say
+(accessors, conditions, a SandboxPolicy's spec) is read in `controller.rules.objects`, with no client.
 
 Status ownership (both components follow it): each writes `status` by SERVER-SIDE APPLY on the status
 subresource with its own field manager (`CONTROLLER_MANAGER`, `AGENT_MANAGER`). An apply always carries
@@ -20,8 +21,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
@@ -32,10 +32,9 @@ from kubernetes import config as k8s_config
 from controller import __version__
 from controller.observe import logs
 from controller.rules import contracts as c
-from controller.rules.durations import Invalid, format_instant, instant_or_none, parse_duration, parse_instant
+from controller.rules.durations import format_instant
 from controller.rules.models import bounded_name
-from controller.rules.policy import Facts, PinSeen, Policy, Quota
-from controller.rules.sizes import parse_size
+from controller.rules.objects import Obj, sandbox_items
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +42,6 @@ CONTROLLER_MANAGER = "sandkeep-controller"
 AGENT_MANAGER = "sandkeep-agent"
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE"})
 PAGE = 500  # objects per list request: memory stays bounded however many objects there are
-
-Obj = dict[str, Any]
 
 
 class KubeError(Exception):
@@ -428,216 +425,3 @@ class Kube:
 def _ref(obj: Obj) -> str:
     meta = obj.get("metadata", {})
     return f"{meta.get('namespace')}/{meta.get('name')}"
-
-
-# --- reading sandboxes -----------------------------------------------------------------------------------
-def sandbox_items(page: Obj) -> list[Obj]:
-    """A list response's sandboxes, each with the apiVersion/kind a list drops (callers re-post them)."""
-    items: list[Obj] = page.get("items") or []
-    for item in items:
-        item.setdefault("apiVersion", c.API_VERSION)
-        item.setdefault("kind", c.SANDBOX_KIND)
-    return items
-
-
-def key_of(obj: Obj) -> tuple[str, str]:
-    """(namespace, name): how both components index sandboxes."""
-    meta = obj["metadata"]
-    return meta["namespace"], meta["name"]
-
-
-def annotations_of(obj: Obj) -> dict[str, str]:
-    return dict(obj.get("metadata", {}).get("annotations") or {})
-
-
-def finalizers(obj: Obj) -> list[str]:
-    """The object's finalizers (a copy; none is an empty list)."""
-    return list(obj.get("metadata", {}).get("finalizers") or [])
-
-
-def is_deleting(obj: Obj) -> bool:
-    return bool(obj.get("metadata", {}).get("deletionTimestamp"))
-
-
-def sandbox_facts(obj: Obj) -> Facts:
-    """What the one rule reads from a RetainedSandbox: spec times, the pin annotations (raw text) and the
-    controller's record of when it first saw the pin (`status.pinSeen`, which only the components write)."""
-    spec = obj.get("spec") or {}
-    ann = annotations_of(obj)
-    return Facts(
-        created_at=instant_or_none(spec.get("createdAt")),
-        retain_until=instant_or_none(spec.get("retainUntil")),
-        pin_until=ann.get(c.ANN_PIN_UNTIL),
-        pinned_at=ann.get(c.ANN_PINNED_AT),
-        pin_seen=pin_seen_of(obj),
-    )
-
-
-def pin_seen_of(obj: Obj) -> PinSeen | None:
-    """`status.pinSeen` as the rule reads it; None when absent or not two valid times."""
-    seen = (obj.get("status") or {}).get("pinSeen")
-    if not isinstance(seen, dict):
-        return None
-    pin, at = instant_or_none(seen.get("pinUntil")), instant_or_none(seen.get("at"))
-    return PinSeen(pin, at) if pin is not None and at is not None else None
-
-
-def pin_seen_status(seen: PinSeen, in_force: datetime | None) -> Obj:
-    """`status.pinSeen` as the controller writes it: its record, and the pin in force after the cap (what the
-    agent reads to know whether the pin still keeps the sandbox from being released for space)."""
-    status = {"pinUntil": format_instant(seen.pin_until), "at": format_instant(seen.at)}
-    return status | ({"inForceUntil": format_instant(in_force)} if in_force is not None else {})
-
-
-def pin_pending(obj: Obj) -> bool:
-    """A valid `pin-for` the controller has not yet turned into a `pin-until`: a pin about to be in force."""
-    text = annotations_of(obj).get(c.ANN_PIN_FOR)
-    return text is not None and not isinstance(parse_duration(text), Invalid)
-
-
-def pin_holds(obj: Obj, now: datetime) -> bool:
-    """Whether a pin keeps `obj` from being released for space (disk pressure or a quota), as the controller
-    judged it: never from the raw annotation alone, so a pin its maxPin cap has ended reorders nothing.
-
-    The controller's verdict is `status.pinSeen.inForceUntil` (the pin after the cap, whether or not it
-    extends the deadline), for the pin `status.pinSeen.pinUntil` names. A pin it has not judged yet (a
-    pin-for not yet settled, or a valid future pin-until other than the one it recorded) holds until it
-    has, erring on keeping for the moment that takes; an unparseable pin is no pin, as in the rule.
-    """
-    if pin_pending(obj):
-        return True
-    text = annotations_of(obj).get(c.ANN_PIN_UNTIL)
-    pin = parse_instant(text) if text is not None else None
-    if not isinstance(pin, datetime):
-        return False
-    seen = pin_seen_of(obj)
-    if seen is None or seen.pin_until != pin.replace(microsecond=0):
-        return pin > now  # not judged yet: no cap can make a past pin keep anything
-    recorded = (obj.get("status") or {}).get("pinSeen") or {}
-    until = instant_or_none(recorded.get("inForceUntil"))
-    return until is not None and until > now
-
-
-def condition_of(obj: Obj, type_: str) -> Obj | None:
-    for cond in (obj.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == type_:
-            found: Obj = cond
-            return found
-    return None
-
-
-@dataclass(frozen=True)
-class Observed:
-    """What the agent last reported about the disk (the controller reads it to derive the phase)."""
-
-    in_use: bool = False
-    in_session: bool = False  # a SandboxSession's Pod mounts it, the mount verified (`status.sessions`)
-    disk_present: bool | None = None  # None: the agent has not said
-
-    @property
-    def held(self) -> bool:
-        """Something keeps it from deletion: a process or Pod uses it, or a session has it open."""
-        return self.in_use or self.in_session
-
-
-def observed_of(obj: Obj) -> Observed:
-    status = obj.get("status") or {}
-    present = condition_of(obj, c.Condition.DISK_PRESENT)
-    disk = None if present is None else present.get("status") != "False"
-    sessions = status.get("sessions") or []
-    in_session = any(isinstance(s, dict) and s.get("mount") == c.MountCheck.VERIFIED for s in sessions)
-    return Observed(in_use=bool(status.get("inUse")), in_session=in_session, disk_present=disk)
-
-
-def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
-    """A SandboxPolicy's spec as a Policy; missing or unparseable fields fall back to the default.
-
-    Returns the problems in words (the schema's pattern already refuses most bad input; this is the
-    second line for values like `99999999999d` the pattern allows).
-    """
-    spec = obj.get("spec") or {}
-    problems: list[str] = []
-
-    def duration(field: str, fallback: Any) -> Any:
-        if field not in spec:
-            return fallback
-        parsed = parse_duration(spec[field])
-        if isinstance(parsed, Invalid):
-            problems.append(f"spec.{field} {parsed}")
-            return fallback
-        return parsed
-
-    retention = duration("retention", default.retention)
-    max_pin = duration("maxPin", default.max_pin)
-    limits: Obj = spec["quota"] if isinstance(spec.get("quota"), dict) else {}
-    max_bytes, max_count = default.quota.max_bytes, default.quota.max_count
-    if "maxBytes" in limits:
-        size = parse_size(limits["maxBytes"])
-        if isinstance(size, Invalid):
-            problems.append(f"spec.quota.maxBytes {size}")
-        else:
-            max_bytes = size
-    if "maxCount" in limits:
-        count = limits["maxCount"]
-        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-            max_count = count
-        else:
-            problems.append(f"spec.quota.maxCount {count!r}: not a whole number of sandboxes")
-    priority = default.release_priority
-    if "releasePriority" in spec:
-        try:
-            priority = c.ReleasePriority(spec["releasePriority"])
-        except ValueError:
-            problems.append(f"spec.releasePriority {spec['releasePriority']!r}: one of First, Normal, Last")
-    quota = Quota(max_bytes, max_count)
-    return Policy(retention, max_pin, bool(spec.get("dryRun", False)), quota, priority), problems
-
-
-# --- conditions ------------------------------------------------------------------------------------------
-def condition(
-    type_: str,
-    status: bool | str,
-    reason: c.Reason,
-    message: str,
-    *,
-    observed_generation: int | None = None,
-    previous: Iterable[Obj] = (),
-    now: datetime | None = None,
-) -> Obj:
-    """A standard condition; lastTransitionTime is kept from `previous` when the status did not change.
-
-    Keeping the time is what makes a re-applied, unchanged condition a no-op for the API server.
-    """
-    text = ("True" if status else "False") if isinstance(status, bool) else status
-    when = format_instant(now or now_utc())
-    for old in previous:
-        if old.get("type") == type_ and old.get("status") == text and old.get("lastTransitionTime"):
-            when = old["lastTransitionTime"]
-            break
-    result: Obj = {
-        "type": type_,
-        "status": text,
-        "reason": str(reason),
-        "message": message[:32768],
-        "lastTransitionTime": when,
-    }
-    if observed_generation is not None:
-        result["observedGeneration"] = observed_generation
-    return result
-
-
-def message_digest(message: str | int) -> int:
-    """A condition message as a number: what a view keeps of it when it only ever compares messages."""
-    return message if isinstance(message, int) else hash(message)
-
-
-def same_condition(a: Obj | None, b: Obj | None) -> bool:
-    """Equal in every field that matters (the transition time is derived, so it is not compared).
-
-    A message may be its text or its digest (`message_digest`, as the controller's view keeps it).
-    """
-    if a is None or b is None:
-        return a is b
-    keys = ("type", "status", "reason", "observedGeneration")
-    same_message = message_digest(a.get("message", "")) == message_digest(b.get("message", ""))
-    return same_message and all(a.get(k) == b.get(k) for k in keys)

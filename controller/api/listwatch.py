@@ -27,8 +27,9 @@ from typing import Any
 import aiohttp
 import kopf
 
-from controller.api.kube import PAGE, Kube, KubeError, Obj, key_of, sandbox_items, status_message
+from controller.api.kube import PAGE, Kube, KubeError, status_message
 from controller.observe import logs
+from controller.rules.objects import Obj, key_of, sandbox_items
 
 log = logging.getLogger("sandkeep.watch")
 

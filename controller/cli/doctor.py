@@ -24,10 +24,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from controller.api import kube, leases
-from controller.api.kube import Kube, Obj
+from controller.api.kube import Kube
 from controller.node.store import parse_tombstone
 from controller.rules import contracts as c
+from controller.rules import objects
 from controller.rules.durations import Invalid, format_duration, instant_or_none, parse_duration
+from controller.rules.objects import Obj
 from controller.rules.sizes import human_size
 
 ORPHANS_ANNOTATION = c.ANN_ORPHAN_TOMBSTONES
@@ -56,13 +58,13 @@ def _age(since: datetime | None, now: datetime) -> str:
 
 
 def _ref(obj: Obj) -> str:
-    ns, name = kube.key_of(obj)
+    ns, name = objects.key_of(obj)
     return f"{ns}/{name}"
 
 
 def _stuck_row(obj: Obj, now: datetime) -> list[str] | None:
     status = obj.get("status") or {}
-    cond = kube.condition_of(obj, c.Condition.TOMBSTONE_STUCK)
+    cond = objects.condition_of(obj, c.Condition.TOMBSTONE_STUCK)
     if status.get("phase") != str(c.Phase.STUCK) and not (cond and cond.get("status") == "True"):
         return None
     tomb = parse_tombstone(status.get("tombstone") or "")
@@ -79,18 +81,20 @@ def _held_row(obj: Obj) -> list[str] | None:
         return None
     why = []
     for type_ in (c.Condition.ORPHANS_SURVIVED, c.Condition.IN_USE):
-        cond = kube.condition_of(obj, type_)
+        cond = objects.condition_of(obj, type_)
         if cond and cond.get("status") in ("True", "Unknown"):
             why.append(f"{cond.get('reason')}: {cond.get('message', '')}")
     if not why and status.get("heldBy"):
         why.append("held by " + "; ".join(status["heldBy"]))
-    deleting = "deleting" if kube.is_deleting(obj) else "expired"
+    deleting = "deleting" if objects.is_deleting(obj) else "expired"
     return [_ref(obj), (obj.get("spec") or {}).get("nodeName", "?"), deleting, " | ".join(why) or "?"]
 
 
 def _lapsing_row(obj: Obj, now: datetime) -> list[str] | None:
     status = obj.get("status") or {}
-    until = instant_or_none(status.get("pinnedUntil")) or instant_or_none(kube.annotations_of(obj).get(c.ANN_PIN_UNTIL))
+    until = instant_or_none(status.get("pinnedUntil")) or instant_or_none(
+        objects.annotations_of(obj).get(c.ANN_PIN_UNTIL)
+    )
     if until is None or not now < until <= now + LAPSING_WITHIN:
         return None
     return [_ref(obj), (obj.get("spec") or {}).get("nodeName", "?"), until.isoformat(), format_duration(until - now)]

@@ -36,11 +36,12 @@ import yaml
 
 from controller import __version__
 from controller.api import kube
-from controller.api.kube import Kube, KubeError, Obj
+from controller.api.kube import Kube, KubeError
 from controller.cli import doctor
 from controller.cluster.sessions import sandbox_refusal, session_path
 from controller.node import untar
 from controller.rules import contracts as c
+from controller.rules import objects
 from controller.rules.durations import (
     Invalid,
     format_duration,
@@ -49,6 +50,7 @@ from controller.rules.durations import (
     parse_duration,
     parse_instant,
 )
+from controller.rules.objects import Obj
 from controller.rules.sizes import human_size
 
 RESOURCE = f"{c.SANDBOX_SINGULAR}.{c.GROUP}"  # how kubectl names the kind in its messages
@@ -159,7 +161,7 @@ def as_list(items: list[Obj], output: str) -> str:
 
 def cmd_ls(target: Target, args: argparse.Namespace) -> int:
     namespace = None if args.all_namespaces else target.namespace
-    items = sorted(target.client.list_sandboxes(namespace, node=args.node), key=kube.key_of)
+    items = sorted(target.client.list_sandboxes(namespace, node=args.node), key=objects.key_of)
     if args.output in ("json", "yaml"):
         print(as_list(items, args.output), end="")
         return 0
@@ -202,7 +204,7 @@ def patch_pins(target: Target, name: str, changes: dict[str, str | None]) -> Obj
     """The merge patch, guarded by the resourceVersion read (a concurrent change is read again, not overwritten)."""
     for _attempt in range(3):
         obj = get_sandbox(target, name)
-        if kube.is_deleting(obj):
+        if objects.is_deleting(obj):
             raise Refused(
                 f"{c.SANDBOX_SINGULAR} {name} in namespace {target.namespace} is being deleted; a deletion is "
                 "final, so a pin cannot keep it (nothing was changed)"
@@ -227,7 +229,7 @@ def cmd_pin(target: Target, args: argparse.Namespace) -> int:
 def cmd_unpin(target: Target, args: argparse.Namespace) -> int:
     obj = get_sandbox(target, args.name)
     pins = (c.ANN_PIN_FOR, c.ANN_PIN_UNTIL, c.ANN_PINNED_AT)
-    if not any(k in kube.annotations_of(obj) for k in pins):
+    if not any(k in objects.annotations_of(obj) for k in pins):
         print(f"{RESOURCE}/{args.name} not pinned")
         return 0
     target.client.patch_annotations(obj, dict.fromkeys(pins))

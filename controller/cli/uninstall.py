@@ -27,10 +27,12 @@ import time
 from collections.abc import Callable
 
 from controller.api import kube
-from controller.api.kube import Kube, KubeError, Obj, finalizers
+from controller.api.kube import Kube, KubeError
 from controller.observe import logs
 from controller.rules import contracts as c
+from controller.rules import objects
 from controller.rules.durations import Invalid, parse_duration
+from controller.rules.objects import Obj, finalizers
 
 log = logging.getLogger("sandkeep.uninstall")
 POLL = 1.0  # seconds between looks while waiting
@@ -38,7 +40,7 @@ SHOWN = 20  # sandboxes named when some are left
 
 
 def _ref(obj: Obj) -> str:
-    namespace, name = kube.key_of(obj)
+    namespace, name = objects.key_of(obj)
     return f"{namespace}/{name}"
 
 
@@ -66,7 +68,7 @@ def delete_all(client: Kube, timeout: float) -> tuple[int, list[str]]:
         if obj["metadata"].get("deletionTimestamp"):
             continue
         try:
-            client.request("DELETE", kube.sandbox_path(*kube.key_of(obj)))
+            client.request("DELETE", kube.sandbox_path(*objects.key_of(obj)))
         except KubeError as err:
             if not err.not_found:
                 raise
@@ -124,7 +126,7 @@ def release_all(client: Kube) -> int:
                     break
                 if not err.conflict:
                     raise
-                fresh = client.get_sandbox(*kube.key_of(obj))  # changed since the list: read it again
+                fresh = client.get_sandbox(*objects.key_of(obj))  # changed since the list: read it again
                 if fresh is None:
                     break
                 obj = fresh

@@ -37,28 +37,7 @@ import kopf
 from pydantic import Field
 
 from controller.api import listwatch
-from controller.api.kube import (
-    CONTROLLER_MANAGER,
-    Kube,
-    KubeError,
-    Obj,
-    RateLimiter,
-    annotations_of,
-    condition,
-    condition_of,
-    is_deleting,
-    key_of,
-    load_config,
-    message_digest,
-    namespace_policy,
-    now_utc,
-    observed_of,
-    pin_pending,
-    pin_seen_status,
-    same_condition,
-    sandbox_facts,
-    sandbox_path,
-)
+from controller.api.kube import CONTROLLER_MANAGER, Kube, KubeError, RateLimiter, load_config, now_utc, sandbox_path
 from controller.api.leases import LeaderElector
 from controller.api.workqueue import WorkQueue
 from controller.cluster.policyset import in_force, write_statuses
@@ -69,6 +48,21 @@ from controller.rules import flags, models
 from controller.rules.contracts import Phase, Reason
 from controller.rules.durations import Invalid, format_instant, parse_duration, parse_instant
 from controller.rules.flags import HumanDuration, HumanSize, JsonList, JsonObject, KubeQps
+from controller.rules.objects import (
+    Obj,
+    annotations_of,
+    condition,
+    condition_of,
+    is_deleting,
+    key_of,
+    message_digest,
+    namespace_policy,
+    observed_of,
+    pin_pending,
+    pin_seen_status,
+    same_condition,
+    sandbox_facts,
+)
 from controller.rules.policy import Ceiling, Policy, Quota, Verdict, deadline, effective_policy, phase_of
 from controller.rules.pressure import Candidate
 from controller.rules.quota import choose as quota_plan
@@ -475,7 +469,7 @@ def _slim(obj: Obj) -> Obj:
 
     Measured at 3,000 objects after reconcile-all: 2.5 KiB per sandbox when the view kept whole objects
     less managedFields, most of it the conditions' messages, which no decision reads back (it compares
-    them: `kube.same_condition` takes a digest for a text).
+    them: `objects.same_condition` takes a digest for a text).
     """
     meta = obj.get("metadata", {})
     kept: Obj = {k: meta[k] for k in _KEPT_META if k in meta}

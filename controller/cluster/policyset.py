@@ -12,8 +12,10 @@ from collections.abc import Mapping
 from datetime import datetime
 
 from controller.api import kube
-from controller.api.kube import CONTROLLER_MANAGER, Kube, Obj, policy_path
+from controller.api.kube import CONTROLLER_MANAGER, Kube, policy_path
 from controller.rules import contracts as c
+from controller.rules import objects
+from controller.rules.objects import Obj
 
 
 def _age_key(name: str, obj: Obj) -> tuple[str, str]:
@@ -52,7 +54,7 @@ def policy_statuses(namespace: str, policies: Mapping[str, Obj], now: datetime |
                 f"{winner} and delete this one"
             )
         previous = (obj.get("status") or {}).get("conditions") or []
-        cond = kube.condition(
+        cond = objects.condition(
             c.PolicyCondition.ACTIVE,
             active,
             reason,
@@ -71,7 +73,7 @@ def policy_statuses(namespace: str, policies: Mapping[str, Obj], now: datetime |
 def _unchanged(current: Obj, desired: Obj) -> bool:
     have = {cd.get("type"): cd for cd in current.get("conditions") or []}
     return current.get("observedGeneration") == desired.get("observedGeneration") and all(
-        kube.same_condition(have.get(cd["type"]), cd) for cd in desired["conditions"]
+        objects.same_condition(have.get(cd["type"]), cd) for cd in desired["conditions"]
     )
 
 

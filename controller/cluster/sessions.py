@@ -35,12 +35,13 @@ from datetime import datetime, timedelta
 from pathlib import PurePosixPath
 from urllib.parse import quote
 
-from controller.api.kube import Kube, KubeError, Obj, is_deleting, key_of, now_utc
+from controller.api.kube import Kube, KubeError, now_utc
 from controller.api.workqueue import WorkQueue
 from controller.observe import logs
 from controller.rules import contracts as c
 from controller.rules.contracts import MountCheck, Reason, SessionPhase
 from controller.rules.durations import Invalid, format_duration, format_instant, instant_or_none, parse_duration
+from controller.rules.objects import Obj, is_deleting, key_of
 
 log = logging.getLogger("sandkeep.sessions")
 

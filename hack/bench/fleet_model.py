@@ -50,21 +50,13 @@ sys.path.insert(0, str(REPO))
 
 from localcluster import LocalCluster  # noqa: E402
 
-from controller.api.kube import (  # noqa: E402
-    AGENT_MANAGER,
-    CONTROLLER_MANAGER,
-    Kube,
-    Obj,
-    condition,
-    load_config,
-    now_utc,
-    sandbox_path,
-)
+from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, load_config, now_utc, sandbox_path  # noqa: E402
 from controller.cluster.controller import Context, decide  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.contracts import Condition, Phase, Reason  # noqa: E402
 from controller.rules.durations import format_instant  # noqa: E402
 from controller.rules.models import label_value  # noqa: E402
+from controller.rules.objects import Obj, condition  # noqa: E402
 from controller.rules.policy import Policy  # noqa: E402
 from controller.rules.sizes import human_size  # noqa: E402
 
