@@ -1,11 +1,8 @@
 """`sandkeep exec`: run a command in a sandbox's workspace, recording its processes (node/orphans.py).
 
-A command is started as the leader of a session of its own (setsid), so killing `sandkeep exec` does
-not reach it, and a background child it starts outlives it. While it runs, `sandkeep exec` walks the
-tree under every recorded process (`/proc/<pid>/task/*/children`) and records the leader and each live
-descendant by pid, start ticks and boot id in `<sandbox>/.commands/<pid>-<start>.json` (atomic writes,
-at most MAX_MEMBERS members); a pid alone could be reused, a pid with its start ticks on one boot
-cannot. The record goes when nothing in it is alive.
+The command is started as the leader of a session of its own (setsid) and walked while it runs; its
+processes are recorded as `node/orphans.py` describes, so that what a killed `sandkeep exec` left can be
+reaped before the sandbox is deleted or opened again.
 
 `sandkeep exec` starts nothing in a sandbox the opener's rule refuses (`opener.refusal`: expired by the
 sweep's own rule with `ls`'s policy flags, being deleted, stuck, lost, unreadable) or that recorded
