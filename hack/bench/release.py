@@ -98,7 +98,7 @@ def measure_release(count: int, releases: int, workdir: Path) -> dict[str, float
     from controller.node.inuse import uninspectable_pids
     from controller.node.store import Root
     from controller.observe import metrics
-    from controller.rules import objects
+    from controller.rules.objects import key_of
 
     cluster = LocalCluster(workdir / "cluster", tools_bin(CLUSTER_TOOLS))
     cluster.start()
@@ -142,7 +142,7 @@ def measure_release(count: int, releases: int, workdir: Path) -> dict[str, float
         unpinned = [o for o in created if c.ANN_PIN_UNTIL not in (o["metadata"].get("annotations") or {})]
         spare = unpinned[-releases:]  # the newest: never chosen, deleted by the baseline instead
         for obj in created:
-            key = objects.key_of(obj)
+            key = key_of(obj)
             bench.state.objects[key] = obj
             bench.state.present.add(key)
             bench.state.usage[key] = Usage(False, ())
@@ -159,7 +159,7 @@ def measure_release(count: int, releases: int, workdir: Path) -> dict[str, float
 
         t0 = time.perf_counter()
         for obj in spare:
-            fresh = client.get_sandbox(*objects.key_of(obj))
+            fresh = client.get_sandbox(*key_of(obj))
             if fresh is not None:
                 client.delete_sandbox(fresh)
         bare_in = time.perf_counter() - t0
