@@ -6,6 +6,7 @@ someone else's delegated cgroup, or a forged line.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from controller.agent import cgroups
 from controller.agent.cgroups import Container, answers, parse
-from controller.agent.sessions import check, pids_of
+from controller.agent.sessions import MOUNT_LOG, check, pids_of
 from controller.rules import contracts as c
 
 V1 = ("12:pids", "7:cpu,cpuacct", "4:memory", "3:devices", "1:name=systemd", "0:")
@@ -214,3 +215,12 @@ def test_a_hostile_process_whose_cgroup_holds_the_id_never_answers_for_the_conta
     (proc / "100" / "cgroup").write_text(f"4:memory:{here}/{ct.id}\n")
     (proc / "self" / "cgroup").write_text("unreadable\n")  # the agent's own cgroup unknown: nobody answers
     assert check(session_pod(ct), root, "team", "run-1", proc) == c.MountCheck.UNKNOWN
+
+
+def test_only_a_mount_that_is_not_the_workspace_is_logged_as_a_warning() -> None:
+    # An Unknown finding (no process of the container read yet) is checked again, not a mismatch: it was logged
+    # as a MountMismatch warning, which sent a person looking for a wrong mount that did not exist.
+    assert set(MOUNT_LOG) == set(c.MountCheck)
+    warned = {found for found, (level, _) in MOUNT_LOG.items() if level >= logging.WARNING}
+    assert warned == {c.MountCheck.MISMATCH} and MOUNT_LOG[c.MountCheck.MISMATCH][1] == c.Reason.MOUNT_MISMATCH
+    assert MOUNT_LOG[c.MountCheck.UNKNOWN][1] == c.Reason.SESSION_STARTING

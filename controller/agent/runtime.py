@@ -303,13 +303,12 @@ class Agent:
             self.state.remember(updated)
             for entry in found:
                 if known.get(entry["podUID"], {}).get("mount") != entry["mount"]:
+                    level, reason = sessions.MOUNT_LOG[MountCheck(entry["mount"])]
                     logs.say(
                         log,
                         "session_mount_checked",
-                        level=logging.INFO if entry["mount"] == MountCheck.VERIFIED else logging.WARNING,
-                        reason=Reason.SESSION_RUNNING
-                        if entry["mount"] == MountCheck.VERIFIED
-                        else Reason.MOUNT_MISMATCH,
+                        level=level,
+                        reason=reason,
                         object="/".join(key),
                         pod=entry["pod"],
                         mount=entry["mount"],

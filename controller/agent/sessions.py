@@ -13,6 +13,7 @@ the container's only when its cgroup is exactly the one the kubelet made for it 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -23,11 +24,17 @@ from controller.agent import cgroups
 from controller.agent.cgroups import Container
 from controller.node.fsdelete import open_no_symlinks
 from controller.rules import contracts as c
-from controller.rules.contracts import MountCheck
+from controller.rules.contracts import MountCheck, Reason
 from controller.rules.durations import format_instant
 from controller.rules.objects import Obj
 
 SESSIONS_MANAGER_SUFFIX = "-sessions"
+# How each finding is logged: only a mismatch is a warning; Unknown (no process read yet) is checked again.
+MOUNT_LOG: dict[MountCheck, tuple[int, Reason]] = {
+    MountCheck.VERIFIED: (logging.INFO, Reason.SESSION_RUNNING),
+    MountCheck.MISMATCH: (logging.WARNING, Reason.MOUNT_MISMATCH),
+    MountCheck.UNKNOWN: (logging.INFO, Reason.SESSION_STARTING),
+}
 _CONTAINER_ID = re.compile(r"^([a-z0-9-]+)://([0-9a-f]{64})$")
 
 Identity = tuple[int, int]  # (st_dev, st_ino)
