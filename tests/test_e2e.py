@@ -433,10 +433,8 @@ def test_only_a_process_in_exactly_the_session_containers_cgroup_answers_for_it(
         for pid in pids:
             eventually(lambda pid=pid: cid in bed.in_node(f"cat /proc/{pid}/cgroup").stdout, f"pid {pid} moved")
         agent = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"][0]
-        view = bed.kubectl(
-            "exec", "-i", "-n", SYSTEM_NS, agent["metadata"]["name"], "-c", "agent", "--",
-            "python", "-c", AGENT_VIEW, str(bed.root), input=json.dumps(pod),
-        )  # fmt: skip
+        in_agent = ("exec", "-i", "-n", SYSTEM_NS, agent["metadata"]["name"], "-c", "agent", "--")
+        view = bed.kubectl(*in_agent, "python", "-c", AGENT_VIEW, str(bed.root), input=json.dumps(pod))
         seen = json.loads(view.stdout)
         say(f"as the agent sees it: {seen}")
         assert {int(p) for p in pids} <= set(seen["holding"]), "the substring match would have taken them"
