@@ -73,7 +73,7 @@ def test_no_history_of_annotations_keeps_a_sandbox_past_its_cap(history: list[tu
         bound = max(window, first_seen[1] + MAX_PIN) if first_seen is not None else window
         assert verdict.deadline is not None and verdict.deadline <= bound, (verdict, first_seen, now)
         # The agent reads the controller's verdict from the object, never the raw annotation.
-        in_force = verdict.pin_in_force is not None and verdict.pin_in_force > now
+        in_force = verdict.holds(now)
         assert pin_holds(sandbox(annotations, status), now) == in_force
         if verdict.pinned and not verdict.expired:
             assert in_force, "a pin that keeps the sandbox also keeps it from release for space"

@@ -905,7 +905,7 @@ class Reconciler:
             key=key_of(obj),
             size=size if isinstance(size, int) else None,
             deadline=verdict.deadline,
-            pinned=(verdict.pin_in_force is not None and verdict.pin_in_force > now) or pin_pending(obj),
+            pinned=verdict.holds(now) or pin_pending(obj),
             held=observed_of(obj).held,
             deleting=is_deleting(obj),
         )

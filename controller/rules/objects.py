@@ -101,7 +101,7 @@ def pin_holds(obj: Obj, now: datetime) -> bool:
     if not isinstance(pin, datetime):
         return False
     seen = pin_seen_of(obj)
-    if seen is None or seen.pin_until != pin.replace(microsecond=0):
+    if seen is None or not seen.is_for(pin):
         return pin > now  # not judged yet: no cap can make a past pin keep anything
     recorded = (obj.get("status") or {}).get("pinSeen") or {}
     until = instant_or_none(recorded.get("inForceUntil"))

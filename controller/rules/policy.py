@@ -62,6 +62,10 @@ class PinSeen:
     pin_until: datetime
     at: datetime
 
+    def is_for(self, pin: datetime) -> bool:
+        """Whether this record is for `pin` (compared in whole seconds, as the record is written)."""
+        return self.pin_until == pin.replace(microsecond=0)
+
 
 @dataclass(frozen=True)
 class Facts:
@@ -86,6 +90,10 @@ class Verdict:
     # sandbox from being released for space (disk pressure, a quota). None without a parseable pin.
     pin_in_force: datetime | None = None
     messages: tuple[str, ...] = field(default=(), compare=False)  # words for conditions and Events
+
+    def holds(self, now: datetime) -> bool:
+        """Whether a pin keeps the sandbox from being released for space at `now` (`pin_in_force`)."""
+        return self.pin_in_force is not None and self.pin_in_force > now
 
     def time_left(self, now: datetime) -> timedelta | None:
         """How long until the deadline (negative once past); None when there is no deadline."""
@@ -145,7 +153,7 @@ def pin_reference(sandbox: Facts, pin: datetime, now: datetime) -> datetime:
     removing or rewriting it later changes nothing: the record, not the annotation, is read from then on.
     """
     seen = sandbox.pin_seen
-    if seen is not None and seen.pin_until == pin.replace(microsecond=0):  # recorded in whole seconds
+    if seen is not None and seen.is_for(pin):
         return min(seen.at, now)
     stamp = parse_instant(sandbox.pinned_at) if sandbox.pinned_at is not None else now
     return now if isinstance(stamp, Invalid) else min(stamp, now)
