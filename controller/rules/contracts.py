@@ -74,6 +74,37 @@ SESSIONS_ADMISSION_POLICY = "--sessions-admission-policy"  # the ValidatingAdmis
 NOBODY = 65534  # the uid and gid of `nobody`
 SESSION_USER_CHECK = "object.spec.user == request.userInfo.username"  # the sessions policy's proof of spec.user
 
+# --- The CSI driver (issue 27): a Pod keeps or reopens a workspace by declaring an inline volume -------------
+CSI_DRIVER = f"csi.{GROUP}"  # the CSIDriver object's name, every Pod's `volumes[].csi.driver`, the plugin's name
+# `volumes[].csi.volumeAttributes` keys a user writes
+VOLUME_KEEP = "keep"  # Keep: when the workspace is kept as its Pod ends
+VOLUME_NAME = "name"  # the kept sandbox's name (bounded, made unique per Pod when absent)
+VOLUME_RETENTION = "retention"  # a duration: the kept sandbox's retention (capped by its policy, as retain's)
+VOLUME_SANDBOX = "sandbox"  # reopen: the name of a retained sandbox of the Pod's own namespace
+# what the kubelet adds to them (podInfoOnMount, inline ephemeral volumes); names are the kubelet's
+POD_INFO_NAME = "csi.storage.k8s.io/pod.name"
+POD_INFO_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
+POD_INFO_UID = "csi.storage.k8s.io/pod.uid"
+POD_INFO_SERVICE_ACCOUNT = "csi.storage.k8s.io/serviceAccount.name"
+POD_INFO_EPHEMERAL = "csi.storage.k8s.io/ephemeral"
+
+
+class Keep(StrEnum):
+    """`volumeAttributes.keep`: which ends of a Pod keep its workspace."""
+
+    ALWAYS = "Always"  # the default: nothing a Pod wrote is lost unless it said so
+    ON_FAILURE = "OnFailure"
+    NEVER = "Never"
+
+
+class Outcome(StrEnum):
+    """How the job a workspace belonged to ended, as read from the API; Unknown when it could not be read."""
+
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    UNKNOWN = "Unknown"  # fail closed: kept, whatever `keep` says short of Never
+
+
 # --- On disk -------------------------------------------------------------------------------------------
 MANIFEST_NAME = "manifest.json"
 WORKSPACE_DIR = "workspace"
