@@ -49,6 +49,7 @@ NO_CRDS = "--set=crds.enabled=false"
 NO_HOOKS = "--no-hooks"
 
 EVERYTHING_ON = [
+    "--set=csi.enabled=true",
     "--set=monitoring.enabled=true",
     "--set=dashboard.enabled=true",
     "--set=controller.antiAffinity=hard",
@@ -483,6 +484,37 @@ def test_without_the_seccomp_profile_the_agent_keeps_the_runtime_default(tools: 
     assert "seccompProfile" not in pod["spec"]["containers"][0]["securityContext"]
     assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert pod["metadata"]["annotations"] == {"team": "ci"}
+
+
+def test_the_csi_driver_is_the_contracts_and_only_its_plugin_container_is_privileged(tools: Path) -> None:
+    docs = objects(render(tools, "--set=csi.enabled=true", "--set=csi.kubeletDir=/data/kubelet/"))
+    driver = find(docs, "CSIDriver")
+    assert driver["metadata"]["name"] == c.CSI_DRIVER
+    assert driver["spec"]["attachRequired"] is False and driver["spec"]["podInfoOnMount"] is True
+    assert driver["spec"]["volumeLifecycleModes"] == ["Ephemeral"] and driver["spec"]["fsGroupPolicy"] == "File"
+    pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    containers = {k["name"]: k for k in pod["containers"]}
+    assert list(containers) == ["agent", "csi", "csi-registrar"]
+    assert not containers["agent"]["securityContext"]["privileged"]
+    assert containers["csi"]["securityContext"]["privileged"] is True
+    registrar = containers["csi-registrar"]["securityContext"]
+    assert registrar["capabilities"]["drop"] == ["ALL"] and registrar["allowPrivilegeEscalation"] is False
+    # Only the kubelet's directory propagates mounts back to the host, and only from the plugin.
+    propagating = {
+        (name, m["mountPath"])
+        for name, k in containers.items()
+        for m in k["volumeMounts"]
+        if m.get("mountPropagation") == "Bidirectional"
+    }
+    assert propagating == {("csi", "/data/kubelet")}
+    paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert paths["csi-socket"] == f"/data/kubelet/plugins/{c.CSI_DRIVER}"
+    assert paths["registration"] == "/data/kubelet/plugins_registry"
+    args = containers["csi-registrar"]["args"]
+    assert f"--kubelet-registration-path=/data/kubelet/plugins/{c.CSI_DRIVER}/csi.sock" in args
+    off = objects(render(tools))
+    assert not [d for d in off if d["kind"] == "CSIDriver"]
+    assert [k["name"] for k in find(off, "DaemonSet")["spec"]["template"]["spec"]["containers"]] == ["agent"]
 
 
 def test_controller_runs_as_non_root_without_capabilities(tools: Path) -> None:

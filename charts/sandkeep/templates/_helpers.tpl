@@ -129,3 +129,13 @@ sandkeep/{{ include "sandkeep.agentSeccompFile" . }}
 {{- define "sandkeep.sessionsNamespace" -}}
 {{- default (printf "%s-sessions" .Release.Namespace | trunc 63 | trimSuffix "-") .Values.sessions.namespace }}
 {{- end }}
+
+{{/* The CSI driver's name (controller/rules/contracts.py CSI_DRIVER): the CSIDriver object, every Pod's `csi.driver`. */}}
+{{- define "sandkeep.csiDriver" -}}
+csi.sandkeep.io
+{{- end }}
+
+{{/* The node plugin's socket directory on the host, under the kubelet's plugins directory. */}}
+{{- define "sandkeep.csiPluginDir" -}}
+{{ trimSuffix "/" .Values.csi.kubeletDir }}/plugins/{{ include "sandkeep.csiDriver" . }}
+{{- end }}
