@@ -1,0 +1,1 @@
+"""The CSI protocol half of sandkeep's node plugin (issue 27)."""
