@@ -122,6 +122,7 @@ check() {
 		run 65532:65532 sandkeep --version
 		run 65532:65532 sandkeep --log-level=INFO controller --help
 		run 0:0 sandkeep --log-level=INFO agent --help
+		run 0:0 sandkeep --log-level=INFO csi-registrar --help
 		# kopf names its identity after the user: a uid /etc/passwd does not know stops the controller.
 		run 65532:65532 python -c "import getpass; getpass.getuser()"
 		run 0:0 python -c "import getpass; getpass.getuser()"
