@@ -31,6 +31,8 @@ die() {
 	exit 1
 }
 
+[[ $py == */* ]] || py=$(command -v "$py") || die "no $1 on PATH"
+py=$(realpath -s "$py") # absolute (the steps below change directory), the venv's link kept
 [[ -x $py ]] || die "no Python at $py: run \`make venv\` (or name a Python with grpcio-tools)"
 # k8s.io/kubelet v0.X.Y is the module of Kubernetes v1.X.Y.
 kube_version=$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3; exit}' "$kube_mod/go.mod")
@@ -77,6 +79,7 @@ download() {
 	printf '%s\n' "$dir"
 }
 
+command -v go >/dev/null || die "Go is needed to fetch the .proto files' modules (go mod download)"
 [[ $(go env GOSUMDB) != off ]] || die "GOSUMDB=off: the modules must be verified by the checksum database"
 log "fetching $CSI_SPEC_MODULE@$CSI_SPEC_VERSION and $KUBELET_MODULE@$KUBELET_VERSION"
 spec_dir=$(download "$CSI_SPEC_MODULE" "$CSI_SPEC_VERSION" "$CSI_SPEC_SUM")

@@ -120,33 +120,18 @@ class NodeService(csi_pb2_grpc.NodeServicer):
     ) -> None:
         """Run `work` (one call per volume id at a time) and log it; a failure aborts the RPC with its status."""
         volume = volume_id[:128]
+        about = {"rpc": event, "volume": volume, "pod": pod}
         started = time.monotonic()
         try:
             with self.serial.hold(volume_id):
                 said = work()
         except VolumeError as err:
-            logs.say(
-                log,
-                "volume_refused",
-                level=logging.WARNING,
-                reason=Reason.VOLUME_REFUSED,
-                rpc=event,
-                volume=volume,
-                pod=pod,
-                code=err.code,
-                message=err.message,
-            )
+            refusal = {"code": err.code, "message": err.message}
+            logs.say(log, "volume_refused", level=logging.WARNING, reason=Reason.VOLUME_REFUSED, **about, **refusal)
             context.abort(_status(err.code), err.message)
         except Exception as err:
             logs.say(
-                log,
-                "volume_failed",
-                level=logging.ERROR,
-                reason=Reason.AGENT_ERROR,
-                rpc=event,
-                volume=volume,
-                pod=pod,
-                error=repr(err)[:500],
+                log, "volume_failed", level=logging.ERROR, reason=Reason.AGENT_ERROR, **about, error=repr(err)[:500]
             )
             log.debug("%s of volume %s failed", event, volume, exc_info=True)
             context.abort(
