@@ -119,7 +119,11 @@ def test_a_kubelet_with_another_root_dir_is_served_when_the_agent_is_told() -> N
         ({"target": "var/lib/kubelet/pods/x/mount"}, INVALID_ARGUMENT, ["not an absolute path"]),
         ({"target": f"{KUBELET}/pods/{UID}/../../../../etc/mount"}, INVALID_ARGUMENT, ["'..' component"]),
         ({"target": "/var/lib/sandkeep/team-a/run/workspace"}, INVALID_ARGUMENT, ["is not", "own volume directory"]),
-        ({"target": TARGET.replace(UID, "another-pod-uid")}, INVALID_ARGUMENT, ["own volume directory"]),
+        (
+            {"target": TARGET.replace(UID, "another-pod-uid")},
+            INVALID_ARGUMENT,
+            ['/another-pod-uid/volumes/kubernetes.io~csi/workspace/mount" is not'],
+        ),
         ({"target": TARGET + "/deeper"}, INVALID_ARGUMENT, ["own volume directory"]),
         ({"target": TARGET.replace("kubernetes.io~csi", "kubernetes.io~empty-dir")}, INVALID_ARGUMENT, ["is not"]),
     ],

@@ -205,8 +205,8 @@ def _check_capability(capability: Capability, readonly: bool) -> bool:
     """Whether the volume is read-only, once its capability is one a directory on the node can give."""
     if capability.access_type == "block":
         raise _invalid(
-            "sandkeep's volumes are directories, not block devices: remove volumeMode: Block (a csi volume in the "
-            "Pod's volumes is mounted as a filesystem)"
+            "sandkeep's volumes are directories, not block devices: declare it as an inline volume of the Pod "
+            "(spec.volumes[].csi), which is mounted as a filesystem, not with volumeMode: Block"
         )
     if capability.access_type != "mount":
         raise _invalid("volume_capability has neither mount nor block access; the kubelet always sends mount")
@@ -224,10 +224,11 @@ def _check_capability(capability: Capability, readonly: bool) -> bool:
 
 def _check_target(target: str, kubelet_dir: str, pod_uid: str) -> None:
     """The target must be this Pod's own CSI volume directory under the kubelet's, and nothing else."""
+    shown = _shown(target, limit=MAX_BYTES)
     if not target.startswith("/"):
-        raise _invalid(f"target_path {_shown(target)} is not an absolute path")
+        raise _invalid(f"target_path {shown} is not an absolute path")
     if any(part in (".", "..") for part in target.split("/")):
-        raise _invalid(f"target_path {_shown(target)} has a '.' or '..' component")
+        raise _invalid(f"target_path {shown} has a '.' or '..' component")
     pods = kubelet_dir.rstrip("/") + "/pods/"
     expected = f"{pods}{pod_uid}/volumes/kubernetes.io~csi/<volume>/mount"
     rest = target.removeprefix(pods).split("/") if target.startswith(pods) else []
@@ -239,7 +240,7 @@ def _check_target(target: str, kubelet_dir: str, pod_uid: str) -> None:
         and rest[4] == "mount"
     ):
         raise _invalid(
-            f"target_path {_shown(target)} is not {expected}, this Pod's own volume directory; if the kubelet's "
+            f"target_path {shown} is not {expected}, this Pod's own volume directory; if the kubelet's "
             f"--root-dir is not {kubelet_dir}, set the agent's --kubelet-dir to it"
         )
 
@@ -303,8 +304,8 @@ def _size(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def _shown(text: str, *, quote: bool = True) -> str:
-    """A value as a message quotes it: cut to 64 characters, control characters escaped."""
-    cut = text if len(text) <= 64 else text[:61] + "..."
+def _shown(text: str, *, quote: bool = True, limit: int = 64) -> str:
+    """A value as a message quotes it: cut to `limit` characters, control characters escaped."""
+    cut = text if len(text) <= limit else text[: limit - 3] + "..."
     shown = repr(cut)[1:-1].replace('"', '\\"')
     return f'"{shown}"' if quote else shown
