@@ -12,7 +12,7 @@ TOOLS_BIN := $(SANDKEEP_TOOLS_DIR)/bin
 export PATH := $(CURDIR)/$(VENV)/bin:$(TOOLS_BIN):$(PATH)
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv deps demo-deps tools demo-tools lint types test test-fast e2e demo demo-node node cluster bench clean image
+.PHONY: all venv protos deps demo-deps tools demo-tools lint types test test-fast e2e demo demo-node node cluster bench clean image
 # What the demo runs; `make tools` adds kubelet, kube-scheduler, helm, promtool and prometheus for the tests.
 DEMO_TOOLS := kube-apiserver kube-controller-manager kubectl etcd
 
@@ -24,7 +24,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
-venv: $(STAMP)
+## The CSI node plugin's gRPC modules (controller/csi/proto/, git-ignored), generated from pinned .proto files by
+## the venv's grpcio-tools; instant when already generated. Part of `venv`, so every target that runs the package
+## has them.
+protos: $(STAMP)
+	bash hack/protos.sh $(PY)
+
+venv: $(STAMP) protos
 
 ## The Debian packages the tests (and the real node, and the image build) need; installed when missing (as root).
 deps:
@@ -44,7 +50,7 @@ demo-tools:
 
 ## Build the sandkeep image from the Dockerfile with buildah (no Docker, no registry; cached by a hash of its inputs)
 ## into a docker archive for `ctr -n k8s.io images import`; prints the archive's path and the image reference.
-image:
+image: venv
 	bash hack/image.sh
 
 lint: venv
@@ -95,4 +101,4 @@ bench: venv tools
 	$(PY) hack/bench/delete.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache controller/csi/proto

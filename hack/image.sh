@@ -4,6 +4,9 @@
 #
 #   hack/image.sh          # = make image; prints two lines on stdout: the archive path, the image reference
 #
+# First hack/protos.sh generates the CSI plugin's gRPC modules into controller/csi/proto/ (git-ignored; instant
+# when generated): the build context is controller/, the build pip-installs it, and the hash below covers them.
+#
 # How, since there is no registry to pull the Dockerfile's python:3.11-slim-bookworm from:
 #   1. mmdebstrap a Debian bookworm rootfs with Python 3.11 (Debian's python3 is 3.11, as in the slim
 #      image) and import it into buildah's storage as localhost/sandkeep-python:<hash> (cached);
@@ -119,6 +122,7 @@ check() {
 		run 65532:65532 sandkeep --version
 		run 65532:65532 sandkeep --log-level=INFO controller --help
 		run 0:0 sandkeep --log-level=INFO agent --help
+		run 0:0 sandkeep --log-level=INFO csi-registrar --help
 		# kopf names its identity after the user: a uid /etc/passwd does not know stops the controller.
 		run 65532:65532 python -c "import getpass; getpass.getuser()"
 		run 0:0 python -c "import getpass; getpass.getuser()"
@@ -134,6 +138,7 @@ check() {
 main() {
 	((EUID == 0)) || die "needs root (buildah's storage and mmdebstrap's chroot)"
 	need_tools
+	bash "$repo/hack/protos.sh" || die "hack/protos.sh could not generate controller/csi/proto/ (run \`make venv\` first)"
 	local base_key key version ref archive
 	base_key=$(printf '%s\n' "${base_recipe[@]}" "${base_sources[@]}" | sha)
 	key=$(printf '%s\n' "$base_key" "$(context_hash)" "$(sha <"${BASH_SOURCE[0]}")" | sha)

@@ -38,10 +38,14 @@ def snapshot(into: Path) -> Path:
     """A copy of the script and its build context, so that edits made meanwhile in the working tree do not
     change the image's key between the two builds. The key has no path in it: the copy and the tree hash
     alike, so `make image` of an unchanged tree leaves the first build nothing to do."""
-    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "constraints.txt", "README.md", "hack/image.sh"):
+    for name in (
+        *("Dockerfile", ".dockerignore", "pyproject.toml", "constraints.txt", "README.md", "hack/image.sh"),
+        *("hack/protos.sh", "hack/tools/kube/go.mod", "hack/tools/kube/go.sum"),  # image.sh runs protos.sh first
+    ):
         (into / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, into / name)
     shutil.copytree(REPO / "controller", into / "controller", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (into / ".venv").symlink_to(REPO / ".venv")  # protos.sh's Python (the copied protos are already generated)
     return into / "hack" / "image.sh"
 
 

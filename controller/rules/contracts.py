@@ -287,6 +287,10 @@ class Reason(StrEnum):
     SIZE_TOO_SLOW = "SizeTooSlow"  # the walk ran past --size-budget: the bytes counted until then
     SIZE_INTERRUPTED = "SizeInterrupted"  # the tree changed under the walk so it could not go on safely
     SIZE_UNREADABLE = "SizeUnreadable"  # a directory in it could not be opened or read: its contents not counted
+    # the CSI node plugin (issue 27)
+    VOLUME_REFUSED = "VolumeRefused"  # a publish or unpublish refused with the CSI status its message explains
+    REGISTRATION_FAILED = "RegistrationFailed"  # the kubelet said it could not register the plugin: the registrar exits
+    PLUGIN_UNREACHABLE = "PluginUnreachable"  # the registrar cannot reach the plugin's socket (or it is not ours) yet
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------
