@@ -105,6 +105,12 @@ class Outcome(StrEnum):
     UNKNOWN = "Unknown"  # fail closed: kept, whatever `keep` says short of Never
 
 
+# The labels of a captured workspace's Pod copied to its sandbox's `spec.origin.labels`: the pipelines that name
+# the run (a Job's Pods, a Tekton TaskRun's and PipelineRun's, an Argo Workflow's). Only these, so it stays bounded.
+ORIGIN_LABELS = ("job-name", "tekton.dev/taskRun", "tekton.dev/pipelineRun", "workflows.argoproj.io/workflow")
+ORIGIN_CONTAINERS_MAX = 16  # containers listed in `spec.origin.containers` (the CRD's maxItems)
+
+
 # --- On disk -------------------------------------------------------------------------------------------
 MANIFEST_NAME = "manifest.json"
 WORKSPACE_DIR = "workspace"
@@ -112,6 +118,7 @@ COMMANDS_DIR = ".commands"
 LOCK_NAME = ".sandkeep.lock"
 TOMBSTONE_PREFIX = ".reap-"
 QUARANTINE_FILE = ".sandkeep-quarantine.json"  # the agent's own record of how long it has watched each entry
+VOLUMES_DIR = ".sandkeep-volumes"  # the root's own (0700): one entry per captured volume while its Pod runs
 
 
 class Phase(StrEnum):
@@ -287,6 +294,10 @@ class Reason(StrEnum):
     SIZE_TOO_SLOW = "SizeTooSlow"  # the walk ran past --size-budget: the bytes counted until then
     SIZE_INTERRUPTED = "SizeInterrupted"  # the tree changed under the walk so it could not go on safely
     SIZE_UNREADABLE = "SizeUnreadable"  # a directory in it could not be opened or read: its contents not counted
+    # capture (issue 27): what became of a Pod's workspace once its Pod ended (an Event on the Pod says why)
+    WORKSPACE_KEPT = "WorkspaceKept"  # kept as a RetainedSandbox (by rename), with the Pod's outcome
+    WORKSPACE_NOT_KEPT = "WorkspaceNotKept"  # deleted: its `keep` did not ask for this outcome
+    CAPTURE_FAILED = "CaptureFailed"  # a keep or discard that did not happen this pass: retried next pass
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------
