@@ -54,6 +54,9 @@ from controller.node.store import (
     tombstone_name,
     write_atomic,
 )
+from controller.node.store import errno_of as _errno_of
+from controller.node.store import ident as _ident
+from controller.node.store import owned_fd as _fd
 from controller.rules.capture import job_id_of, kept_names
 from controller.rules.contracts import VOLUMES_DIR, WORKSPACE_DIR, Keep, Reason
 from controller.rules.durations import format_instant, instant_or_none
@@ -149,22 +152,6 @@ KeepResult = Kept | Busy | Lost | None  # None: no such entry (already done)
 def entry_name(volume_id: str) -> str:
     """A volume's entry name: 32 hex of sha256 of its id (bounded and safe whatever the id; 128 bits)."""
     return hashlib.sha256(volume_id.encode(errors="surrogateescape")).hexdigest()[:32]
-
-
-def _errno_of(err: OSError) -> int:
-    return err.errno if err.errno is not None else E.EIO
-
-
-@contextlib.contextmanager
-def _fd(fd: int) -> Iterator[int]:
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _ident(st: os.stat_result) -> tuple[int, int]:
-    return (st.st_dev, st.st_ino)
 
 
 def _syscall_mount(source: str | None, target: str, flags: int) -> None:

@@ -1156,11 +1156,6 @@ class Root:
             return fsdelete.TreeSize(0, 0)
 
 
-# The two primitives node/capture.py writes its volume entries with, as the sandboxes are written.
-write_atomic = _write_atomic
-rename_noreplace = _rename_noreplace
-
-
 def _instant_ms(when: datetime) -> str:
     """RFC 3339 UTC with milliseconds: two retentions of one job a moment apart never write the same bytes."""
     return when.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
@@ -1245,3 +1240,11 @@ def _stray_reason(entry: os.DirEntry[str], good_name: bool) -> Reason | None:
     if not good_name:
         return Reason.BAD_NAME
     return None
+
+
+# The primitives node/capture.py builds its volume entries with, so both write the root one way.
+write_atomic = _write_atomic
+rename_noreplace = _rename_noreplace
+owned_fd = _fd
+errno_of = _errno_of
+ident = _ident
