@@ -11,7 +11,8 @@ Layout (the root's own directory: its scan skips it, nothing in it is a sandbox)
 A record goes published -> unpublished -> keeping -> kept, then its entry is tombstoned and deleted. The CSI
 node service calls `publish` and `unpublish` (blocking, idempotent, raising `VolumeError` with the CSI status);
 the agent's pass decides (controller/rules/capture.py) and calls `keep` or `discard`, never on a volume whose
-target is still mounted. Both sides take one lock per entry, so a pass never acts on a publish in progress.
+target is still mounted. Both sides take one lock per entry (shared by every `Volumes` of the same root in the
+process), so a pass never acts on a publish in progress.
 
 Who may write the workspace: a CSI driver is not told the Pod's uid. With the Pod's fsGroup (the kubelet's
 `volume_mount_group`) the workspace is root:<fsGroup> mode 2775 (setgid: what the Pod creates stays in its
@@ -154,6 +155,17 @@ def entry_name(volume_id: str) -> str:
     return hashlib.sha256(volume_id.encode(errors="surrogateescape")).hexdigest()[:32]
 
 
+_ALL_LOCKS: dict[Path, tuple[threading.Lock, ...]] = {}
+_ALL_LOCKS_LOCK = threading.Lock()
+
+
+def _locks_of(path: Path) -> tuple[threading.Lock, ...]:
+    """One set of entry locks per volumes directory in this process, however many `Volumes` are made over it
+    (the node service's and the agent's pass may each hold one): a pass never acts on a publish in progress."""
+    with _ALL_LOCKS_LOCK:
+        return _ALL_LOCKS.setdefault(path, tuple(threading.Lock() for _ in range(_STRIPES)))
+
+
 def _syscall_mount(source: str | None, target: str, flags: int) -> None:
     src = None if source is None else os.fsencode(source)
     if _libc.mount(src, os.fsencode(target), None, ctypes.c_ulong(flags), None) != 0:
@@ -217,7 +229,7 @@ class Volumes:
         self.path = root.path / VOLUMES_DIR
         self.mountinfo = mountinfo
         self.clock = clock
-        self._locks = tuple(threading.Lock() for _ in range(_STRIPES))
+        self._locks = _locks_of(self.path)
 
     def _lock(self, entry: str) -> threading.Lock:
         return self._locks[int(entry[:8], 16) % _STRIPES]

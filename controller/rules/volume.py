@@ -13,6 +13,15 @@ from datetime import timedelta
 from controller.rules.contracts import Keep
 
 
+class VolumeError(Exception):
+    """A refusal the user must see: `code` is the gRPC status name the CSI spec names (`INVALID_ARGUMENT`, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 @dataclass(frozen=True)
 class VolumeRequest:
     volume_id: str
@@ -27,14 +36,3 @@ class VolumeRequest:
     sandbox: str | None = None  # VOLUME_SANDBOX: reopen this retained sandbox instead of a fresh workspace
     read_only: bool = False
     mount_group: int | None = None  # VolumeCapability.mount.volume_mount_group (the Pod's fsGroup), when sent
-
-
-class VolumeError(Exception):
-    """A publish or unpublish refused or failed: `code` is the gRPC status name the CSI spec gives for it
-    (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, ALREADY_EXISTS, INTERNAL, ...); `message` is what the
-    user reads in the Pod's Events."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
