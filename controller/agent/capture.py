@@ -74,6 +74,7 @@ class Capture(Part):
     def _pending(self, now: datetime) -> list[Volume]:
         """The volumes a pass acts on: no longer mounted, or decided and not finished, or left without a record."""
         out = []
+        points = self.volumes.mount_points()  # once for every record: a node with many Pods has many mounts
         for volume in self.volumes.records():
             record = volume.record
             if record is None:
@@ -89,7 +90,7 @@ class Capture(Part):
                         why=volume.why,
                         action="its workspace holds files and no record says whose: look at it, then remove it",
                     )
-            elif record.state in (State.KEEPING, State.KEPT) or not self.volumes.mounted(record):
+            elif record.state in (State.KEEPING, State.KEPT) or not self.volumes.mounted(record, points):
                 out.append(volume)
         return out
 

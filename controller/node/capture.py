@@ -35,7 +35,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -482,9 +482,14 @@ class Volumes:
                 if volume is not None:
                     yield volume
 
-    def mounted(self, record: Record) -> bool:
-        """Whether anything is mounted at the record's target: it is in use, never kept or discarded."""
-        return self._is_mount_point(_target(record.target_path)[2])
+    def mounted(self, record: Record, points: Collection[str] | None = None) -> bool:
+        """Whether anything is mounted at the record's target: it is in use, never kept or discarded.
+        `points`: this namespace's mount points read once for many records (`mount_points`)."""
+        target = _target(record.target_path)[2]
+        return target in points if points is not None else self._is_mount_point(target)
+
+    def mount_points(self) -> frozenset[str]:
+        return frozenset(mount_points(self.mountinfo))
 
     def _is_mount_point(self, path: str) -> bool:
         return any(point == path for point in mount_points(self.mountinfo))
