@@ -20,7 +20,6 @@ from controller.agent.report import Reporter
 from controller.agent.state import Part, Shared
 from controller.node.capture import Busy, Kept, Lost, Record, State, Volume, Volumes
 from controller.node.fsdelete import DeleteResult
-from controller.node.store import StoreError
 from controller.observe import logs
 from controller.rules.capture import Decision, decide, origin_of
 from controller.rules.contracts import Reason
@@ -48,9 +47,14 @@ class Capture(Part):
         self.pods = pods  # this node's Pods (one list request); None: could not be listed
 
     async def tend(self) -> None:
-        """Decide and act on every captured volume that is no longer mounted (see the module's note)."""
+        """Decide and act on every captured volume that is no longer mounted (see the module's note). Whatever
+        fails here is said and tried again next pass; the rest of the pass goes on."""
         now = datetime.now(UTC)
-        pending = await asyncio.to_thread(self._pending, now)
+        try:
+            pending = await asyncio.to_thread(self._pending, now)
+        except Exception as err:
+            self._failed("capture", "the volumes directory", err)
+            return
         if not pending:
             return
         listed = await asyncio.to_thread(self.pods) if any(v.record for v in pending) else []
@@ -61,15 +65,18 @@ class Capture(Part):
         for volume in pending:
             try:
                 await self._one(volume, by_uid, now)
-            except (OSError, StoreError) as err:  # said, and tried again next pass
-                self.report.say_limited(
-                    f"capture:{volume.entry}",
-                    "capture_failed",
-                    reason=Reason.CAPTURE_FAILED,
-                    volume=volume.record.volume_id if volume.record else volume.entry,
-                    error=repr(err)[:300],
-                    action="retried every pass",
-                )
+            except Exception as err:
+                self._failed(f"capture:{volume.entry}", volume.record.volume_id if volume.record else volume.entry, err)
+
+    def _failed(self, subject: str, volume: str, err: Exception) -> None:
+        self.report.say_limited(
+            subject,
+            "capture_failed",
+            reason=Reason.CAPTURE_FAILED,
+            volume=volume,
+            error=repr(err)[:300],
+            action="retried every pass",
+        )
 
     def _pending(self, now: datetime) -> list[Volume]:
         """The volumes a pass acts on: no longer mounted, or decided and not finished, or left without a record."""

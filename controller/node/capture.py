@@ -42,7 +42,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from controller.node import fsdelete
 from controller.node.store import (
@@ -107,6 +107,20 @@ class Record(BaseModel):
     why: str | None = Field(None, max_length=1024)  # the decision in words, once keeping
     origin: Origin | None = None  # once keeping: the manifest's
     kept_as: str | None = Field(None, alias="keptAs")  # `<namespace>/<name>`, once kept
+
+    @field_validator("pod_namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        if not is_namespace_name(v):
+            raise ValueError(f"podNamespace {v!r} is not a namespace name")
+        return v
+
+    @field_validator("pod_name")
+    @classmethod
+    def _pod_name(cls, v: str) -> str:
+        if not is_object_name(v):
+            raise ValueError(f"podName {v!r} is not an object name")
+        return v
 
     def to_json(self) -> bytes:
         return (self.model_dump_json(by_alias=True, indent=2, exclude_none=True) + "\n").encode()
