@@ -42,7 +42,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.node import fsdelete
 from controller.node.store import (
@@ -61,7 +61,7 @@ from controller.node.store import owned_fd as _fd
 from controller.rules.capture import job_id_of, kept_names
 from controller.rules.contracts import VOLUMES_DIR, WORKSPACE_DIR, Keep, Reason
 from controller.rules.durations import format_instant, instant_or_none
-from controller.rules.models import Origin, is_namespace_name, is_object_name
+from controller.rules.models import NamespaceName, ObjectName, Origin, is_namespace_name, is_object_name
 from controller.rules.volume import VolumeError, VolumeRequest
 
 RECORD_NAME = "record.json"
@@ -90,8 +90,8 @@ class Record(BaseModel):
 
     volume_id: str = Field(alias="volumeId", min_length=1, max_length=VOLUME_ID_MAX)
     target_path: str = Field(alias="targetPath", min_length=1, max_length=PATH_MAX)
-    pod_namespace: str = Field(alias="podNamespace")
-    pod_name: str = Field(alias="podName")
+    pod_namespace: NamespaceName = Field(alias="podNamespace")
+    pod_name: ObjectName = Field(alias="podName")
     pod_uid: str = Field(alias="podUID", max_length=128)
     service_account: str = Field("", alias="serviceAccount", max_length=253)
     keep: Keep = Keep.ALWAYS
@@ -107,20 +107,6 @@ class Record(BaseModel):
     why: str | None = Field(None, max_length=1024)  # the decision in words, once keeping
     origin: Origin | None = None  # once keeping: the manifest's
     kept_as: str | None = Field(None, alias="keptAs")  # `<namespace>/<name>`, once kept
-
-    @field_validator("pod_namespace")
-    @classmethod
-    def _namespace(cls, v: str) -> str:
-        if not is_namespace_name(v):
-            raise ValueError(f"podNamespace {v!r} is not a namespace name")
-        return v
-
-    @field_validator("pod_name")
-    @classmethod
-    def _pod_name(cls, v: str) -> str:
-        if not is_object_name(v):
-            raise ValueError(f"podName {v!r} is not an object name")
-        return v
 
     def to_json(self) -> bytes:
         return (self.model_dump_json(by_alias=True, indent=2, exclude_none=True) + "\n").encode()
@@ -475,7 +461,7 @@ class Volumes:
                     f"volume {record.volume_id}: something else is mounted at {target_path} on top of its workspace; "
                     "unmount it first",
                 )
-            with contextlib.suppress(FileNotFoundError, OSError):
+            with contextlib.suppress(OSError):  # gone already, or not empty: not ours to remove then
                 os.rmdir(leaf, dir_fd=parent_fd)
 
     # --- what the agent's pass reads and does ------------------------------------------------------------

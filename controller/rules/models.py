@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -68,6 +69,22 @@ def bounded_name(prefix: str, name: str, limit: int = NAME_MAX) -> str:
     if len(prefix) + len(name) <= limit:
         return prefix + name
     return prefix + _bounded(name, limit - len(prefix))
+
+
+def _namespace_name(v: str) -> str:
+    if not is_namespace_name(v):
+        raise ValueError(f"namespace {v!r} is not a DNS-1123 label")
+    return v
+
+
+def _object_name(v: str) -> str:
+    if not is_object_name(v):
+        raise ValueError(f"name {v!r} is not a DNS-1123 subdomain")
+    return v
+
+
+NamespaceName = Annotated[str, AfterValidator(_namespace_name)]  # a field that must be a namespace's name
+ObjectName = Annotated[str, AfterValidator(_object_name)]  # ... an object's name
 
 
 MANIFEST_SCHEMA_VERSION = 1
@@ -131,8 +148,8 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     schema_version: Literal[1] = Field(1, alias="schemaVersion")
-    namespace: str
-    name: str
+    namespace: NamespaceName
+    name: ObjectName
     job_id: str = Field("", alias="jobId", max_length=1024)
     created_at: str | None = Field(None, alias="createdAt")
     retain_until: str | None = Field(None, alias="retainUntil")
@@ -141,20 +158,6 @@ class Manifest(BaseModel):
     node: str | None = None
     workspace: str = "workspace"  # relative to the sandbox directory; never absolute
     origin: Origin | None = None  # a captured workspace's (issue 27); absent for `sandkeep retain`'s
-
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, v: str) -> str:
-        if not is_namespace_name(v):
-            raise ValueError(f"namespace {v!r} is not a DNS-1123 label")
-        return v
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not is_object_name(v):
-            raise ValueError(f"name {v!r} is not a DNS-1123 subdomain")
-        return v
 
     @field_validator("workspace")
     @classmethod
