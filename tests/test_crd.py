@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from localcluster import KubectlError, LocalCluster
 
 from controller.rules import contracts as c
+from controller.rules.capture import origin_of
 from controller.rules.durations import Invalid
 from controller.rules.sizes import human_size, parse_size
 
@@ -123,12 +124,17 @@ def test_status_enums_are_the_contracts_enums() -> None:
     reason_pattern = status["conditions"]["items"]["properties"]["reason"]["pattern"]
     assert all(re.match(reason_pattern, r.value) for r in c.Reason)
     assert status["sessions"]["maxItems"] == c.SESSION_VERIFY_SLOTS, "one entry per verification slot"
+    origin = version_schema(crd(c.SANDBOX_PLURAL))["properties"]["spec"]["properties"]["origin"]["properties"]
+    assert origin["outcome"]["enum"] == [o.value for o in c.Outcome]
+    assert origin["containers"]["maxItems"] == c.ORIGIN_CONTAINERS_MAX
+    assert origin["labels"]["maxProperties"] == len(c.ORIGIN_LABELS)
 
 
-def test_printer_columns_are_node_phase_deadline_pinned_size_age_and_bytes_files_when_wide() -> None:
+def test_printer_columns_are_node_phase_outcome_deadline_pinned_size_age_and_bytes_files_when_wide() -> None:
     version = crd(c.SANDBOX_PLURAL)["spec"]["versions"][0]
     columns = {col["name"]: col for col in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Node", "Phase", "Deadline", "Pinned", "Size", "Age", "Bytes", "Files"]
+    assert list(columns) == ["Node", "Phase", "Outcome", "Deadline", "Pinned", "Size", "Age", "Bytes", "Files"]
+    assert columns["Outcome"]["jsonPath"] == ".spec.origin.outcome"
     assert columns["Size"]["jsonPath"] == ".status.size" and columns["Bytes"]["jsonPath"] == ".status.sizeBytes"
     assert [name for name, col in columns.items() if col.get("priority", 0) > 0] == ["Bytes", "Files"]
     assert version["subresources"] == {"status": {}}
@@ -191,7 +197,7 @@ def test_a_field_selector_on_node_name_selects_one_nodes_sandboxes(crds: LocalCl
 def test_kubectl_get_shows_the_printer_columns(crds: LocalCluster, namespace: str) -> None:
     create(crds, namespace, {"metadata": {"name": "shown"}, "spec": {"nodeName": "node-a", "createdAt": instant()}})
     header = crds.kubectl("get", c.SANDBOX_SHORT, "-n", namespace).stdout.splitlines()[0].split()
-    assert header == ["NAME", "NODE", "PHASE", "DEADLINE", "PINNED", "SIZE", "AGE"]
+    assert header == ["NAME", "NODE", "PHASE", "OUTCOME", "DEADLINE", "PINNED", "SIZE", "AGE"]
     assert "shown" in crds.kubectl("get", c.CATEGORY, "-n", namespace).stdout
 
 
@@ -242,6 +248,41 @@ def test_created_at_is_immutable_so_nobody_stretches_the_window(crds: LocalClust
         patch = '{"spec":{"createdAt":"2099-01-01T00:00:00Z"}}'
         crds.kubectl("patch", "rsb", "aged", "-n", namespace, "--type=merge", "-p", patch)
     assert "spec.createdAt is immutable" in str(refused.value)
+
+
+def _widest_pod() -> dict[str, Any]:
+    """A Pod with every field origin_of reads at (or past) its bound."""
+    containers = [{"name": f"c{i:02d}" + "x" * 70, "image": "r/" + "i" * 600} for i in range(20)]
+    statuses = [{"name": cn["name"], "state": {"terminated": {"exitCode": 2**31 - 1}}} for cn in containers]
+    labels = {k: "v" * 80 for k in c.ORIGIN_LABELS} | {"other": "x"}
+    owner = {"kind": "K" * 80, "name": "o" * 300, "controller": True, "apiVersion": "v1", "uid": "u"}
+    return {
+        "metadata": {"labels": labels, "ownerReferences": [owner]},
+        "spec": {"containers": containers, "nodeName": "n" * 300},
+        "status": {"containerStatuses": statuses},
+    }
+
+
+def test_an_origin_at_its_bounds_is_accepted_shown_as_the_outcome_and_immutable(
+    crds: LocalCluster, namespace: str
+) -> None:
+    origin = origin_of(_widest_pod(), c.Outcome.FAILED, pod_name="p" * 300, pod_uid="u" * 200, node=None).body()
+    spec = {"nodeName": "node-a", "createdAt": instant(), "origin": origin}
+    create(crds, namespace, {"metadata": {"name": "widest"}, "spec": spec})
+    [row] = _rows(crds.kubectl("get", c.SANDBOX_SHORT, "widest", "-n", namespace).stdout)
+    assert row["OUTCOME"] == "Failed"
+    for bad in (
+        origin | {"outcome": "Maybe"},
+        origin | {"containers": origin["containers"] * 2},
+        origin | {"labels": origin["labels"] | {"x": "y"}},
+        {k: v for k, v in origin.items() if k != "pod"},
+    ):
+        words = refusal(crds, namespace, {"metadata": {"name": "over"}, "spec": spec | {"origin": bad}})
+        assert "spec.origin" in words
+    with pytest.raises(KubectlError) as refused:
+        patch = json.dumps({"spec": {"origin": {"outcome": "Succeeded"}}})
+        crds.kubectl("patch", "rsb", "widest", "-n", namespace, "--type=merge", "-p", patch)
+    assert "spec.origin is immutable" in str(refused.value)
 
 
 def _rows(table: str) -> list[dict[str, str]]:

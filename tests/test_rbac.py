@@ -663,7 +663,8 @@ def test_the_agent_cannot_delete_read_secrets_or_escalate(
     for needed in (
         ("create", "retainedsandboxes.sandkeep.io", "-n", namespace),
         ("patch", "retainedsandboxes.sandkeep.io", "-n", namespace),
-        ("list", "pods", "--all-namespaces"),
+        ("list", "pods", "--all-namespaces"),  # also how a captured volume's Pod ended: no get on Pods needed
+        ("create", "events", "-n", namespace),  # also on a Pod whose workspace was kept or not (WorkspaceKept...)
         ("update", "leases.coordination.k8s.io", "-n", namespace),
     ):
         assert can_i(cluster, agent, *needed), f"the agent cannot {needed}"
@@ -677,6 +678,7 @@ def test_the_agent_cannot_delete_read_secrets_or_escalate(
         ("get", "secrets", "-n", namespace),
         ("list", "secrets", "--all-namespaces"),
         ("get", "configmaps", "-n", namespace),
+        ("get", "pods", "-n", namespace),  # capture reads its node's Pods from the list, never one by one
         ("create", "pods", "-n", namespace),
         ("patch", "nodes"),
         ("create", "rolebindings.rbac.authorization.k8s.io", "-n", namespace),

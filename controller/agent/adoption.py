@@ -90,7 +90,7 @@ class Adopter(Part):
         return True
 
     def _body(self, key: Key, read: Present) -> Obj:
-        """The object for a manifest: its times and job, the node, a pin it carries, our finalizer."""
+        """The object for a manifest: its times, job and origin, the node, a pin it carries, our finalizer."""
         m = read.manifest
         spec: Obj = {
             "nodeName": self.s.node,
@@ -101,6 +101,8 @@ class Adopter(Part):
             spec["retainUntil"] = m.retain_until
         if m.job_id:
             spec["jobId"] = m.job_id
+        if m.origin is not None:  # a captured workspace's Pod, owner, node, containers and outcome
+            spec["origin"] = m.origin.body()
         body: Obj = {
             "metadata": {
                 "name": key[1],

@@ -4,9 +4,9 @@ One asyncio loop, one worker: every object is processed level-triggered (`proces
 number of times and always moves the object one safe step closer to what its state asks, as
 `decide.next_step` says). Blocking work runs in threads: API calls and disk reads in the default
 executor, the deletion pipeline (`controller/node/reaper.py`) in the agent's own reap threads. A pass:
-leftover tombstones first, then the disk scan, in-use, adoption, every object, relief, quarantine,
-metrics, the heartbeat. Between passes, queued keys (watch events, size changes, retries with per-key
-backoff) are processed.
+captured volumes whose Pod ended and leftover tombstones first, then the disk scan, in-use, adoption,
+every object, relief, quarantine, metrics, the heartbeat. Between passes, queued keys (watch events,
+size changes, retries with per-key backoff) are processed.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from controller.agent import sessions, watch
 from controller.agent.adoption import Adopter
+from controller.agent.capture import Capture
 from controller.agent.decide import Key, Step, claim_of, discount_orphans, fate, next_step, observe
 from controller.agent.quarantine import Quarantine
 from controller.agent.relief import Relief
@@ -45,6 +46,7 @@ from controller.api import kube, leases
 from controller.api.kube import AGENT_MANAGER, Kube, KubeError, now_utc
 from controller.api.workqueue import WorkQueue
 from controller.node import orphans
+from controller.node.capture import Volumes
 from controller.node.inuse import Usage, scan_usage
 from controller.node.reaper import Held, Hooks, Outcome, Reaper, Refused, Renamed, Target
 from controller.node.store import Root, Tombstone
@@ -85,6 +87,8 @@ class Agent:
         self.identity = leases.default_identity()
         self.ignore = {os.getpid(), *settings.ignore_pids}
         self.relief = Relief(shared, self.report, self._in_use_batch)
+        self.volumes = Volumes(root)  # captured volumes: the CSI node service publishes, the passes decide
+        self.capture = Capture(shared, self.report, self.volumes, self._pods)
         self.last_published: str | None = None
         self.watch = watch.sandboxes(client, settings.node, self._on_watch, self._listed)
         self.watching: asyncio.Task[None] | None = None  # the watch's task, while the agent runs
@@ -196,9 +200,10 @@ class Agent:
     # --- one pass --------------------------------------------------------------------------------------
 
     async def full_pass(self) -> None:
-        """Leftover tombstones first; then the disk scan, in-use, adoption, every object, relief, quarantine,
-        metrics, heartbeat."""
+        """Captured volumes whose Pod ended, and leftover tombstones, first; then the disk scan, in-use,
+        adoption, every object, relief, quarantine, metrics, heartbeat."""
         self.reaper.begin_pass()
+        await self.capture.tend()
         await self.clear_tombstones()
         t0 = time.monotonic()
         scan = await asyncio.to_thread(self.root.scan)

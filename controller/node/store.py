@@ -71,11 +71,12 @@ from controller.rules.contracts import (
     MANIFEST_NAME,
     QUARANTINE_FILE,
     TOMBSTONE_PREFIX,
+    VOLUMES_DIR,
     WORKSPACE_DIR,
     Reason,
 )
 from controller.rules.durations import MAX_INSTANT, MIN_INSTANT, format_instant, instant_or_none, shift
-from controller.rules.models import Manifest, is_namespace_name, is_object_name
+from controller.rules.models import Manifest, Origin, is_namespace_name, is_object_name
 
 # A read that failed for a moment: held this pass and read again next pass, never acted on.
 TRANSIENT_ERRNOS = frozenset(
@@ -88,7 +89,8 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 _TOMBSTONE = re.compile(re.escape(TOMBSTONE_PREFIX) + r"([A-Za-z0-9][A-Za-z0-9-]{0,63})-([0-9]{1,15})")
 _STANDALONE_ID = re.compile(r"p([0-9]{1,10})-[0-9a-f]{4,32}(?:-[a-z]{1,8})?")
 _STAGE_SUFFIX = "stage"  # staging directories are tombstone-named: a crash mid-retain leaves a plain leftover
-_PRIVATE = frozenset({LOCK_NAME, QUARANTINE_FILE})  # the root's own files: never a stray, never renamed
+# the root's own entries: never a stray, never renamed (VOLUMES_DIR: captured volumes, node/capture.py)
+_PRIVATE = frozenset({LOCK_NAME, QUARANTINE_FILE, VOLUMES_DIR})
 _FILESYSTEMS = frozenset({"lost+found"})  # the filesystem's own, where the root is a mount point: left alone
 MAX_PRIVATE_BYTES = 4 << 20  # a private file read back larger than this is not ours: ignored
 
@@ -191,6 +193,11 @@ class Tombstone:
 
     def age(self, now: datetime) -> timedelta:
         return now - self.made_at
+
+    @property
+    def staging(self) -> bool:
+        """A retain's staging directory (a crash between its two renames leaves one)."""
+        return self.id.endswith(f"-{_STAGE_SUFFIX}")
 
 
 def standalone_id() -> str:
@@ -686,7 +693,7 @@ class Root:
 
     def write_private(self, name: str, data: bytes) -> None:
         """Replace one of the root's own files atomically (0600, beside the lock; never through a link)."""
-        if name not in _PRIVATE or name == LOCK_NAME:
+        if name not in _PRIVATE or name in (LOCK_NAME, VOLUMES_DIR):
             raise ValueError(f"{name!r} is not one of the root's own files")
         with _fd(self._open()) as root_fd:
             _write_atomic(root_fd, name, data, mode=0o600)
@@ -878,6 +885,29 @@ class Root:
                 _remove_excluded(held, exclude)
             return self._retain_held(held, namespace, name, job_id, created_at, retention, node, now, replace)
 
+    def retain_volume(
+        self,
+        entry: str,
+        namespace: str,
+        name: str,
+        *,
+        job_id: str,
+        created_at: datetime,
+        retention: timedelta | None,
+        node: str | None,
+        origin: Origin,
+        now: datetime,
+    ) -> Manifest:
+        """`retain` of a captured volume's workspace, `<root>/.sandkeep-volumes/<entry>/workspace` (node/capture.py),
+        with its origin in the manifest: the one source inside the root a retain takes. A taken name is never
+        replaced (StoreError PINNED, or RENAME_FAILED with errno EEXIST): the caller keeps it under another name."""
+        if not entry or entry.startswith(".") or "/" in entry or "\0" in entry:
+            raise ValueError(f"{entry!r} is not an entry of {VOLUMES_DIR}")
+        _check_names(namespace, name)
+        src = self.path / VOLUMES_DIR / entry / WORKSPACE_DIR
+        with self._open_source(src, volume=True) as held:
+            return self._retain_held(held, namespace, name, job_id, created_at, retention, node, now, None, origin)
+
     def _retain_held(
         self,
         held: _Source,
@@ -889,6 +919,7 @@ class Root:
         node: str | None,
         now: datetime,
         replace: Replace | None,
+        origin: Origin | None = None,
     ) -> Manifest:
         src = held.path
         manifest = Manifest.model_validate(
@@ -902,6 +933,7 @@ class Root:
                 "pinnedAt": None,
                 "node": node,
                 "workspace": WORKSPACE_DIR,
+                "origin": origin,
             }
         )
         with _fd(self._open()) as root_fd:
@@ -924,7 +956,7 @@ class Root:
         return manifest
 
     @contextlib.contextmanager
-    def _open_source(self, src: Path) -> Iterator[_Source]:
+    def _open_source(self, src: Path, *, volume: bool = False) -> Iterator[_Source]:
         """Hold the source: its parent opened with no link in ANY component, itself opened O_NOFOLLOW from it.
 
         Everything after (exclude globs, the rename into the root, the undo) goes through these fds, so a
@@ -967,12 +999,12 @@ class Root:
                 )
             with _fd(fd):
                 held = _Source(src, parent_fd, src.name, fd, (st.st_dev, st.st_ino))
-                self._check_source(held)
+                self._check_source(held, volume)
                 yield held
         finally:
             os.close(parent_fd)
 
-    def _check_source(self, held: _Source) -> None:
+    def _check_source(self, held: _Source, volume: bool = False) -> None:
         src = held.path
         st = os.fstat(held.fd)
         root = self.path.stat()
@@ -983,7 +1015,8 @@ class Root:
                 path=src,
             )
         # The path has no link in it (open_no_symlinks), so the lexical comparison is the real one.
-        if src == self.path or self.path in src.parents or src in self.path.parents:
+        inside = src == self.path or self.path in src.parents or src in self.path.parents
+        if inside and not (volume and src.parent.parent == self.path / VOLUMES_DIR):
             raise StoreError(
                 Reason.PATH_OUTSIDE_ROOT,
                 f"source {src}: refused, it is the root {self.path}, inside it or above it; "
@@ -1207,3 +1240,11 @@ def _stray_reason(entry: os.DirEntry[str], good_name: bool) -> Reason | None:
     if not good_name:
         return Reason.BAD_NAME
     return None
+
+
+# The primitives node/capture.py builds its volume entries with, so both write the root one way.
+write_atomic = _write_atomic
+rename_noreplace = _rename_noreplace
+owned_fd = _fd
+errno_of = _errno_of
+ident = _ident

@@ -105,6 +105,12 @@ class Outcome(StrEnum):
     UNKNOWN = "Unknown"  # fail closed: kept, whatever `keep` says short of Never
 
 
+# The labels of a captured workspace's Pod copied to its sandbox's `spec.origin.labels`: the pipelines that name
+# the run (a Job's Pods, a Tekton TaskRun's and PipelineRun's, an Argo Workflow's). Only these, so it stays bounded.
+ORIGIN_LABELS = ("job-name", "tekton.dev/taskRun", "tekton.dev/pipelineRun", "workflows.argoproj.io/workflow")
+ORIGIN_CONTAINERS_MAX = 16  # containers listed in `spec.origin.containers` (the CRD's maxItems)
+
+
 # --- On disk -------------------------------------------------------------------------------------------
 MANIFEST_NAME = "manifest.json"
 WORKSPACE_DIR = "workspace"
@@ -112,6 +118,7 @@ COMMANDS_DIR = ".commands"
 LOCK_NAME = ".sandkeep.lock"
 TOMBSTONE_PREFIX = ".reap-"
 QUARANTINE_FILE = ".sandkeep-quarantine.json"  # the agent's own record of how long it has watched each entry
+VOLUMES_DIR = ".sandkeep-volumes"  # the root's own (0700): one entry per captured volume while its Pod runs
 
 
 class Phase(StrEnum):
@@ -291,6 +298,10 @@ class Reason(StrEnum):
     VOLUME_REFUSED = "VolumeRefused"  # a publish or unpublish refused with the CSI status its message explains
     REGISTRATION_FAILED = "RegistrationFailed"  # the kubelet said it could not register the plugin: the registrar exits
     PLUGIN_UNREACHABLE = "PluginUnreachable"  # the registrar cannot reach the plugin's socket (or it is not ours) yet
+    # capture (issue 27): what became of a Pod's workspace once its Pod ended (an Event on the Pod says why)
+    WORKSPACE_KEPT = "WorkspaceKept"  # kept as a RetainedSandbox (by rename), with the Pod's outcome
+    WORKSPACE_NOT_KEPT = "WorkspaceNotKept"  # deleted: its `keep` did not ask for this outcome
+    CAPTURE_FAILED = "CaptureFailed"  # a keep or discard that did not happen this pass: retried next pass
 
 
 # --- Metric names (exported names, as Prometheus sees them) ---------------------------------------------

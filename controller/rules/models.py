@@ -9,11 +9,20 @@ from __future__ import annotations
 import hashlib
 import re
 from datetime import timedelta
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from controller.rules.contracts import ORIGIN_CONTAINERS_MAX, ORIGIN_LABELS, Outcome
 from controller.rules.durations import instant_or_none
 from controller.rules.flags import HumanDuration
 from controller.rules.policy import Ceiling, Facts, Policy
@@ -62,7 +71,71 @@ def bounded_name(prefix: str, name: str, limit: int = NAME_MAX) -> str:
     return prefix + _bounded(name, limit - len(prefix))
 
 
+def _namespace_name(v: str) -> str:
+    if not is_namespace_name(v):
+        raise ValueError(f"namespace {v!r} is not a DNS-1123 label")
+    return v
+
+
+def _object_name(v: str) -> str:
+    if not is_object_name(v):
+        raise ValueError(f"name {v!r} is not a DNS-1123 subdomain")
+    return v
+
+
+NamespaceName = Annotated[str, AfterValidator(_namespace_name)]  # a field that must be a namespace's name
+ObjectName = Annotated[str, AfterValidator(_object_name)]  # ... an object's name
+
+
 MANIFEST_SCHEMA_VERSION = 1
+IMAGE_MAX = 512  # an image reference in `origin.containers[].image` (registry/path:tag@sha256:... fits)
+_Name = Annotated[str, Field(max_length=NAME_MAX)]
+_Short = Annotated[str, Field(max_length=LABEL_VALUE_MAX)]
+
+
+class OriginOwner(BaseModel):
+    """The Pod's controlling owner (its first ownerReference with `controller: true`)."""
+
+    kind: _Short
+    name: _Name
+
+
+class OriginContainer(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: _Short
+    image: Annotated[str, Field(max_length=IMAGE_MAX)] = ""
+    exit_code: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = Field(None, alias="exitCode")
+
+
+class Origin(BaseModel):
+    """Where a captured workspace came from (issue 27): its Pod, owner, node, containers and outcome.
+
+    Written into the manifest when the workspace is kept and copied by adoption to `spec.origin`; every list
+    and string is bounded here and in the CRD, so no Pod can make an object the API server refuses.
+    """
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    pod: _Name
+    pod_uid: Annotated[str, Field(max_length=128)] = Field("", alias="podUID")
+    owner: OriginOwner | None = None
+    node: _Name | None = None
+    containers: list[OriginContainer] = Field(default_factory=list, max_length=ORIGIN_CONTAINERS_MAX)
+    outcome: Outcome
+    labels: dict[str, _Short] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(v) - set(ORIGIN_LABELS))
+        if unknown:
+            raise ValueError(f"labels {unknown} are not among {list(ORIGIN_LABELS)}")
+        return v
+
+    def body(self) -> dict[str, object]:
+        """As `spec.origin` says it (camelCase, absent fields left out)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 class Manifest(BaseModel):
@@ -75,8 +148,8 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     schema_version: Literal[1] = Field(1, alias="schemaVersion")
-    namespace: str
-    name: str
+    namespace: NamespaceName
+    name: ObjectName
     job_id: str = Field("", alias="jobId", max_length=1024)
     created_at: str | None = Field(None, alias="createdAt")
     retain_until: str | None = Field(None, alias="retainUntil")
@@ -84,20 +157,7 @@ class Manifest(BaseModel):
     pinned_at: str | None = Field(None, alias="pinnedAt")
     node: str | None = None
     workspace: str = "workspace"  # relative to the sandbox directory; never absolute
-
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, v: str) -> str:
-        if not is_namespace_name(v):
-            raise ValueError(f"namespace {v!r} is not a DNS-1123 label")
-        return v
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not is_object_name(v):
-            raise ValueError(f"name {v!r} is not a DNS-1123 subdomain")
-        return v
+    origin: Origin | None = None  # a captured workspace's (issue 27); absent for `sandkeep retain`'s
 
     @field_validator("workspace")
     @classmethod
@@ -105,6 +165,16 @@ class Manifest(BaseModel):
         if v.startswith("/") or ".." in v.split("/") or not v:
             raise ValueError(f"workspace {v!r} must be a relative path inside the sandbox")
         return v
+
+    @field_validator("origin", mode="wrap")
+    @classmethod
+    def _origin(cls, v: object, handler: ValidatorFunctionWrapHandler) -> Origin | None:
+        """An origin that does not fit is dropped, never the manifest: the files are what must be kept."""
+        try:
+            origin: Origin | None = handler(v)
+        except ValidationError:
+            return None
+        return origin
 
     def facts(self) -> Facts:
         """What the one rule reads from this manifest."""
@@ -116,7 +186,8 @@ class Manifest(BaseModel):
         )
 
     def to_json(self) -> str:
-        return self.model_dump_json(by_alias=True, indent=2) + "\n"
+        unset = {"origin"} if self.origin is None else None  # a manifest without one reads as it always did
+        return self.model_dump_json(by_alias=True, indent=2, exclude=unset) + "\n"
 
 
 class Settings(BaseSettings):

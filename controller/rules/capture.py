@@ -1,0 +1,202 @@
+"""What becomes of a captured workspace once its Pod ended (issue 27): pure, no I/O, no clock.
+
+The kubelet unpublishes a Pod's volumes when the Pod terminates, which may be before the Pod's final status
+reaches the API. So the node plugin only records the unpublish, and each agent pass reads the Pod and asks
+`decide` here: keep it, delete it, or look again next pass. Everything is read from a Pod object as the API
+serves it, and nothing in it is trusted: any Mapping (or none) gives an answer, never an exception.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+from controller.rules.contracts import ORIGIN_CONTAINERS_MAX, ORIGIN_LABELS, Keep, Outcome
+from controller.rules.durations import format_duration
+from controller.rules.models import (
+    IMAGE_MAX,
+    LABEL_VALUE_MAX,
+    NAME_MAX,
+    Origin,
+    OriginContainer,
+    OriginOwner,
+)
+
+# How long after an unpublish a Pod may take to report how it ended (its containers' exit codes, or its phase)
+# before it counts as Unknown (kept unless `keep: Never`). The kubelet posts the final status within seconds.
+WAIT_FOR_END = timedelta(minutes=2)
+KEPT_NAME_MAX = 63  # a generated sandbox name stays a DNS-1123 label, so it also fits wherever a label must
+_HASH_DIGITS = 5
+_TERMINAL = {"Succeeded": Outcome.SUCCEEDED, "Failed": Outcome.FAILED}
+_NOT_LABEL = re.compile(r"[^a-z0-9-]+")
+
+
+def _map(value: object) -> Mapping[str, object]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _items(value: object) -> list[Mapping[str, object]]:
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
+def _text(value: object, limit: int) -> str:
+    return value[:limit] if isinstance(value, str) else ""
+
+
+def _exit_code(status: Mapping[str, object]) -> int | None:
+    """A container status's exit code once it has terminated (an int32, as the API types it)."""
+    code = _map(_map(status.get("state")).get("terminated")).get("exitCode")
+    if isinstance(code, bool) or not isinstance(code, int) or not -(2**31) <= code < 2**31:
+        return None
+    return code
+
+
+def _statuses(pod: Mapping[str, object]) -> dict[str, Mapping[str, object]]:
+    out: dict[str, Mapping[str, object]] = {}
+    for status in _items(_map(pod.get("status")).get("containerStatuses")):
+        name = status.get("name")
+        if isinstance(name, str):
+            out.setdefault(name, status)
+    return out
+
+
+def _container_names(pod: Mapping[str, object]) -> list[str]:
+    names = [c.get("name") for c in _items(_map(pod.get("spec")).get("containers"))]
+    return [n for n in names if isinstance(n, str)]
+
+
+def exit_codes(pod: Mapping[str, object]) -> dict[str, int] | None:
+    """The exit code of every container of the Pod (its spec's, else those with a status) once all have
+    terminated; None while one has not (or none is known)."""
+    statuses = _statuses(pod)
+    names = _container_names(pod) or list(statuses)
+    codes: dict[str, int] = {}
+    for name in names:
+        code = _exit_code(statuses.get(name, {}))
+        if code is None:
+            return None
+        codes[name] = code
+    return codes or None
+
+
+def outcome_of(pod: object) -> Outcome | None:
+    """How the Pod ended: its terminal phase; else, once every container has terminated, Failed when one
+    exited non-zero. A Pod deleted before it ended, or none at all (gone, unreadable), is Unknown.
+    None: not ended yet (or not reported yet): look again later."""
+    if not isinstance(pod, Mapping):
+        return Outcome.UNKNOWN
+    phase = _map(pod.get("status")).get("phase")
+    if isinstance(phase, str) and phase in _TERMINAL:
+        return _TERMINAL[phase]
+    if _map(pod.get("metadata")).get("deletionTimestamp"):
+        return Outcome.UNKNOWN
+    codes = exit_codes(pod)
+    if codes is None:
+        return None
+    return Outcome.FAILED if any(codes.values()) else Outcome.SUCCEEDED
+
+
+def should_keep(keep: Keep, outcome: Outcome) -> bool:
+    """Always keeps everything, Never nothing, OnFailure all but a success: Unknown is kept (fail closed)."""
+    if keep is Keep.NEVER:
+        return False
+    return keep is Keep.ALWAYS or outcome is not Outcome.SUCCEEDED
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Keep (`keep`) or delete a workspace, the outcome that decided it, and why in words for the Event."""
+
+    keep: bool
+    outcome: Outcome
+    why: str
+
+
+def decide(keep: Keep, pod: object, *, waited: timedelta | None) -> Decision | None:
+    """What to do with a workspace whose volume is no longer mounted; None: look again next pass.
+
+    `pod` is the volume's Pod as the API serves it (same uid), None when it is gone. `waited` is the time since
+    the unpublish; None when none came (found unmounted, e.g. after a reboot), and then only a Pod in a terminal
+    phase or gone releases it: one still running may be published again by the kubelet.
+    """
+    because = ""
+    if pod is None:
+        outcome: Outcome | None = Outcome.UNKNOWN
+        because = "its Pod is gone"
+    elif waited is None:
+        phase = _map(_map(pod).get("status")).get("phase")
+        outcome = _TERMINAL.get(phase) if isinstance(phase, str) else None
+    else:
+        outcome = outcome_of(pod)
+        if outcome is Outcome.UNKNOWN:
+            because = "its Pod was deleted before it ended" if isinstance(pod, Mapping) else "its Pod is unreadable"
+    if outcome is None:
+        if waited is None or waited < WAIT_FOR_END:
+            return None
+        outcome, because = (
+            Outcome.UNKNOWN,
+            f"its Pod did not report how it ended within {format_duration(WAIT_FOR_END)}",
+        )
+    said = f"{outcome} ({because})" if because else str(outcome)
+    return Decision(should_keep(keep, outcome), outcome, f"{said} and keep: {keep}")
+
+
+def kept_name(base: str, pod_uid: str, volume_id: str, digits: int = _HASH_DIGITS) -> str:
+    """`base` (the Pod's name, or the one the volume chose) shortened, `-`, and `digits` hex of a hash of the
+    Pod's uid and the volume id: unique per Pod and volume, a DNS-1123 label of at most 63 characters."""
+    digest = hashlib.sha256(f"{pod_uid}\0{volume_id}".encode(errors="surrogateescape")).hexdigest()[:digits]
+    stem = _NOT_LABEL.sub("-", base.lower())[: KEPT_NAME_MAX - digits - 1].strip("-")
+    return f"{stem or 'workspace'}-{digest}"
+
+
+def kept_names(chosen: str | None, pod_name: str, pod_uid: str, volume_id: str) -> list[str]:
+    """The names to try, in order, for a kept workspace: the volume's own `name` when it gave one, then the
+    generated one, then a longer hash (the generated one taken by another Pod's: about one in a million)."""
+    base = chosen or pod_name
+    names = [chosen] if chosen else []
+    names += [kept_name(base, pod_uid, volume_id), kept_name(base, pod_uid, volume_id, 16)]
+    return list(dict.fromkeys(names))
+
+
+def origin_of(pod: object, outcome: Outcome, *, pod_name: str, pod_uid: str, node: str | None) -> Origin:
+    """Where a workspace came from, for its manifest and `spec.origin`: the Pod (the kubelet's name and uid,
+    which stay true when the Pod is gone), its controlling owner, node, containers with their images and
+    exit codes, the outcome, and the pipeline labels of ORIGIN_LABELS. Every string and list is cut to fit."""
+    p = _map(pod)
+    meta, spec = _map(p.get("metadata")), _map(p.get("spec"))
+    owner = next(
+        (
+            OriginOwner(kind=_text(ref.get("kind"), LABEL_VALUE_MAX), name=_text(ref.get("name"), NAME_MAX))
+            for ref in _items(meta.get("ownerReferences"))
+            if ref.get("controller") is True and _text(ref.get("kind"), 1) and _text(ref.get("name"), 1)
+        ),
+        None,
+    )
+    statuses = _statuses(p)
+    containers = [
+        OriginContainer(
+            name=name[:LABEL_VALUE_MAX],
+            image=_text(c.get("image"), IMAGE_MAX),
+            exit_code=_exit_code(statuses.get(name, {})),
+        )
+        for c in _items(spec.get("containers"))[:ORIGIN_CONTAINERS_MAX]
+        if isinstance(name := c.get("name"), str)
+    ]
+    labels = _map(meta.get("labels"))
+    return Origin(
+        pod=pod_name[:NAME_MAX],
+        pod_uid=pod_uid[:128],
+        owner=owner,
+        node=_text(spec.get("nodeName"), NAME_MAX) or (node[:NAME_MAX] if node else None),
+        containers=containers,
+        outcome=outcome,
+        labels={k: v[:LABEL_VALUE_MAX] for k in ORIGIN_LABELS if isinstance(v := labels.get(k), str)},
+    )
+
+
+def job_id_of(origin: Origin) -> str:
+    """The manifest's jobId for a captured workspace: its Pod's controlling owner (`Job/build-42`), else the Pod."""
+    return f"{origin.owner.kind}/{origin.owner.name}" if origin.owner else f"Pod/{origin.pod}"
