@@ -23,6 +23,7 @@ import pytest
 from diskkit import NOW, REPO, require_root
 
 from controller.node.capture import (
+    LOCK_FILE,
     RECORD_NAME,
     Busy,
     Kept,
@@ -409,7 +410,9 @@ def recover(root: Root, verb: str, origin: Origin) -> None:
 def leftovers(root: Root) -> list[str]:
     """Anything in the root that is neither a sandbox nor an empty volumes directory: temp files, tombstones."""
     out = [
-        str(p.relative_to(root.path)) for p in root.path.rglob(".*") if p.name not in (".commands", ".sandkeep.lock")
+        str(p.relative_to(root.path))
+        for p in root.path.rglob(".*")
+        if p.name not in (".commands", ".sandkeep.lock", LOCK_FILE)
     ]
     return [p for p in out if p != VOLUMES_DIR]
 

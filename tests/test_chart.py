@@ -49,7 +49,6 @@ NO_CRDS = "--set=crds.enabled=false"
 NO_HOOKS = "--no-hooks"
 
 EVERYTHING_ON = [
-    "--set=csi.enabled=true",
     "--set=monitoring.enabled=true",
     "--set=dashboard.enabled=true",
     "--set=controller.antiAffinity=hard",
@@ -182,6 +181,7 @@ def test_defaults_render_every_component(tools: Path) -> None:
     docs = objects(render(tools))
     kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
     assert kinds == [
+        f"CSIDriver/{c.CSI_DRIVER}",
         "ClusterRole/sk-sandkeep-agent",
         "ClusterRole/sk-sandkeep-controller",
         "ClusterRole/sk-sandkeep-edit",
@@ -487,7 +487,9 @@ def test_without_the_seccomp_profile_the_agent_keeps_the_runtime_default(tools: 
 
 
 def test_the_csi_driver_is_the_contracts_and_only_its_plugin_container_is_privileged(tools: Path) -> None:
-    docs = objects(render(tools, "--set=csi.enabled=true", "--set=csi.kubeletDir=/data/kubelet/"))
+    from controller.cli import sandkeep
+
+    docs = objects(render(tools, "--set=csi.kubeletDir=/data/kubelet/"))
     driver = find(docs, "CSIDriver")
     assert driver["metadata"]["name"] == c.CSI_DRIVER
     assert driver["spec"]["attachRequired"] is False and driver["spec"]["podInfoOnMount"] is True
@@ -512,7 +514,14 @@ def test_the_csi_driver_is_the_contracts_and_only_its_plugin_container_is_privil
     assert paths["registration"] == "/data/kubelet/plugins_registry"
     args = containers["csi-registrar"]["args"]
     assert f"--kubelet-registration-path=/data/kubelet/plugins/{c.CSI_DRIVER}/csi.sock" in args
-    off = objects(render(tools))
+    # Both containers' args go through the real command line, as the agent's do.
+    for name, command in (("csi", "csi-node"), ("csi-registrar", "csi-registrar")):
+        argv = [a.replace("$(NODE_NAME)", "node-a") for a in containers[name]["args"]]
+        parsed = sandkeep._parser(command).parse_args(argv)
+        assert parsed.command == command
+    node_args = sandkeep._parser("csi-node").parse_args(containers["csi"]["args"])
+    assert node_args.kubelet_dir == "/data/kubelet" and node_args.endpoint == "/csi/csi.sock"
+    off = objects(render(tools, "--set=csi.enabled=false"))
     assert not [d for d in off if d["kind"] == "CSIDriver"]
     assert [k["name"] for k in find(off, "DaemonSet")["spec"]["template"]["spec"]["containers"]] == ["agent"]
 
@@ -906,6 +915,8 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
             cluster.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
             release = f"pods-{secrets.token_hex(3)}"
             pool = f"--set=agent.nodeSelector.sandkeep\\.io/test-pool={wanted}"
+            # The CSIDriver is cluster-scoped (one per cluster, as the CRDs): the first release alone has it.
+            csi = f"--set=csi.enabled={str(ns == namespace).lower()}"
             helm(
                 tools,
                 "install",
@@ -913,6 +924,7 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
                 str(CHART),
                 f"--namespace={ns}",
                 pool,
+                csi,
                 NO_CRDS,
                 only_in(ns),
                 kubeconfig=cluster.kubeconfig,

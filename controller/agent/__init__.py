@@ -3,7 +3,7 @@ a sandbox's directory behind the `sandkeep.io/disk` finalizer when its object is
 
 Its parts, each named for its job (the data flow is drawn in docs/architecture.md):
 
-    command.py    flags and settings, the root lock, start and stop (with the CSI node plugin's server, --csi-endpoint)
+    command.py    flags and settings, the root lock, start and stop
     runtime.py    the watch feeding the cache, the work queue, the passes, the heartbeat Lease
     watch.py      this node's objects: listed in pages, then watched (ListWatch, server-side field selector)
     decide.py     pure: what an object needs next (`next_step`), what a tombstone is for (`fate`)

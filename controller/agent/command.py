@@ -11,21 +11,16 @@ import signal
 import sys
 import time
 from collections.abc import Collection
-from pathlib import Path
 
 from controller.agent.runtime import Agent
 from controller.agent.settings import AgentSettings
 from controller.api import kube
 from controller.api.kube import Kube
-from controller.csi import server as csi_server
-from controller.csi.node import VolumeBackend
-from controller.csi.sockets import SocketRefused
 from controller.node.inuse import uninspectable_pids
 from controller.node.store import Root, RootRefused
 from controller.observe import logs, metrics
 from controller.rules import flags
 from controller.rules.contracts import Reason
-from controller.rules.volume import FAILED_PRECONDITION, VolumeError, VolumeRequest
 
 log = logging.getLogger("sandkeep.agent")
 
@@ -62,14 +57,6 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pressure-min-free-bytes", type=int, help="also release while fewer bytes than this are available (default 0)"
-    )
-    parser.add_argument(
-        "--csi-endpoint",
-        help="serve the CSI node plugin on this unix socket, e.g. /csi/csi.sock (default: not served)",
-    )
-    parser.add_argument(
-        "--kubelet-dir",
-        help="the kubelet's --root-dir: every volume's target path is under its pods/ (default /var/lib/kubelet)",
     )
     parser.add_argument(
         "--size-budget",
@@ -131,50 +118,12 @@ def run(command: str, args: argparse.Namespace) -> int:
             ready=lambda: agent.state.synced,
         )
         stack.callback(server.shutdown)
-        if settings.csi_endpoint and not _serve_csi(settings, root, client, stack):
-            return 1
         logs.say(
             log, "agent_started", node=settings.node, root=root.path, metrics_port=server.server_port, pid=os.getpid()
         )
         _warn_uninspectable(agent.ignore)
         asyncio.run(_main(agent))
     return 0
-
-
-def _serve_csi(settings: AgentSettings, root: Root, client: Kube, stack: contextlib.ExitStack) -> bool:
-    """Start the CSI node plugin on --csi-endpoint (stopped when the agent stops); False when it cannot serve."""
-    try:
-        plugin = csi_server.serve(
-            Path(settings.csi_endpoint),
-            settings.node,
-            volume_backend(settings, root, client),
-            str(settings.kubelet_dir),
-        )
-    except (SocketRefused, OSError) as err:
-        logs.say(log, "csi_plugin_refused", level=logging.ERROR, socket=settings.csi_endpoint, message=str(err))
-        return False
-    stack.callback(plugin.stop)
-    return True
-
-
-def volume_backend(settings: AgentSettings, root: Root, client: Kube) -> VolumeBackend:
-    """What the CSI node plugin publishes and unpublishes through: the capture of workspaces on this node."""
-    # TODO(merge): return capture.Volumes (controller/node/capture.py, branch h-capture) and drop NotCapturing.
-    return NotCapturing()
-
-
-class NotCapturing:
-    """The backend of an agent built without capture: every publish refused, saying so; an unpublish is done."""
-
-    def publish(self, req: VolumeRequest) -> None:
-        raise VolumeError(
-            FAILED_PRECONDITION,
-            "this sandkeep agent cannot capture workspaces yet (it was built without controller/node/capture.py); "
-            "upgrade sandkeep, or remove the volume from the Pod",
-        )
-
-    def unpublish(self, volume_id: str, target_path: str) -> None:
-        return None  # nothing was ever published
 
 
 def _warn_uninspectable(ignored: Collection[int]) -> None:

@@ -87,7 +87,10 @@ class Agent:
         self.identity = leases.default_identity()
         self.ignore = {os.getpid(), *settings.ignore_pids}
         self.relief = Relief(shared, self.report, self._in_use_batch)
-        self.volumes = Volumes(root)  # captured volumes: the CSI node service publishes, the passes decide
+        # Captured volumes: `sandkeep csi-node` publishes them, the passes decide. Whether a target is still mounted
+        # is read from the node's own mount table (pid 1's, with hostPID): the kubelet's directory, where the
+        # targets are, is not mounted in the agent's container.
+        self.volumes = Volumes(root, mountinfo=Path("/proc/1/mountinfo"))
         self.capture = Capture(shared, self.report, self.volumes, self._pods)
         self.last_published: str | None = None
         self.watch = watch.sandboxes(client, settings.node, self._on_watch, self._listed)

@@ -6,7 +6,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from controller.rules.flags import HumanDuration, KubeQps
 from controller.rules.models import Settings
@@ -57,17 +57,6 @@ class AgentSettings(Settings):
     # How long one sandbox's size may take to measure (one thread measures them all, one after another):
     # past it the bytes counted so far are reported, with condition SizePartial (SizeTooSlow). 0: no limit.
     size_budget: HumanDuration = timedelta(minutes=2)
-    # The CSI node plugin (issue 27), served in this process on this unix socket; empty: not served. Publish
-    # targets must be this Pod's volume directory under `<kubelet_dir>/pods/` (the kubelet's --root-dir).
-    csi_endpoint: str = ""
-    kubelet_dir: Path = Path("/var/lib/kubelet")
-
-    @field_validator("kubelet_dir")
-    @classmethod
-    def _absolute(cls, path: Path) -> Path:
-        if not path.is_absolute():
-            raise ValueError(f"--kubelet-dir {path}: must be an absolute path (the kubelet's --root-dir)")
-        return path
 
     @model_validator(mode="after")
     def _watermarks(self) -> AgentSettings:

@@ -21,9 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("controller.cli.standalone", "the standalone sweep: delete expired sandboxes of one root safely"),
     "controller": ("controller.cluster.controller", "run the cluster controller (kopf): decide keep or delete"),
     "agent": ("controller.agent", "run the node agent: observe the node's root, delete behind the finalizer"),
+    "csi-node": ("controller.cli.csi_node", "serve the CSI node plugin: capture workspaces as volumes (container)"),
     "csi-registrar": (
         "controller.cli.csi_registrar",
-        "register the agent's CSI node plugin with the kubelet (sidecar)",
+        "register the CSI node plugin with the kubelet (sidecar)",
     ),
     "exec": ("controller.cli.exec", "run a command inside a sandbox's workspace, recording its processes"),
     "doctor": ("controller.cli.doctor", "report what needs a person: stuck tombstones, holds, lapsing pins"),

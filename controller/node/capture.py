@@ -11,8 +11,9 @@ Layout (the root's own directory: its scan skips it, nothing in it is a sandbox)
 A record goes published -> unpublished -> keeping -> kept, then its entry is tombstoned and deleted. The CSI
 node service calls `publish` and `unpublish` (blocking, idempotent, raising `VolumeError` with the CSI status);
 the agent's pass decides (controller/rules/capture.py) and calls `keep` or `discard`, never on a volume whose
-target is still mounted. Both sides take one lock per entry (shared by every `Volumes` of the same root in the
-process), so a pass never acts on a publish in progress.
+target is still mounted. Both sides take one lock per entry, so a pass never acts on a publish in progress: a
+thread lock (shared by every `Volumes` of the same root in the process) and a byte of `.lock` (fcntl), since the
+node service (`sandkeep csi-node`) and the agent are separate processes.
 
 Who may write the workspace: a CSI driver is not told the Pod's uid. With the Pod's fsGroup (the kubelet's
 `volume_mount_group`) the workspace is root:<fsGroup> mode 2775 (setgid: what the Pod creates stays in its
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno as E
+import fcntl
 import hashlib
 import json
 import os
@@ -157,6 +159,7 @@ def entry_name(volume_id: str) -> str:
 
 _ALL_LOCKS: dict[Path, tuple[threading.Lock, ...]] = {}
 _ALL_LOCKS_LOCK = threading.Lock()
+LOCK_FILE = ".lock"  # in the volumes directory: byte n is stripe n's lock between processes (fcntl)
 
 
 def _locks_of(path: Path) -> tuple[threading.Lock, ...]:
@@ -164,6 +167,17 @@ def _locks_of(path: Path) -> tuple[threading.Lock, ...]:
     (the node service's and the agent's pass may each hold one): a pass never acts on a publish in progress."""
     with _ALL_LOCKS_LOCK:
         return _ALL_LOCKS.setdefault(path, tuple(threading.Lock() for _ in range(_STRIPES)))
+
+
+_LOCK_FDS: dict[Path, int] = {}  # one open lock file per volumes directory for the process's life: fcntl locks
+# are the process's and closing any fd of the file drops them all, so it is never closed
+
+
+def _lock_fd(vols: Path) -> int:
+    with _ALL_LOCKS_LOCK:
+        if vols not in _LOCK_FDS:
+            _LOCK_FDS[vols] = os.open(vols / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return _LOCK_FDS[vols]
 
 
 def _syscall_mount(source: str | None, target: str, flags: int) -> None:
@@ -231,8 +245,17 @@ class Volumes:
         self.clock = clock
         self._locks = _locks_of(self.path)
 
-    def _lock(self, entry: str) -> threading.Lock:
-        return self._locks[int(entry[:8], 16) % _STRIPES]
+    @contextlib.contextmanager
+    def _lock(self, entry: str) -> Iterator[None]:
+        """The entry's lock, against this process's threads and the other process (csi-node or the agent)."""
+        stripe = int(entry[:8], 16) % _STRIPES
+        with self._locks[stripe], self._volumes(create=True):
+            fd = _lock_fd(self.path)
+            fcntl.lockf(fd, fcntl.LOCK_EX, 1, stripe)
+            try:
+                yield
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, stripe)
 
     @contextlib.contextmanager
     def _volumes(self, *, create: bool) -> Iterator[int | None]:

@@ -68,15 +68,6 @@ class VolumeError(Exception):
         self.message = message
 
 
-class VolumeError(Exception):
-    """A refusal the user must see: `code` is the gRPC status name the CSI spec names (`INVALID_ARGUMENT`, ...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 @dataclass(frozen=True)
 class VolumeRequest:
     volume_id: str
