@@ -79,10 +79,10 @@ def test_identity_names_the_driver_and_its_version_and_offers_no_controller_serv
     assert identity.Probe(csi_pb2.ProbeRequest(), timeout=10).ready.value is True
 
 
-def test_the_node_is_named_and_needs_no_node_capabilities_for_ephemeral_volumes(plugin: Plugin) -> None:
+def test_the_node_is_named_and_takes_the_pods_fs_group_from_the_kubelet(plugin: Plugin) -> None:
     assert plugin.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=10).node_id == NODE
     caps = plugin.node.NodeGetCapabilities(csi_pb2.NodeGetCapabilitiesRequest(), timeout=10)
-    assert list(caps.capabilities) == []
+    assert [c.rpc.type for c in caps.capabilities] == [csi_pb2.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP]
 
 
 def test_a_publish_reaches_the_backend_parsed_and_is_logged_with_its_pod(

@@ -33,10 +33,13 @@ from controller.rules.volume import (
 
 log = logging.getLogger("sandkeep.csi")
 
-# What the Node service advertises: nothing. Inline ephemeral volumes need no STAGE_UNSTAGE (there is nothing
-# to stage) and no GET_VOLUME_STATS; without VOLUME_MOUNT_GROUP the kubelet applies a Pod's fsGroup itself, as
-# the CSIDriver's fsGroupPolicy says, and sends no volume_mount_group.
-NODE_CAPABILITIES: tuple[csi_pb2.NodeServiceCapability.RPC.Type, ...] = ()
+# What the Node service advertises: VOLUME_MOUNT_GROUP alone. Inline ephemeral volumes need no STAGE_UNSTAGE
+# (there is nothing to stage) and no GET_VOLUME_STATS. With VOLUME_MOUNT_GROUP (and the CSIDriver's fsGroupPolicy
+# File) the kubelet hands the Pod's fsGroup to the publish as volume_mount_group and does not chown the volume
+# itself: a fresh workspace is made group-writable for it, and a reopened one is never chowned file by file.
+NODE_CAPABILITIES: tuple[csi_pb2.NodeServiceCapability.RPC.Type, ...] = (
+    csi_pb2.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP,
+)
 _POD_UID_IN_PATH = re.compile(r"/pods/([^/]{1,64})/volumes/")
 
 
