@@ -488,6 +488,95 @@ def test_a_session_with_an_image_that_cannot_be_pulled_ends_saying_so(bed: Bed) 
     assert status["reason"] == c.Reason.IMAGE_PULL_FAILED and UNPULLABLE_IMAGE in status["message"]
 
 
+RESTRICTED = "e2e-restricted"  # a tenant namespace enforcing Pod Security `restricted`: no hostPath, no root
+
+
+def capture_job(bed: Bed, name: str, script: str, keep: str, *, delete_after: bool = False) -> dict[str, Any]:
+    """A Job of the restricted namespace, non-root with an fsGroup, whose workspace is a csi volume of sandkeep's
+    driver with `keep`; waits for it to end and returns its Pod (as the API last served it)."""
+    if bed.kubectl("get", "namespace", RESTRICTED, check=False).returncode != 0:
+        bed.kubectl("create", "namespace", RESTRICTED)
+        bed.kubectl("label", "namespace", RESTRICTED, "pod-security.kubernetes.io/enforce=restricted")
+    container = {
+        "name": "build",
+        "image": bed.image_ref,
+        "command": ["sh", "-c", script],
+        "workingDir": "/workspace",
+        "volumeMounts": [{"name": "workspace", "mountPath": "/workspace"}],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    volume = {"name": "workspace", "csi": {"driver": c.CSI_DRIVER, "volumeAttributes": {c.VOLUME_KEEP: keep}}}
+    pod_security = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000}
+    spec = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 1,
+        "securityContext": pod_security | {"seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": [volume],
+    }
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": RESTRICTED},
+        "spec": {"backoffLimit": 0, "template": {"spec": spec}},
+    }
+    say(f"Job {name} in {RESTRICTED} (Pod Security restricted, uid 1000): a csi volume with keep: {keep}")
+    bed.kubectl("apply", "-f", "-", input=json.dumps(job))
+
+    def ended() -> dict[str, Any] | None:
+        pods = bed.get("pods", "-n", RESTRICTED, "-l", f"job-name={name}")["items"]
+        return pods[0] if pods and pods[0]["status"].get("phase") in ("Succeeded", "Failed") else None
+
+    return eventually(ended, f"{name}'s Pod ended", timeout=180)
+
+
+def kept_sandbox(bed: Bed, pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The RetainedSandbox kept from this Pod's workspace, by its recorded origin."""
+    for obj in bed.get(c.SANDBOX_PLURAL, "-n", RESTRICTED)["items"]:
+        if (obj["spec"].get("origin") or {}).get("podUID") == pod["metadata"]["uid"]:
+            return obj
+    return None
+
+
+def pod_events(bed: Bed, pod: dict[str, Any]) -> list[dict[str, Any]]:
+    name = pod["metadata"]["name"]
+    selector = f"involvedObject.name={name},involvedObject.kind=Pod"
+    return bed.get("events", "-n", RESTRICTED, f"--field-selector={selector}")["items"]
+
+
+def test_a_restricted_non_root_job_that_fails_keeps_its_workspace_through_the_csi_volume(bed: Bed) -> None:
+    script = "mkdir logs && echo 'tests failed' > logs/result.txt && id -u > uid && exit 3"
+    pod = capture_job(bed, "build-fails", script, "OnFailure")
+    obj = eventually(lambda: kept_sandbox(bed, pod), "the failed Pod's workspace kept as a RetainedSandbox", 120)
+    origin = obj["spec"]["origin"]
+    say(f"kept as {RESTRICTED}/{obj['metadata']['name']}: outcome {origin['outcome']}")
+    assert origin["outcome"] == c.Outcome.FAILED and obj["spec"]["nodeName"] == bed.node_name
+    assert origin["owner"] == {"kind": "Job", "name": "build-fails"} and origin["containers"][0]["exitCode"] == 3
+    work = bed.root / RESTRICTED / obj["metadata"]["name"] / c.WORKSPACE_DIR
+    assert bed.on_node(f"cat '{work}/logs/result.txt' '{work}/uid'").stdout == "tests failed\n1000\n"
+    assert bed.on_node(f"stat -c %u:%g '{work}/logs/result.txt'").stdout == "1000:2000\n", "the Pod's uid, its fsGroup"
+    reasons = {e["reason"] for e in pod_events(bed, pod)}
+    assert c.Reason.WORKSPACE_KEPT in reasons, reasons
+    printed = bed.kubectl("get", c.SANDBOX_PLURAL, obj["metadata"]["name"], "-n", RESTRICTED).stdout
+    assert "OUTCOME" in printed and "Failed" in printed, printed
+
+
+def test_the_same_job_succeeding_with_keep_on_failure_keeps_nothing_and_says_so(bed: Bed) -> None:
+    pod = capture_job(bed, "build-passes", "echo ok > result.txt", "OnFailure")
+
+    def said() -> list[dict[str, Any]] | None:
+        events = [e for e in pod_events(bed, pod) if e["reason"] == c.Reason.WORKSPACE_NOT_KEPT]
+        return events or None
+
+    (event,) = eventually(said, "a WorkspaceNotKept Event on the Pod", timeout=120)
+    say(f"Event on {pod['metadata']['name']}: {event['message']}")
+    assert "Succeeded" in event["message"] and "OnFailure" in event["message"]
+    assert kept_sandbox(bed, pod) is None
+    volumes = bed.root / c.VOLUMES_DIR
+    leftover = bed.on_node(f"find '{volumes}' -mindepth 1 -maxdepth 1 ! -name '.*'").stdout.split()
+    assert leftover == [], "the workspace is deleted, its entry gone"
+
+
 def test_helm_uninstall_stops_the_agents_and_strands_nothing(bed: Bed) -> None:
     """Last, since it removes the chart: the pre-delete hook Job runs `sandkeep uninstall` on the node, so the
     agents stop before their finalizer is removed; the sandbox's directory stays (uninstall.sandboxes=keep),
