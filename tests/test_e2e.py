@@ -577,6 +577,24 @@ def test_the_same_job_succeeding_with_keep_on_failure_keeps_nothing_and_says_so(
     assert leftover == [], "the workspace is deleted, its entry gone"
 
 
+def test_a_pod_deleted_mid_run_keeps_its_workspace_as_unknown(bed: Bed) -> None:
+    """A Pod deleted while it runs never reports how its job ended: Unknown, which fails closed (kept)."""
+    capture_job(bed, "build-short", "true", "Always")  # the namespace, made the same way
+    spec = bed.get("job", "build-short", "-n", RESTRICTED)["spec"]["template"]["spec"]
+    spec["containers"][0]["command"] = ["sh", "-c", "echo half > half.txt && sleep 600"]
+    spec["volumes"][0]["csi"]["volumeAttributes"] = {c.VOLUME_KEEP: "OnFailure", c.VOLUME_NAME: "interrupted"}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "runs-long", "namespace": RESTRICTED}, "spec": spec}
+    bed.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    bed.kubectl("wait", "-n", RESTRICTED, "pod/runs-long", "--for=condition=Ready", "--timeout=120s", timeout=130)
+    live = bed.get("pod", "runs-long", "-n", RESTRICTED)
+    say("kubectl delete pod runs-long while it runs: its volume is unpublished, its outcome never known")
+    bed.kubectl("delete", "pod", "runs-long", "-n", RESTRICTED, "--wait=true", timeout=90)
+    obj = eventually(lambda: kept_sandbox(bed, live), "the interrupted workspace kept", timeout=180)
+    assert obj["metadata"]["name"] == "interrupted" and obj["spec"]["origin"]["outcome"] == c.Outcome.UNKNOWN
+    work = bed.root / RESTRICTED / "interrupted" / c.WORKSPACE_DIR
+    assert bed.on_node(f"cat '{work}/half.txt'").stdout == "half\n"
+
+
 def test_helm_uninstall_stops_the_agents_and_strands_nothing(bed: Bed) -> None:
     """Last, since it removes the chart: the pre-delete hook Job runs `sandkeep uninstall` on the node, so the
     agents stop before their finalizer is removed; the sandbox's directory stays (uninstall.sandboxes=keep),
