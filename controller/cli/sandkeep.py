@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pin": ("controller.cli.standalone", "pin a retained sandbox in a standalone root"),
     "ls": ("controller.cli.standalone", "list the sandboxes of a root with their deadlines"),
     "sweep": ("controller.cli.standalone", "the standalone sweep: delete expired sandboxes of one root safely"),
-    "controller": ("controller.cluster.controller", "run the cluster controller (kopf): decide keep or delete"),
+    "controller": ("controller.cluster.main", "run the cluster controller (kopf): decide keep or delete"),
     "agent": ("controller.agent", "run the node agent: observe the node's root, delete behind the finalizer"),
     "exec": ("controller.cli.exec", "run a command inside a sandbox's workspace, recording its processes"),
     "doctor": ("controller.cli.doctor", "report what needs a person: stuck tombstones, holds, lapsing pins"),
