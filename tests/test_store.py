@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from diskkit import NOW, REPO, User, listing, make_job, outside_bait, retain
 
-from controller.cli.standalone import Replacer, in_use_checker
+from controller.cli.standalone import Replacer
+from controller.cli.sweep import in_use_checker
 from controller.node import treesize
 from controller.node.inuse import uninspectable_pids
 from controller.node.reaper import Reaper

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.cli.standalone import SweepSettings, utcnow
+from controller.cli.standalone import SweepSettings
+from controller.cli.sweep import utcnow
 from controller.node.fsdelete import OPEN_DIR
 from controller.node.opener import Opening, refusal
 from controller.node.orphan_records import Mark, Recorder, boot_id, is_alive, open_commands_dir, proc_stat
