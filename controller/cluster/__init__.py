@@ -12,6 +12,8 @@ Its parts, each named for its job:
     quota_enforcer.py  a namespace over its quota releases its oldest releasable sandboxes
     lost_nodes.py      a deleting sandbox whose node is gone past the grace: its disk finalizer removed
     events.py          Events, posted in the background from a bounded backlog
-    sessions.py        SandboxSessions: their pure `decide()`, their Pods and grants
+    sessions.py        SandboxSessions: the queue of sessions, the reads and writes around their decision
+    session_decide.py  pure: what one session needs now (caps, images, the admission guard, the mount)
+    session_objects.py pure: a session's Pod, and the Role and RoleBinding that grant exec on it
     policyset.py       several SandboxPolicies in one namespace: the oldest applies
 """

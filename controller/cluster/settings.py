@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from controller.cluster.sessions import DEFAULT_RESOURCES, MAX_ID, SessionSettings
+from controller.cluster.session_decide import DEFAULT_RESOURCES, MAX_ID, SessionSettings
 from controller.rules import contracts as c
 from controller.rules import models
 from controller.rules.flags import HumanDuration, HumanSize, JsonList, JsonObject, KubeQps
