@@ -31,7 +31,8 @@ from controller_harness import Controller, install_crds
 from controller import agent as agent_mod
 from controller.agent import watch as agent_watch
 from controller.api import kube
-from controller.cli.standalone import Replacer, in_use_checker
+from controller.cli.standalone import Replacer
+from controller.cli.sweep import in_use_checker
 from controller.node import orphans
 from controller.node.inuse import uninspectable_pids
 from controller.node.reaper import Reaper

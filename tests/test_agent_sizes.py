@@ -22,9 +22,9 @@ from controller.agent.relief import Relief
 from controller.agent.report import Reporter
 from controller.agent.sizer import Sizer
 from controller.agent.state import AgentState, Shared
-from controller.node.fsdelete import TreeSize
 from controller.node.inuse import Usage
 from controller.node.store import Root
+from controller.node.treesize import TreeSize
 from controller.rules import contracts as c
 from controller.rules.contracts import Reason
 from controller.rules.policy import Quota

@@ -1107,8 +1107,8 @@ SESSIONS_ON = "--set=sessions.enabled=true"
 
 def test_session_bounds_are_the_contracts_defaults_and_reach_the_controller_as_it_parses_them(tools: Path) -> None:
     from controller.cli import sandkeep
-    from controller.cluster.controller import settings_from
-    from controller.cluster.sessions import DEFAULT_RESOURCES
+    from controller.cluster.main import settings_from
+    from controller.cluster.session_decide import DEFAULT_RESOURCES
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     sessions = values["sessions"]

@@ -15,8 +15,9 @@ from localcluster import kube_version
 from test_chart import CHART, find, helm, objects, render
 
 from controller import agent
-from controller.cluster import controller as controller_mod
-from controller.cluster.controller import ControllerSettings
+from controller.cli.sandkeep import COMMANDS
+from controller.cluster import main as controller_mod
+from controller.cluster.settings import ControllerSettings
 from controller.rules.policy import Quota
 
 
@@ -24,7 +25,7 @@ def parsed_args(manifest: str, kind: str, component: Any, prefix: str) -> Any:
     """The rendered `kind`'s arguments of `component` that start with `prefix`, parsed by the component's
     own flags and settings."""
     args = find(objects(manifest), kind)["spec"]["template"]["spec"]["containers"][0]["args"]
-    name = component.__name__.rpartition(".")[2]
+    name = next(command for command, (module, _) in COMMANDS.items() if module == component.__name__)
     parser = argparse.ArgumentParser()
     component.add_arguments(name, parser)
     own = [a for a in args[args.index(name) + 1 :] if a.startswith(prefix)]

@@ -17,7 +17,8 @@ import pytest
 from procs import alive
 
 from controller.cli import exec as sandkeep_exec
-from controller.node.orphans import Handle, Mark, boot_id, orphan_pids, reap_orphans
+from controller.node.orphan_records import Mark, boot_id
+from controller.node.orphans import Handle, orphan_pids, reap_orphans
 from controller.node.store import Root
 
 SANDKEEP = [sys.executable, "-m", "controller.cli.sandkeep"]
@@ -149,7 +150,8 @@ def test_a_survivor_is_reported_with_its_command_line_and_stays_recorded(sandbox
 NEVER_SELF = """
 import json, os, subprocess, sys
 from pathlib import Path
-from controller.node.orphans import boot_id, reap_orphans
+from controller.node.orphan_records import boot_id
+from controller.node.orphans import reap_orphans
 
 def mark(pid):
     text = Path(f"/proc/{pid}/stat").read_text()

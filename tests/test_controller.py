@@ -31,7 +31,8 @@ from controller_harness import (
 from localcluster import LocalCluster, settled_writes, writes_by_resource
 
 from controller.api.kube import Kube, KubeError, policy_path
-from controller.cluster.controller import Context, add_arguments, decide, settings_from, status_changed
+from controller.cluster.decide import Context, decide, status_changed
+from controller.cluster.main import add_arguments, settings_from
 from controller.rules import contracts as c
 from controller.rules.durations import format_instant, instant_or_none, parse_instant
 from controller.rules.policy import Policy, deadline, phase_of
@@ -633,7 +634,9 @@ def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:
     # a new Event is dropped and counted, so memory does not grow with the wave (client-go bounds its own).
     from kubernetes import client as k8s
 
-    from controller.cluster.controller import EVENTS_BACKLOG, ControllerSettings, Reconciler
+    from controller.cluster.controller import Controller
+    from controller.cluster.events import EVENTS_BACKLOG
+    from controller.cluster.settings import ControllerSettings
     from controller.observe.metrics import ControllerMetrics
 
     answered = threading.Event()
@@ -642,15 +645,15 @@ def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:
         def post_event(self, *_args: Any, **_kwargs: Any) -> None:
             answered.wait(30)
 
-    rec = Reconciler(SlowServer(k8s.Configuration()), ControllerSettings(), ControllerMetrics())
+    rec = Controller(SlowServer(k8s.Configuration()), ControllerSettings(), ControllerMetrics())
     obj = _obj()
 
     async def wave() -> None:
         for _ in range(EVENTS_BACKLOG + 250):
-            rec._post(obj, c.Reason.EXPIRED, "expired", "Normal")
-        assert len(rec._background) == EVENTS_BACKLOG
+            rec.events.post(obj, c.Reason.EXPIRED, "expired", "Normal")
+        assert len(rec.events.backlog) == EVENTS_BACKLOG
         answered.set()
-        while rec._background:
+        while rec.events.backlog:
             await asyncio.sleep(0.01)
 
     asyncio.run(wave())

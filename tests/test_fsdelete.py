@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from diskkit import User, listing, make_immutable, outside_bait, require_root
 
-from controller.node import fsdelete
+from controller.node import fsdelete, treesize
 from controller.rules.contracts import Reason
 
 pytest_plugins = ["diskkit"]  # fixtures: throwaway_user, shared_tmp, immutable, mounts
@@ -205,7 +205,7 @@ def test_disk_usage_counts_blocks_without_following_links(tmp_path: Path) -> Non
     (top / "link").symlink_to("/usr")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        size = fsdelete.disk_usage(fd, "t")
+        size = treesize.disk_usage(fd, "t")
     finally:
         os.close(fd)
     assert 100_000 <= size < 1_000_000
@@ -249,7 +249,7 @@ def test_tree_size_counts_blocks_and_files_of_a_chain_deeper_than_recursion_allo
     before = len(os.listdir("/proc/self/fd"))
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        size = fsdelete.tree_size(fd, "t")
+        size = treesize.tree_size(fd, "t")
     finally:
         os.close(fd)
         fsdelete.delete_tree(tmp_path, "t")  # pytest's tmp_path cleanup (shutil.rmtree) recurses and dies on it
@@ -271,7 +271,7 @@ def test_tree_size_does_not_enter_a_mount(tmp_path: Path, mounts: list[Path]) ->
     mounts.append(top / "mnt")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        size = fsdelete.tree_size(fd, "t")
+        size = treesize.tree_size(fd, "t")
     finally:
         os.close(fd)
     assert size.files == 1 and size.bytes < 100_000

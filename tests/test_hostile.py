@@ -29,7 +29,7 @@ from localcluster import LocalCluster
 
 from controller.api.kube import Kube
 from controller.api.leases import agent_heartbeats, heartbeat_name, lease_path, read_lease, renew_heartbeat
-from controller.node import fsdelete
+from controller.node import fsdelete, treesize
 from controller.node.store import Root, StoreError, parse_tombstone
 from controller.rules import contracts as c
 from controller.rules.durations import format_instant
@@ -263,11 +263,11 @@ def test_a_root_holds_the_longest_names(tmp_path: Path) -> None:
 
 _CHILD = r"""
 import json, os, resource, sys
-from controller.node import fsdelete
+from controller.node import fsdelete, treesize
 parent, name, what = sys.argv[1], sys.argv[2], sys.argv[3]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if what == "size":
-    result = list(fsdelete.tree_size(os.open(parent, os.O_RDONLY | os.O_DIRECTORY), name))
+    result = list(treesize.tree_size(os.open(parent, os.O_RDONLY | os.O_DIRECTORY), name))
 else:
     r = fsdelete.delete_tree(parent, name, workers=int(what))
     result = [r.ok, r.files]
@@ -392,7 +392,7 @@ def test_any_tree_is_sized_then_deleted_and_nothing_outside_changes(plan: list[A
         outside = [*_snapshot(bait_dir), bait_file.read_bytes()]
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            assert fsdelete.tree_size(fd, "t").files == files
+            assert treesize.tree_size(fd, "t").files == files
         finally:
             os.close(fd)
         result = fsdelete.delete_tree(root, "t", workers=workers)

@@ -35,8 +35,9 @@ from test_commands import (  # the reaper's fixtures and helpers, shared rather 
 )
 
 from controller.cli import exec as sandkeep_exec
-from controller.node import orphans
-from controller.node.orphans import MAX_MEMBERS, MAX_RECORD_BYTES, MAX_RECORDS, Mark, boot_id, orphan_pids, reap_orphans
+from controller.node import orphan_records, orphans
+from controller.node.orphan_records import MAX_MEMBERS, MAX_RECORD_BYTES, MAX_RECORDS, Mark, boot_id
+from controller.node.orphans import orphan_pids, reap_orphans
 from controller.rules.contracts import COMMANDS_DIR, Reason
 
 __all__ = ["sandbox"]  # a fixture (pids comes from conftest)
@@ -105,7 +106,7 @@ def test_a_child_that_left_the_session_and_lost_its_parents_cannot_be_proven_and
 
     def strays() -> list[int]:
         members = [m["pid"] for m in _records(box)[0]["members"] if alive(m["pid"])]
-        return [pid for pid in members if orphans.command_line(Path("/proc"), pid) == "sleep 333"]
+        return [pid for pid in members if orphan_records.command_line(Path("/proc"), pid) == "sleep 333"]
 
     _wait_for(lambda: len(strays()) == 1)  # recorded once `setsid` became the sleep (pruned of the subshell)
     stray = strays()
@@ -222,8 +223,8 @@ def test_the_most_a_forger_can_write_is_judged_in_bounded_memory(sandbox, pids, 
 
 
 def test_the_largest_record_a_recorder_can_write_fits_the_cap() -> None:
-    biggest = Mark(orphans.PID_MAX, (1 << 64) - 1)
-    body = orphans._body("f" * 36, biggest, [biggest] * MAX_MEMBERS)
+    biggest = Mark(orphan_records.PID_MAX, (1 << 64) - 1)
+    body = orphan_records.record_body("f" * 36, biggest, [biggest] * MAX_MEMBERS)
     assert len(json.dumps(body).encode()) <= MAX_RECORD_BYTES
 
 
@@ -233,7 +234,7 @@ def test_a_recorder_of_a_command_with_more_processes_than_the_cap_records_the_ca
     # The record stays bounded however many processes the command starts; those it could not record are
     # still of the command's session, which the reaper reaches through /proc (the old kill(-pgid)).
     caplog.set_level(logging.WARNING, "sandkeep")
-    monkeypatch.setattr(orphans, "MAX_MEMBERS", 3)
+    monkeypatch.setattr(orphan_records, "MAX_MEMBERS", 3)
     _root, box = sandbox
     script = "for i in 1 2 3 4 5 6; do sleep 338 & done; echo ready; wait"
     leader = subprocess.Popen(
@@ -241,9 +242,9 @@ def test_a_recorder_of_a_command_with_more_processes_than_the_cap_records_the_ca
     )
     pids.append(leader.pid)
     assert leader.stdout is not None and leader.stdout.readline().strip() == b"ready"
-    with orphans._open_commands_dir(box, create=False) as cfd:
+    with orphan_records.open_commands_dir(box, create=False) as cfd:
         assert cfd is not None
-        recorder = orphans.Recorder(cfd, Mark(leader.pid, _start_ticks(leader.pid)), boot_id() or "")
+        recorder = orphan_records.Recorder(cfd, Mark(leader.pid, _start_ticks(leader.pid)), boot_id() or "")
         assert recorder.walk()
         (record,) = _records(box)
         assert len(record["members"]) == 3

@@ -350,7 +350,7 @@ import json, os, resource, sys
 from pathlib import Path
 from controller.rules.contracts import Reason
 from controller.node.reaper import Claim, Reaper, Target
-from controller.cli.standalone import in_use_checker
+from controller.cli.sweep import in_use_checker
 from controller.node.store import Root
 
 root, free, ignore = Root(sys.argv[1], create=False), int(sys.argv[2]), json.loads(sys.argv[3])

@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.cluster.controller import Context, decide
+from controller.cluster.decide import Context, decide
 from controller.rules import contracts as c
 from controller.rules.durations import format_instant, parse_instant
 from controller.rules.objects import pin_holds
@@ -146,7 +146,7 @@ def test_the_rule_without_a_record_never_counts_from_after_now(pin: str | None, 
 def test_the_controllers_view_keeps_the_record_the_cap_counts_from() -> None:
     # The view keeps only what a decision reads: without status.pinSeen in it, every look was a first sight
     # and the cap slid forward by maxPin each time the pin came due (found on the real API server).
-    from controller.cluster.controller import _slim
+    from controller.cluster.view import _slim
 
     annotations = {c.ANN_PIN_UNTIL: "2099-01-01T00:00:00Z"}
     first = decide(sandbox(annotations, {}), Context(POLICY), START)

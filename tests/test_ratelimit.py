@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from controller.agent.settings import AgentSettings
 from controller.api.kube import Kube, RateLimiter, load_config
-from controller.cluster.controller import ControllerSettings
+from controller.cluster.settings import ControllerSettings
 
 
 class Clock:

@@ -37,7 +37,7 @@ from localcluster import LocalCluster
 from controller.agent.sessions import SESSIONS_MANAGER_SUFFIX
 from controller.api.kube import AGENT_MANAGER, Kube, KubeError, load_config
 from controller.api.leases import heartbeat_name, read_lease, renew_heartbeat
-from controller.cluster.controller import SEAM_ENV
+from controller.cluster.settings import SEAM_ENV
 from controller.node.inuse import uninspectable_pids
 from controller.node.store import Root
 from controller.rules import contracts as c

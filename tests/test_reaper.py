@@ -34,7 +34,7 @@ from test_agent import (  # the agent's fixtures and helpers, shared rather than
     wait_for,
 )
 
-from controller.cli.standalone import Sweeper, in_use_checker
+from controller.cli.sweep import Sweeper, in_use_checker
 from controller.node.store import Root
 from controller.rules import contracts as c
 from controller.rules.contracts import Reason

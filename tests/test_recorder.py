@@ -16,8 +16,7 @@ import pytest
 from diskkit import make_immutable
 
 from controller.cli import exec as sandkeep_exec
-from controller.node import orphans
-from controller.node.orphans import Mark, Recorder, boot_id
+from controller.node.orphan_records import Mark, Recorder, boot_id, open_commands_dir
 from controller.node.store import Root
 
 pytest_plugins = ["diskkit"]  # fixtures: immutable
@@ -42,7 +41,7 @@ def test_a_record_that_cannot_be_written_is_said_once_and_written_on_the_next_wa
     leader = subprocess.Popen(["sleep", "30"])  # the recorded command, alive throughout
     waited = subprocess.Popen(["sleep", "0.6"])  # what the walks run beside: about six of them
     try:
-        with orphans._open_commands_dir(box, create=True) as cfd:
+        with open_commands_dir(box, create=True) as cfd:
             assert cfd is not None
             recorder = Recorder(cfd, Mark(leader.pid, start_ticks(leader.pid)), boot_id() or "")
             make_immutable(immutable, box / ".commands")  # no file can be created in it, by root either

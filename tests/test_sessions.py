@@ -23,17 +23,9 @@ from hypothesis import strategies as st
 from localcluster import LocalCluster
 
 from controller.api.kube import AGENT_MANAGER
-from controller.cluster.sessions import (
-    DEFAULT_RESOURCES,
-    SessionSettings,
-    decide,
-    guard_defect,
-    pod_body,
-    run_as,
-    session_path,
-    session_tolerations,
-    tolerates,
-)
+from controller.cluster.session_decide import DEFAULT_RESOURCES, SessionSettings, decide, guard_defect
+from controller.cluster.session_objects import pod_body, run_as, session_tolerations, tolerates
+from controller.cluster.sessions import session_path
 from controller.rules import contracts as c
 from controller.rules.contracts import MountCheck, Reason, SessionPhase
 from controller.rules.durations import format_instant
@@ -814,7 +806,8 @@ def test_a_deleted_session_is_torn_down_only_by_the_install_that_started_it() ->
     from kubernetes import client as k8s
 
     from controller.api.kube import Kube
-    from controller.cluster.sessions import Sessions, object_name
+    from controller.cluster.session_decide import object_name
+    from controller.cluster.sessions import Sessions
 
     async def main() -> None:
         ours = Sessions(Kube(k8s.Configuration()), SETTINGS, lambda _o, _t: False, lambda _ns: timedelta(hours=1))

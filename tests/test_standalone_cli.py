@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from diskkit import REPO, User, bind_mount, listing, make_job
 
-from controller.cli.standalone import Replacer, in_use_checker
+from controller.cli.standalone import Replacer
+from controller.cli.sweep import in_use_checker
 from controller.node.inuse import uninspectable_pids
 from controller.node.reaper import Reaper
 from controller.node.store import Root, StoreError

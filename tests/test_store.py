@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from diskkit import NOW, REPO, User, listing, make_job, outside_bait, retain
 
-from controller.cli.standalone import Replacer, in_use_checker
-from controller.node import fsdelete
+from controller.cli.standalone import Replacer
+from controller.cli.sweep import in_use_checker
+from controller.node import treesize
 from controller.node.inuse import uninspectable_pids
 from controller.node.reaper import Reaper
 from controller.node.store import (
@@ -525,7 +526,7 @@ def test_usage_counts_a_sandboxs_bytes_and_files_without_following_links(tmp_pat
     usage = root.usage("ns", "sized")
     assert usage.files == 7 + 1 + 1 + 1  # the job's 7 files, big, the link, the manifest
     assert 200_000 <= usage.bytes < 2_000_000 and root.size("ns", "sized") == usage.bytes
-    assert root.usage("ns", "absent") == fsdelete.TreeSize(0, 0)
+    assert root.usage("ns", "absent") == treesize.TreeSize(0, 0)
 
 
 # --- a replacing retain keeps a deletion's rules (issue 12, item 5) ------------------------------------------

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from diskkit import NOW, REPO, bind_mount, listing, make_immutable, make_job, outside_bait, retain
 
-from controller.cli.standalone import Replacer, Sweeper, in_use_checker
+from controller.cli.standalone import Replacer
+from controller.cli.sweep import Sweeper, in_use_checker
 from controller.node.inuse import Usage, uninspectable_pids
 from controller.node.reaper import Reaper
 from controller.node.store import Entry, Read, Root, Tombstone, Transient, tombstone_name
@@ -311,7 +312,7 @@ def test_a_crash_between_rename_and_delete_leaves_a_tombstone_the_next_pass_clea
         import os, signal, sys
         from controller.rules.policy import Policy
         from controller.node.inuse import Usage
-        from controller.cli.standalone import Sweeper
+        from controller.cli.sweep import Sweeper
         from controller.node.store import Root
         from datetime import timedelta
         root = Root(sys.argv[1])

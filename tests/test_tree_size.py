@@ -25,8 +25,8 @@ from diskkit import outside_bait
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.node import fsdelete
-from controller.node.fsdelete import TreeSize
+from controller.node import treesize
+from controller.node.treesize import TreeSize
 from controller.rules.contracts import Reason
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY
@@ -46,7 +46,7 @@ def reference(top: Path) -> tuple[int, int]:
 def size_of(top: Path, budget: float | None = None) -> TreeSize:
     fd = os.open(top.parent, _DIR)
     try:
-        return fsdelete.tree_size(fd, top.name, budget=budget)
+        return treesize.tree_size(fd, top.name, budget=budget)
     finally:
         os.close(fd)
 
@@ -164,7 +164,7 @@ def test_a_chain_deeper_than_the_descriptor_budget_lists_each_level_once_within_
     size = size_of(top)
     assert (size.bytes, size.files) == reference(top) and size.complete
     assert set(listed.count.values()) == {1} and len(listed.count) == 301
-    assert listed.peak - before <= fsdelete.SIZE_OPEN + 2  # + the fd of `top`'s parent, + listdir's own
+    assert listed.peak - before <= treesize.SIZE_OPEN + 2  # + the fd of `top`'s parent, + listdir's own
     assert open_fds() == before
 
 
@@ -185,8 +185,8 @@ def test_a_comb_of_teeth_deeper_than_the_budget_lists_its_wide_level_once(
 def test_a_level_with_more_subdirectories_than_a_batch_pauses_and_goes_on_without_listing_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fsdelete, "SIZE_NAMES", 7)
-    monkeypatch.setattr(fsdelete, "SIZE_OPEN", 6)
+    monkeypatch.setattr(treesize, "SIZE_NAMES", 7)
+    monkeypatch.setattr(treesize, "SIZE_OPEN", 6)
     top = tmp_path / "t"
     for t in range(50):
         chain(top / f"s{t}", 9, files=2)  # deeper than the budget: the paused reader must survive them
@@ -201,8 +201,8 @@ def test_paused_readers_pushed_out_of_the_budget_are_read_again_a_bounded_number
 ) -> None:
     # Three nested levels of 12 subdirectories in batches of 3 with 4 descriptors: paused readers must be
     # closed, and each is read again at most once per batch, still counting everything once.
-    monkeypatch.setattr(fsdelete, "SIZE_NAMES", 3)
-    monkeypatch.setattr(fsdelete, "SIZE_OPEN", 4)
+    monkeypatch.setattr(treesize, "SIZE_NAMES", 3)
+    monkeypatch.setattr(treesize, "SIZE_OPEN", 4)
     top = tmp_path / "t"
     for a in range(12):
         for b in range(12):
@@ -336,7 +336,7 @@ def test_past_the_budget_the_walk_stops_with_what_it_counted(tmp_path: Path, mon
         (top / f"d{d}" / "f").write_bytes(b"x" * 10_000)
     full = reference(top)
     ticks = iter(range(1_000_000))  # a clock that moves one second each time it is read
-    monkeypatch.setattr(fsdelete, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    monkeypatch.setattr(treesize, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
     size = size_of(top, budget=10)
     assert not size.complete and size.reason == Reason.SIZE_TOO_SLOW
     assert 0 < size.bytes < full[0] and 0 < size.files < full[1]
@@ -390,9 +390,9 @@ def test_any_shape_with_any_budgets_is_counted_exactly_as_os_walk_and_lstat_coun
     try:
         _build(base / "t", shape)
         with (
-            mock.patch.object(fsdelete, "SIZE_OPEN", budget),
-            mock.patch.object(fsdelete, "SIZE_NAMES", names),
-            mock.patch.object(fsdelete, "SIZE_HELD", held),
+            mock.patch.object(treesize, "SIZE_OPEN", budget),
+            mock.patch.object(treesize, "SIZE_NAMES", names),
+            mock.patch.object(treesize, "SIZE_HELD", held),
         ):
             before = open_fds()
             size = size_of(base / "t")

@@ -19,7 +19,8 @@ from kubernetes import client as k8s
 from controller import agent as agent_mod
 from controller.api import listwatch
 from controller.api.kube import Kube, KubeError, sandbox_path
-from controller.cluster.controller import ControllerSettings, Reconciler
+from controller.cluster.controller import Controller
+from controller.cluster.settings import ControllerSettings
 from controller.node.store import Root
 from controller.observe.metrics import AgentMetrics, ControllerMetrics
 from controller.rules.objects import Obj, key_of
@@ -140,7 +141,7 @@ def test_the_controller_drops_what_a_relisting_no_longer_has() -> None:
     # The controller's side of a relist: a sandbox in its view but not in the new listing is gone, taken
     # out of the view, the queue and the gauges as a DELETED event would; other namespaces are untouched.
     async def main() -> None:
-        rec = Reconciler(Kube(k8s.Configuration()), ControllerSettings(), ControllerMetrics())
+        rec = Controller(Kube(k8s.Configuration()), ControllerSettings(), ControllerMetrics())
         for obj in (_obj("a", "ns1"), _obj("b", "ns1"), _obj("c", "ns2")):
             rec.on_sandbox(None, obj)
         assert len(rec.view.sandboxes) == 3

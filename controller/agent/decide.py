@@ -18,9 +18,9 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
-from controller.node.fsdelete import TreeSize
 from controller.node.inuse import Usage
 from controller.node.reaper import Claim, Clear, Fate, Finish, Keep
+from controller.node.treesize import TreeSize
 from controller.rules import objects
 from controller.rules.contracts import FINALIZER, Condition, Reason, ReleasePriority
 from controller.rules.durations import format_duration, instant_or_none

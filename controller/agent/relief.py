@@ -29,8 +29,8 @@ from controller.agent.decide import Key, candidate, dry_run, release_refusal
 from controller.agent.report import Reporter
 from controller.agent.state import Part, Shared
 from controller.api.kube import KubeError
-from controller.node.fsdelete import TreeSize
 from controller.node.inuse import Usage
+from controller.node.treesize import TreeSize
 from controller.observe import logs
 from controller.rules.contracts import Reason
 from controller.rules.objects import Obj

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from controller.agent.sessions import workspace_stat
-from controller.node.fsdelete import TreeSize
 from controller.node.store import Root
+from controller.node.treesize import TreeSize
 from controller.observe import logs
 
 Key = tuple[str, str]

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from controller.agent.settings import AgentSettings
 from controller.api.kube import Kube
-from controller.node.fsdelete import TreeSize
 from controller.node.inuse import Usage
 from controller.node.store import Root
+from controller.node.treesize import TreeSize
 from controller.observe.metrics import AgentMetrics
 from controller.rules.objects import Obj, key_of
 

@@ -1,8 +1,8 @@
-"""`sandkeep exec`: run a command in a sandbox's workspace, recording its processes (node/orphans.py).
+"""`sandkeep exec`: run a command in a sandbox's workspace, recording its processes (node/orphan_records.py).
 
 The command is started as the leader of a session of its own (setsid) and walked while it runs; its
-processes are recorded as `node/orphans.py` describes, so that what a killed `sandkeep exec` left can be
-reaped before the sandbox is deleted or opened again.
+processes are recorded as `node/orphan_records.py` describes, so that what a killed `sandkeep exec` left
+can be reaped (`node/orphans.py`) before the sandbox is deleted or opened again.
 
 `sandkeep exec` starts nothing in a sandbox the opener's rule refuses (`opener.refusal`: expired by the
 sweep's own rule with `ls`'s policy flags, being deleted, stuck, lost, unreadable) or that recorded
@@ -29,21 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.cli.standalone import SweepSettings, utcnow
+from controller.cli.standalone import SweepSettings
+from controller.cli.sweep import utcnow
+from controller.node.fsdelete import OPEN_DIR
 from controller.node.opener import Opening, refusal
-from controller.node.orphans import (
-    _DIR,
-    Kill,
-    Mark,
-    Recorder,
-    _open_commands_dir,
-    _same,
-    _stat,
-    boot_id,
-    held_message,
-    reap_orphans,
-    send,
-)
+from controller.node.orphan_records import Mark, Recorder, boot_id, is_alive, open_commands_dir, proc_stat
+from controller.node.orphans import Kill, held_message, reap_orphans, send
 from controller.node.store import Present, Read, Root, StoreError
 from controller.node.store import Refusal as StoreRefusal
 from controller.observe import logs
@@ -211,12 +202,12 @@ LOOK_FOR = 2.0  # seconds after launch the look is repeated on every walk: a swe
 def _open_workspace(root: Path, parts: list[str]) -> int:
     """The workspace directory as an fd, from the root down, every component opened without following a
     link; `..` is refused, so it never leaves the root."""
-    fd = os.open(root, _DIR)
+    fd = os.open(root, OPEN_DIR)
     try:
         for part in parts:
             if part == "..":
                 raise OSError(E.EACCES, "a workspace path may not climb out of its sandbox")
-            nxt = os.open(part, _DIR, dir_fd=fd)
+            nxt = os.open(part, OPEN_DIR, dir_fd=fd)
             os.close(fd)
             fd = nxt
     except BaseException:
@@ -277,14 +268,14 @@ def _run_recorded(sandbox: Path, launch: _Launch, argv: list[str]) -> int:
     held = (st.st_dev, st.st_ino)
     with contextlib.ExitStack() as stack:
         stack.callback(os.close, wfd)
-        cfd = stack.enter_context(_open_commands_dir(sandbox, create=True))
+        cfd = stack.enter_context(open_commands_dir(sandbox, create=True))
         try:
             # chdir through the held fd: a workspace swapped for a link after the checks is never entered
             child = subprocess.Popen(argv, cwd=f"/proc/self/fd/{wfd}", pass_fds=(wfd,), start_new_session=True)
         except OSError as err:
             _err(f"sandkeep exec: {argv[0]}: {os.strerror(err.errno or 0)}")
             return 127
-        leader_stat = _stat(Path("/proc"), child.pid)
+        leader_stat = proc_stat(Path("/proc"), child.pid)
         recorder = None
         if cfd is not None and boot is not None and leader_stat is not None:
             recorder = Recorder(cfd, Mark(child.pid, leader_stat.start), boot, subreaper=True)
@@ -328,13 +319,13 @@ def _stop_session(child: subprocess.Popen[bytes], recorder: Recorder | None, tim
         if child.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, sig)
-        members = [m for m in recorder.members.values() if _same(recorder.proc, m)] if recorder else []
+        members = [m for m in recorder.members.values() if is_alive(recorder.proc, m)] if recorder else []
         for m in members:
             _signal_mark(recorder.proc if recorder else Path("/proc"), m, sig)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             _reap_adopted(child.pid)
-            if child.poll() is not None and not any(_same(Path("/proc"), m) for m in members):
+            if child.poll() is not None and not any(is_alive(Path("/proc"), m) for m in members):
                 return
             time.sleep(0.02)
 
@@ -345,7 +336,7 @@ def _signal_mark(proc: Path, mark: Mark, sig: int) -> None:
     except OSError:
         return
     try:
-        if _same(proc, mark):
+        if is_alive(proc, mark):
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(fd, sig)
     finally:

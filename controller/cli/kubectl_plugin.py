@@ -38,7 +38,8 @@ from controller import __version__
 from controller.api import kube
 from controller.api.kube import Kube, KubeError
 from controller.cli import doctor
-from controller.cluster.sessions import sandbox_refusal, session_path
+from controller.cluster.session_decide import sandbox_refusal
+from controller.cluster.sessions import session_path
 from controller.node import untar
 from controller.rules import contracts as c
 from controller.rules import objects

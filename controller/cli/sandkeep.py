@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pin": ("controller.cli.standalone", "pin a retained sandbox in a standalone root"),
     "ls": ("controller.cli.standalone", "list the sandboxes of a root with their deadlines"),
     "sweep": ("controller.cli.standalone", "the standalone sweep: delete expired sandboxes of one root safely"),
-    "controller": ("controller.cluster.controller", "run the cluster controller (kopf): decide keep or delete"),
+    "controller": ("controller.cluster.main", "run the cluster controller (kopf): decide keep or delete"),
     "agent": ("controller.agent", "run the node agent: observe the node's root, delete behind the finalizer"),
     "csi-node": ("controller.cli.csi_node", "serve the CSI node plugin: capture workspaces as volumes (container)"),
     "csi-registrar": (

@@ -33,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
-from controller.node import orphans
+from controller.node import orphan_records, orphans
 from controller.node.inuse import Usage, pid_alive
 from controller.node.store import (
     Mismatch,
@@ -179,7 +179,7 @@ class Held:
     key: Key | None = None  # the sandbox a held tombstone belongs to
     usage: Usage | None = None
     survivors: tuple[orphans.Survivor, ...] = ()
-    refused: tuple[orphans.Refusal, ...] = ()  # orphan records not acted on (untrusted, over the caps)
+    refused: tuple[orphan_records.Refusal, ...] = ()  # orphan records not acted on (untrusted, over the caps)
     errno: int | None = None
     pid: int | None = None
     error: str | None = None

@@ -27,7 +27,7 @@ Public API (names are stable; the node agent builds on them):
   `.remove_empty_namespace(ns) -> bool`, `.lstat_entry(rel)`, `.tombstone_entry(rel, ident, *, id, now)` (any
   entry a scan names, renamed as a name and only when it is still the inode `ident`), `.read_private(name)` /
   `.write_private(name, data)` (the root's own files beside the lock), `.size(ns, name) -> int` (allocated
-  bytes), `.usage(ns, name, budget) -> fsdelete.TreeSize(bytes, files, complete, reason)` (what the agent's
+  bytes), `.usage(ns, name, budget) -> treesize.TreeSize(bytes, files, complete, reason)` (what the agent's
   size thread reports; linear time and bounded memory on any tree, cut short past `budget` seconds).
   Store failures raise `StoreError` (e.g. RENAME_FAILED with `.errno`); bad names raise ValueError.
 - Reads: `Present(manifest, text)`, `Absent(reason)`, `Unparsed(text)`, `Unreadable(errno)`,
@@ -64,7 +64,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from controller.node import fsdelete
+from controller.node import fsdelete, treesize
 from controller.rules.contracts import (
     COMMANDS_DIR,
     LOCK_NAME,
@@ -1145,15 +1145,15 @@ class Root:
         """Bytes on disk under a sandbox (allocated blocks), walked fd-relative without following links."""
         return self.usage(namespace, name).bytes
 
-    def usage(self, namespace: str, name: str, budget: float | None = None) -> fsdelete.TreeSize:
-        """(allocated bytes, files, complete) under a sandbox: `fsdelete.tree_size`, linear time and bounded
+    def usage(self, namespace: str, name: str, budget: float | None = None) -> treesize.TreeSize:
+        """(allocated bytes, files, complete) under a sandbox: `treesize.tree_size`, linear time and bounded
         memory on any tree; past `budget` seconds, what was counted so far (`complete=False`)."""
         _check_names(namespace, name)
         try:
             with _fd(self._open()) as root_fd, _fd(_open_dir(namespace, root_fd)) as ns_fd:
-                return fsdelete.tree_size(ns_fd, name, budget=budget)
+                return treesize.tree_size(ns_fd, name, budget=budget)
         except OSError:
-            return fsdelete.TreeSize(0, 0)
+            return treesize.TreeSize(0, 0)
 
 
 def _instant_ms(when: datetime) -> str:

@@ -5,8 +5,9 @@
 Builds each tree fd-relative (deeper than PATH_MAX allows by path), then runs `delete_tree` (one plain walk and
 the 4-worker split) and `tree_size` in a fresh child process and prints that child's peak RSS (`ru_maxrss`)
 before and after the walk. `--fsdelete FILE` loads another implementation (e.g. the one before the fix:
-`git show <commit>:controller/node/fsdelete.py > /tmp/old.py`), so before/after run on the same machine; with a
-module that has no `tree_size`, the size walk measured is `os.fwalk`, which the agent's `measure` used.
+`git show <commit>:controller/node/fsdelete.py > /tmp/old.py`), so before/after run on the same machine: its
+`delete_tree`, and its `tree_size` (from before the size walk moved to treesize.py); with a module that has no
+`tree_size`, the size walk measured is `os.fwalk`, which the agent's `measure` used.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ if sys.argv[2]:
     fsdelete = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = fsdelete
     spec.loader.exec_module(fsdelete)
+    tree_size = getattr(fsdelete, "tree_size", None)
 else:
     from controller.node import fsdelete
+    from controller.node.treesize import tree_size
 parent, name, what = sys.argv[3], sys.argv[4], sys.argv[5]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-if what == "size" and hasattr(fsdelete, "tree_size"):
-    result = repr(fsdelete.tree_size(os.open(parent, os.O_RDONLY | os.O_DIRECTORY), name))
+if what == "size" and tree_size is not None:
+    result = repr(tree_size(os.open(parent, os.O_RDONLY | os.O_DIRECTORY), name))
 elif what == "size":  # before tree_size: the agent's `measure` walked with os.fwalk
     total = sum(len(f) for _, _, f, _ in os.fwalk(os.path.join(parent, name), follow_symlinks=False))
     result = f"os.fwalk: {total} files"
@@ -92,7 +95,7 @@ def run_child(parent: Path, name: str, what: str, impl: str) -> dict[str, object
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=None, help="where to build the trees (default: a temp dir)")
-    parser.add_argument("--fsdelete", default="", help="an fsdelete.py to load instead of controller.node.fsdelete")
+    parser.add_argument("--fsdelete", default="", help="an fsdelete.py to load instead of controller.node's")
     parser.add_argument("--only", nargs="*", default=list(TREES), choices=list(TREES))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from localcluster import LocalCluster  # noqa: E402
 
 from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, load_config, now_utc, sandbox_path  # noqa: E402
-from controller.cluster.controller import Context, decide  # noqa: E402
+from controller.cluster.decide import Context, decide  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.contracts import Condition, Phase, Reason  # noqa: E402
 from controller.rules.durations import format_instant  # noqa: E402

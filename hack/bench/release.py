@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "hack"))
 
 from controller.agent.decide import candidate  # noqa: E402
-from controller.node.fsdelete import TreeSize  # noqa: E402
 from controller.node.inuse import Usage  # noqa: E402
+from controller.node.treesize import TreeSize  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.policy import Quota  # noqa: E402
 from controller.rules.pressure import Disk, Watermarks, choose  # noqa: E402

@@ -1,7 +1,7 @@
 """Measuring sizes: sandkeep's `tree_size` against `du -s` on the same trees (issue 25, item 8).
 
     python hack/bench/tree_size.py [--wide 1000000] [--depth 5000] [--per-level 100] [--teeth 2000]
-                                   [--tooth 100] [--rounds 3] [--dir PATH] [--fsdelete FILE] [--quick]
+                                   [--tooth 100] [--rounds 3] [--dir PATH] [--other FILE] [--quick]
 
 Shapes, each built once fd-relative (deeper than PATH_MAX allows by path) and synced:
 
@@ -14,8 +14,9 @@ Shapes, each built once fd-relative (deeper than PATH_MAX allows by path) and sy
 Each round times `du -s -B1` (a subprocess) and `tree_size` (in this process, as the agent's size thread
 calls it) on the same warm tree, in an order alternated round by round, after one untimed `du` warms the
 caches. Printed per shape: the median times, their ratio (tree_size over du; the goal is at most 3), and
-whether the two byte counts agree. `--fsdelete FILE` times another implementation too (e.g. the one before
-the change: `git show <commit>:controller/node/fsdelete.py > /tmp/old.py`), reported beside, never in the ratio.
+whether the two byte counts agree. `--other FILE` times another implementation too, any module with a
+`tree_size` (a treesize.py, or an fsdelete.py from before the walk moved out of it: `git show
+<commit>:controller/node/fsdelete.py > /tmp/old.py`), reported beside, never in the ratio.
 The last line is exactly `ratio_vs_du X.XX`: the highest ratio over the shapes.
 """
 
@@ -37,7 +38,7 @@ from types import ModuleType
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from controller.node import fsdelete  # noqa: E402
+from controller.node import treesize  # noqa: E402
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY
 
@@ -105,7 +106,7 @@ def sized(impl: ModuleType) -> Callable[[Path], tuple[float, int]]:
 
 
 def load(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fsdelete_under_test", path)
+    spec = importlib.util.spec_from_file_location("tree_size_under_test", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -123,7 +124,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shapes", default="wide,deep,comb")
     parser.add_argument("--dir", default=None, help="where to build the trees (default: a temp dir)")
-    parser.add_argument("--fsdelete", default="", help="another fsdelete.py to time beside (never in the ratio)")
+    parser.add_argument("--other", default="", help="another module with tree_size to time beside (never in the ratio)")
     parser.add_argument("--quick", action="store_true", help="tiny trees, one round: checks the benchmark runs")
     args = parser.parse_args()
     if args.quick:
@@ -132,9 +133,9 @@ def main() -> int:
         print("du is not installed", file=sys.stderr)
         return 1
     shapes = {"wide": (args.wide, 0), "deep": (args.depth, args.per_level), "comb": (args.teeth, args.tooth)}
-    tools: dict[str, Callable[[Path], tuple[float, int]]] = {"du -s": du, "tree_size": sized(fsdelete)}
-    if args.fsdelete:
-        tools["other"] = sized(load(args.fsdelete))
+    tools: dict[str, Callable[[Path], tuple[float, int]]] = {"du -s": du, "tree_size": sized(treesize)}
+    if args.other:
+        tools["other"] = sized(load(args.other))
     print(f"shapes: wide {args.wide} files; deep {args.depth} levels x {args.per_level} entries; ", end="")
     print(f"comb {args.teeth} teeth x {args.tooth} levels; rounds {args.rounds}; load {os.getloadavg()[0]:.2f}")
     rows: list[tuple[str, int, dict[str, float], bool]] = []
@@ -158,14 +159,14 @@ def main() -> int:
             rows.append((shape, entries, {n: statistics.median(t) for n, t in times.items()}, agree))
             subprocess.run(["rm", "-rf", str(top)], check=True)
     print()
-    other = " | other (s)" if args.fsdelete else ""
+    other = " | other (s)" if args.other else ""
     print(f"| shape | entries | du -s (s) | tree_size (s){other} | ratio | bytes agree |")
-    print(f"|---|---|---|---|{'---|' if args.fsdelete else ''}---|---|")
+    print(f"|---|---|---|---|{'---|' if args.other else ''}---|---|")
     worst = 0.0
     for shape, entries, median, agree in rows:
         ratio = median["tree_size"] / max(median["du -s"], 1e-9)
         worst = max(worst, ratio)
-        beside = f" | {median['other']:.3f}" if args.fsdelete else ""
+        beside = f" | {median['other']:.3f}" if args.other else ""
         cells = f"{median['du -s']:.3f} | {median['tree_size']:.3f}{beside}"
         print(f"| {shape} | {entries:,} | {cells} | {ratio:.2f} | {'yes' if agree else 'NO'} |")
     print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
