@@ -38,7 +38,6 @@ from controller import __version__
 from controller.api import kube
 from controller.api.kube import Kube, KubeError
 from controller.cli import doctor
-from controller.cluster.session_decide import sandbox_refusal
 from controller.cluster.sessions import session_path
 from controller.node import untar
 from controller.rules import contracts as c
@@ -52,6 +51,7 @@ from controller.rules.durations import (
     parse_instant,
 )
 from controller.rules.objects import Obj
+from controller.rules.reopen import expired_by_phase, sandbox_refusal
 from controller.rules.sizes import human_size
 
 RESOURCE = f"{c.SANDBOX_SINGULAR}.{c.GROUP}"  # how kubectl names the kind in its messages
@@ -267,10 +267,9 @@ def whoami(client: Kube) -> str:
 
 def refuse_closed(obj: Obj) -> None:
     """Refuse here, before anything is created, what the controller would refuse (the one place that says
-    so: `sessions.sandbox_refusal`). The plugin reads no policy: expired is the controller's phase."""
+    so: `rules.reopen.sandbox_refusal`). The plugin reads no policy: expired is the controller's phase."""
     meta = obj["metadata"]
-    expired = (obj.get("status") or {}).get("phase") == c.Phase.EXPIRED
-    refusal = sandbox_refusal(obj, expired, meta["namespace"], meta["name"])
+    refusal = sandbox_refusal(obj, expired_by_phase(obj), meta["namespace"], meta["name"])
     if refusal is not None:
         raise Refused(refusal[1])
 

@@ -21,6 +21,7 @@ from controller.rules import contracts as c
 from controller.rules.contracts import MountCheck, Reason, SessionPhase
 from controller.rules.durations import Invalid, format_duration, format_instant, instant_or_none, parse_duration
 from controller.rules.objects import Obj, is_deleting, key_of
+from controller.rules.reopen import sandbox_refusal
 
 DEFAULT_LIFETIME = "1h"
 PULL_FAILURES = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
@@ -75,30 +76,6 @@ class Plan:
 def object_name(session: Obj) -> str:
     """The Pod's, Role's and RoleBinding's name: the session's uid, unique and stable across restarts."""
     return f"session-{session['metadata']['uid']}"
-
-
-def sandbox_refusal(sandbox: Obj | None, expired: bool, namespace: str, name: str) -> tuple[Reason, str] | None:
-    """Why this sandbox cannot be opened now, by the one rule and its state; None: it can."""
-    ref = f"RetainedSandbox {namespace}/{name}"
-    if sandbox is None:
-        return Reason.SANDBOX_NOT_FOUND, f"{ref} does not exist; `kubectl sandkeep ls -n {namespace}` lists them"
-    if is_deleting(sandbox):
-        return Reason.SANDBOX_DELETING, f"{ref} is being deleted; a deletion is final and it cannot be opened"
-    status = sandbox.get("status") or {}
-    phase = status.get("phase")
-    if phase == c.Phase.LOST:
-        return Reason.LOST, f"{ref} is Lost (its node or its directory is gone): there is nothing to open"
-    if phase == c.Phase.STUCK:
-        return Reason.TOMBSTONE_STUCK, f"{ref} is Stuck mid-deletion on its node; see `kubectl sandkeep doctor`"
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == c.Condition.ORPHANS_SURVIVED and cond.get("status") == "True":
-            return Reason.ORPHAN_SURVIVOR, f"{ref} has commands that survived their reaping: {cond.get('message')}"
-    if expired:
-        return Reason.EXPIRED, (
-            f"{ref} is expired (deadline {status.get('deadline') or 'unknown'}); to look inside it, pin it first: "
-            f"kubectl sandkeep pin {name} -n {namespace} --for 24h"
-        )
-    return None
 
 
 def guard_defect(binding: Obj | None, policy: Obj | None, settings: SessionSettings) -> str | None:

@@ -81,6 +81,7 @@ VOLUME_KEEP = "keep"  # Keep: when the workspace is kept as its Pod ends
 VOLUME_NAME = "name"  # the kept sandbox's name (bounded, made unique per Pod when absent)
 VOLUME_RETENTION = "retention"  # a duration: the kept sandbox's retention (capped by its policy, as retain's)
 VOLUME_SANDBOX = "sandbox"  # reopen: the name of a retained sandbox of the Pod's own namespace
+VOLUME_READ_WRITE = "readWrite"  # reopen: "true" mounts it read-write; read-only otherwise (and with csi.readOnly)
 # what the kubelet adds to them (podInfoOnMount, inline ephemeral volumes); names are the kubelet's
 POD_INFO_NAME = "csi.storage.k8s.io/pod.name"
 POD_INFO_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
