@@ -1,16 +1,16 @@
 """A real local control plane: etcd, kube-apiserver and kube-controller-manager on loopback, from the pinned Go tools.
 
-One implementation used by the tests (`tests/conftest.py`), the demo (`hack/demo.py`) and people
-(`make cluster`, which runs this file). It starts etcd and kube-apiserver on free 127.0.0.1 ports with
-certificates made on the fly by the `openssl` CLI, RBAC authorization and a service-account issuer (so
-TokenRequest and impersonation work), waits for `/readyz`, keeps each component's log in a file, and
-stops every process it started by pid. kube-controller-manager runs the loops named in CONTROLLERS
-(Deployments and DaemonSets get Pods, deleted namespaces go away, ClusterRoles are aggregated). By
-itself no scheduler or kubelet runs, so those Pods are never bound to a node and never start;
-`hack/localnode.py` joins a real node (kubelet, containerd, kube-scheduler) to a cluster started with
-`LocalCluster(node_mode=True)`.
+One implementation used by the tests (`tests/apiserver/conftest.py`), the demo (`hack/demo.py`) and
+people (`make cluster`, which runs this module: `python -m hack.localcluster`). It starts etcd and
+kube-apiserver on free 127.0.0.1 ports with certificates made on the fly by the `openssl` CLI, RBAC
+authorization and a service-account issuer (so TokenRequest and impersonation work), waits for `/readyz`,
+keeps each component's log in a file, and stops every process it started by pid. kube-controller-manager
+runs the loops named in CONTROLLERS (Deployments and DaemonSets get Pods, deleted namespaces go away,
+ClusterRoles are aggregated). By itself no scheduler or kubelet runs, so those Pods are never bound to a
+node and never start; `hack/localnode.py` joins a real node (kubelet, containerd, kube-scheduler) to a
+cluster started with `LocalCluster(node_mode=True)`.
 
-    from localcluster import LocalCluster, tools_bin
+    from hack.localcluster import LocalCluster, tools_bin
     with LocalCluster() as cluster:
         cluster.kubectl("get", "namespaces")
 """
@@ -121,7 +121,7 @@ def writes_by_resource(metrics_text: str) -> dict[str, float]:
 
     Collection deletes (DELETE at namespace or cluster scope) are left out: kube-controller-manager's
     namespace controller sends them while it empties deleted namespaces, and neither sandkeep component
-    may `deletecollection` (tests/test_rbac.py), so they are never sandkeep's writes.
+    may `deletecollection` (tests/apiserver/test_rbac.py), so they are never sandkeep's writes.
     """
     totals: dict[str, float] = {}
     for line in metrics_text.splitlines():
