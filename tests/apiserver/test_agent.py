@@ -30,6 +30,7 @@ import pytest
 from controller import agent as agent_mod
 from controller.agent import watch as agent_watch
 from controller.api import kube
+from controller.api.leases import lease_path
 from controller.cli.standalone import Replacer, in_use_checker
 from controller.node import orphans
 from controller.node.reaper import Reaper
@@ -183,8 +184,9 @@ def procs() -> Iterator[list[subprocess.Popen[Any]]]:
 
 
 def get(cluster: Any, namespace: str, name: str) -> dict[str, Any] | None:
-    r = cluster.kubectl("get", "rsb", name, "-n", namespace, "-o", "json", check=False)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+    """The sandbox as the API server has it now, None when it is gone (an HTTP GET: the waits poll this)."""
+    found: dict[str, Any] | None = cluster.read(kube.sandbox_path(namespace, name))
+    return found
 
 
 def adopted(cluster: Any, namespace: str, name: str) -> dict[str, Any]:
@@ -248,15 +250,8 @@ def test_a_retained_directory_is_adopted_and_the_agent_sees_only_its_node(cluste
     assert o["status"]["inUse"] is False
     assert (cond(o, "InUse") or {}).get("status") == "False"
 
-    lease = wait_for(
-        lambda: (
-            cluster.kubectl(
-                "get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace, "-o", "json", check=False
-            ).stdout
-        ),
-        what="heartbeat Lease",
-    )
-    assert json.loads(lease)["spec"]["renewTime"]
+    lease = wait_for(lambda: cluster.read(lease_path(namespace, f"{c.AGENT_LEASE_PREFIX}{n1.name}")), what="heartbeat")
+    assert lease["spec"]["renewTime"]
     time.sleep(2.5)  # two more passes: n2's directory and object stay untouched by n1's agent
     assert get(cluster, namespace, "run-2") is None
     other = get(cluster, namespace, "elsewhere")

@@ -97,8 +97,8 @@ def test_helm_install_creates_every_object(
 
 
 def _pods(cluster: LocalCluster, namespace: str, component: str) -> list[dict[str, Any]]:
-    selector = f"app.kubernetes.io/component={component}"
-    items: list[dict[str, Any]] = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
+    selector = f"app.kubernetes.io%2Fcomponent%3D{component}"
+    items: list[dict[str, Any]] = cluster.read(f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}")["items"]
     return items
 
 
@@ -110,7 +110,7 @@ def _target_node(pod: dict[str, Any]) -> str:
 
 
 def _refusals(cluster: LocalCluster, namespace: str, kind: str) -> str:
-    events = cluster.kubectl_json("get", "events", "-n", namespace)["items"]
+    events = cluster.read(f"/api/v1/namespaces/{namespace}/events")["items"]
     return "\n".join(
         e["message"] for e in events if e["reason"] == "FailedCreate" and e["involvedObject"]["kind"] == kind
     )
@@ -159,10 +159,10 @@ def test_the_workloads_get_their_pods_from_the_real_controllers_at_the_pod_secur
         for level, ns in levels.items():
             wait_for(f"two controller Pods under {level}", lambda n=ns: len(_pods(cluster, n, "controller")) == 2, 60)
         # the disruption controller finds the PodDisruptionBudget's selector covers both controller Pods
-        pdb = f"{releases[0][0]}-sandkeep-controller"
+        pdb = f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/{releases[0][0]}-sandkeep-controller"
         wait_for(
             "the PodDisruptionBudget to cover both controller Pods",
-            lambda: cluster.kubectl_json("get", "pdb", pdb, "-n", namespace).get("status", {}).get("expectedPods") == 2,
+            lambda: (cluster.read(pdb) or {}).get("status", {}).get("expectedPods") == 2,
             60,
         )
         expected = {nodes["plain"], nodes["tainted"]}

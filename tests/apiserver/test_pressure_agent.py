@@ -22,6 +22,7 @@ import pytest
 
 from controller import agent as agent_mod
 from controller.api import kube
+from controller.api.leases import lease_path
 from controller.observe import metrics
 from controller.rules import contracts as c
 from controller.rules.pressure import Disk, percent
@@ -63,8 +64,9 @@ def pin(cluster: Any, namespace: str, name: str) -> None:
 
 
 def lease_annotation(cluster: Any, namespace: str, node: Node) -> str:
-    r = cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{node.name}", "-n", namespace, "-o", "json")
-    return json.loads(r.stdout)["metadata"].get("annotations", {}).get(c.ANN_PRESSURE, "")
+    lease = cluster.read(lease_path(namespace, f"{c.AGENT_LEASE_PREFIX}{node.name}"))
+    found: str = lease["metadata"].get("annotations", {}).get(c.ANN_PRESSURE, "")
+    return found
 
 
 PRESSURE_OFF = ["--pressure-high", "100", "--pressure-low", "99"]
@@ -158,7 +160,7 @@ def test_with_dry_run_on_a_full_node_says_what_it_would_release_and_deletes_noth
     agents(node, env={"SANDKEEP_DRY_RUN": "true"}, extra=PRESSURE_ON)
 
     def would() -> list[str]:
-        items = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        items = cluster.read(f"/api/v1/namespaces/{namespace}/events")["items"]
         return sorted(e["involvedObject"]["name"] for e in items if e["reason"] == c.Reason.WOULD_DELETE)
 
     # 56 MiB on 64: under 45% (28.8 MiB) takes four releases, and the projection says so without deleting.

@@ -60,6 +60,16 @@ CLUSTER_SCOPED = (
     "ValidatingAdmissionPolicyBinding",
 )
 STEP_TIMEOUT = 30.0
+# Where the kinds the scenario reads are served (by their plural, as `Scenario.get` takes them).
+API_PATHS = {
+    c.SANDBOX_PLURAL: f"/apis/{c.GROUP}/{c.VERSION}",
+    c.POLICY_PLURAL: f"/apis/{c.GROUP}/{c.VERSION}",
+    c.SESSION_PLURAL: f"/apis/{c.GROUP}/{c.VERSION}",
+    "leases": "/apis/coordination.k8s.io/v1",
+    "pods": "/api/v1",
+    "roles": "/apis/rbac.authorization.k8s.io/v1",
+    "rolebindings": "/apis/rbac.authorization.k8s.io/v1",
+}
 # A request refused by authorization, as the components log it (KubeError text, kopf's messages). A refusal
 # for a namespace being deleted is a 403 too, but not an RBAC one (leftovers of other tests on this cluster).
 _FORBIDDEN = re.compile(r"\b403\b|[Ff]orbidden")
@@ -131,10 +141,9 @@ class Install:
         self.cluster.apply(self.docs)
 
     def remove(self) -> None:
-        for doc in self.docs:
-            if doc["kind"] in CLUSTER_SCOPED:
-                name = doc["metadata"]["name"]
-                self.cluster.kubectl("delete", doc["kind"], name, "--ignore-not-found", "--wait=false", check=False)
+        made = [f"{doc['kind']}/{doc['metadata']['name']}" for doc in self.docs if doc["kind"] in CLUSTER_SCOPED]
+        if made:  # one kubectl for them all
+            self.cluster.kubectl("delete", *made, "--ignore-not-found", "--wait=false", check=False)
 
     def sa(self, component: str) -> str:
         return f"{self.release}-sandkeep-{component}"
@@ -193,6 +202,7 @@ class Process:
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("ab")
+        self._terminated = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "controller.cli.sandkeep", *args],
             cwd=REPO,
@@ -205,10 +215,16 @@ class Process:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM its process group, once: `stop` then waits (signal every process first, then wait)."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
@@ -261,9 +277,12 @@ class Scenario:
                 raise Refused(f"{what} did not happen within {timeout}s")
             time.sleep(0.2)
 
-    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
-        result = self.cluster.kubectl("get", kind, name, "-n", namespace or self.ns, "-o", "json", check=False)
-        return json.loads(result.stdout) if result.returncode == 0 else None
+    def get(self, plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        """The object as the API server has it now, None when it is not there (an HTTP GET: the steps poll this)."""
+        found: dict[str, Any] | None = self.cluster.read(
+            f"{API_PATHS[plural]}/namespaces/{namespace or self.ns}/{plural}/{name}"
+        )
+        return found
 
     # the scenario
     def prepare(self) -> Root:
@@ -319,6 +338,8 @@ class Scenario:
         return self.tmp / "seam"
 
     def stop(self) -> None:
+        for p in self.processes:  # each shuts down while the next is told to
+            p.terminate()
         for p in self.processes:
             p.stop()
 
@@ -330,7 +351,9 @@ class Scenario:
         first = self.step("the agent's heartbeat", lambda: self._renewed(f"{c.AGENT_LEASE_PREFIX}{self.node}"))
         self.step(
             "the agent to adopt keep with its finalizer",
-            lambda: c.FINALIZER in ((self.get("rsb", "keep") or {}).get("metadata", {}).get("finalizers") or []),
+            lambda: (
+                c.FINALIZER in ((self.get(c.SANDBOX_PLURAL, "keep") or {}).get("metadata", {}).get("finalizers") or [])
+            ),
         )
         self.step(
             "the manifest's pin copied as it is",
@@ -345,7 +368,8 @@ class Scenario:
         (self.seam / f"{self.ns}.expire.go").touch()
         self.step("the 409 of the DELETE on the older version", lambda: "delete_conflict" in self._log("controller"))
         self.step(
-            "expire to be deleted (controller) and its finalizer dropped (agent)", lambda: not self.get("rsb", "expire")
+            "expire to be deleted (controller) and its finalizer dropped (agent)",
+            lambda: not self.get(c.SANDBOX_PLURAL, "expire"),
         )
         assert not (root.path / self.ns / "expire").exists(), "expire is gone from the API but not from disk"
         assert (root.path / self.ns / "keep" / "workspace").is_dir()
@@ -372,7 +396,7 @@ class Scenario:
         self.cluster.kubectl("create", "-f", "-", input=json.dumps(body))
         self.step("the sandbox of a vanished node to be Lost", lambda: self._phase("ghost") == "Lost")
         self.cluster.kubectl("delete", "rsb", "ghost", "-n", self.ns, "--wait=false")
-        self.step("the controller to release the lost sandbox", lambda: not self.get("rsb", "ghost"))
+        self.step("the controller to release the lost sandbox", lambda: not self.get(c.SANDBOX_PLURAL, "ghost"))
 
     def _policy_is_marked_active(self) -> None:
         """A SandboxPolicy (with the controller's default retention, so nothing else changes): the leader
@@ -383,21 +407,23 @@ class Scenario:
         self.step("the controller to mark the policy Active", lambda: self._active("team-policy"))
 
     def _active(self, policy: str) -> bool:
-        conditions = ((self.get("sbp", policy) or {}).get("status") or {}).get("conditions") or []
+        conditions = ((self.get(c.POLICY_PLURAL, policy) or {}).get("status") or {}).get("conditions") or []
         return any(cd["type"] == c.PolicyCondition.ACTIVE and cd["status"] == "True" for cd in conditions)
 
     def _log(self, name: str) -> str:
         return next(p.log() for p in self.processes if p.name == name)
 
     def _status(self, name: str) -> dict[str, Any]:
-        status: dict[str, Any] = (self.get("rsb", name) or {}).get("status") or {}
+        status: dict[str, Any] = (self.get(c.SANDBOX_PLURAL, name) or {}).get("status") or {}
         return status
 
     def _phase(self, name: str) -> str | None:
         return self._status(name).get("phase")
 
     def _annotations(self, name: str) -> dict[str, str]:
-        annotations: dict[str, str] = ((self.get("rsb", name) or {}).get("metadata") or {}).get("annotations") or {}
+        annotations: dict[str, str] = ((self.get(c.SANDBOX_PLURAL, name) or {}).get("metadata") or {}).get(
+            "annotations"
+        ) or {}
         return annotations
 
     def _pinned(self, name: str) -> bool:
@@ -405,14 +431,14 @@ class Scenario:
         return c.ANN_PIN_UNTIL in annotations and c.ANN_PIN_FOR not in annotations
 
     def _holder(self, lease: str) -> str | None:
-        return ((self.get("lease", lease) or {}).get("spec") or {}).get("holderIdentity")
+        return ((self.get("leases", lease) or {}).get("spec") or {}).get("holderIdentity")
 
     def _renewed(self, lease: str, after: str | None = None) -> str | None:
-        renew = ((self.get("lease", lease) or {}).get("spec") or {}).get("renewTime")
+        renew = ((self.get("leases", lease) or {}).get("spec") or {}).get("renewTime")
         return renew if renew and renew != after else None
 
     def _events_from_both(self) -> bool:
-        events = json.loads(self.cluster.kubectl("get", "events", "-n", self.ns, "-o", "json").stdout)["items"]
+        events = (self.cluster.read(f"/api/v1/namespaces/{self.ns}/events") or {}).get("items") or []
         sources = {(e.get("source") or {}).get("component") for e in events}
         return {"sandkeep-controller", "sandkeep-agent"} <= sources
 
@@ -531,7 +557,7 @@ class SessionScenario(Scenario):
         self.step("the session Running", lambda: self._session_phase() == c.SessionPhase.RUNNING)
         name = pod["metadata"]["name"]
         self.step(
-            "the grant", lambda: self.get("rolebinding", name, sessions_ns) and self.get("role", name, sessions_ns)
+            "the grant", lambda: self.get("rolebindings", name, sessions_ns) and self.get("roles", name, sessions_ns)
         )
         self.cluster.kubectl("delete", c.SESSION_PLURAL, "look-1", "-n", self.ns)
         self.step("the grant and the Pod taken away", lambda: self._torn_down(name, sessions_ns))
@@ -545,9 +571,9 @@ class SessionScenario(Scenario):
         self.cluster.kubectl("delete", "pods", "--all", "-n", ns, "--grace-period=0", "--force", check=False)
 
     def _torn_down(self, name: str, sessions_ns: str) -> bool:
-        if any(self.get(kind, name, sessions_ns) for kind in ("rolebinding", "role")):
+        if any(self.get(kind, name, sessions_ns) for kind in ("rolebindings", "roles")):
             return False
-        pod = self.get("pod", name, sessions_ns)
+        pod = self.get("pods", name, sessions_ns)
         return pod is None or "deletionTimestamp" in pod["metadata"]
 
     def _session_phase(self) -> str | None:
@@ -560,7 +586,7 @@ class SessionScenario(Scenario):
     def _session_pod(self, sessions_ns: str) -> dict[str, Any] | None:
         self._session_phase()
         name = ((self.get(c.SESSION_PLURAL, "look-1") or {}).get("status") or {}).get("podName")
-        return self.get("pod", name, sessions_ns) if name else None
+        return self.get("pods", name, sessions_ns) if name else None
 
     def _runs(self, pod: dict[str, Any], sessions_ns: str) -> None:
         """What the kubelet reports of a started Pod, and what the agent finds it mounted."""
@@ -783,6 +809,19 @@ def test_a_namespace_editor_can_pin_in_their_namespace_and_not_in_another(
     assert kubectl_as(editor, "delete", "rsb", "run-42", "-n", namespace, "--wait=false").returncode == 0
 
 
+def node_scope_in_force(cluster: LocalCluster, namespace: str, agent: Path) -> None:
+    """A new admission policy takes a moment to load: wait until the node-scope policy refuses this agent a
+    Lease that is not its heartbeat (deleted again each time it was still admitted)."""
+    name = f"not-a-heartbeat-{secrets.token_hex(3)}"
+    probe = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name}, "spec": {}}
+    deadline = time.monotonic() + 20
+    create = ("create", "-n", namespace, "-f", "-")
+    while cluster.kubectl(*create, input=json.dumps(probe), kubeconfig=agent, check=False).returncode == 0:
+        cluster.kubectl("delete", "lease", name, "-n", namespace, "--wait=false")
+        assert time.monotonic() < deadline, "the agent node-scope policy never took effect"
+        time.sleep(0.3)
+
+
 def test_an_agent_writes_only_its_own_nodes_sandboxes_and_heartbeat(
     install: Callable[..., Install], cluster: LocalCluster, namespace: str
 ) -> None:
@@ -809,12 +848,9 @@ def test_an_agent_writes_only_its_own_nodes_sandboxes_and_heartbeat(
     def create(obj: dict[str, Any], kubeconfig: Path | None = agent) -> subprocess.CompletedProcess[str]:
         return cluster.kubectl("create", "-f", "-", input=json.dumps(obj), kubeconfig=kubeconfig, check=False)
 
-    # a new policy takes a moment to load: wait until the other node's sandbox is refused, with its reason
-    deadline = time.monotonic() + 20
-    while (result := create(sandbox("theirs", other))).returncode == 0:
-        cluster.kubectl("delete", "rsb", "theirs", "-n", namespace, "--wait=false")
-        assert time.monotonic() < deadline, "the agent node-scope policy never took effect"
-        time.sleep(0.3)
+    node_scope_in_force(cluster, namespace, agent)
+    result = create(sandbox("theirs", other))
+    assert result.returncode != 0
     assert f"may only write RetainedSandboxes of its own node; theirs is on node {other}" in result.stderr
     assert create(sandbox("ours", mine)).returncode == 0
     assert create(lease(f"{c.AGENT_LEASE_PREFIX}{mine}")).returncode == 0
@@ -881,10 +917,12 @@ def test_two_nodes_sharing_a_heartbeat_name_cannot_renew_each_others(
     short = f"{secrets.token_hex(3)}.{'s' * (NAME_MAX - len(c.AGENT_LEASE_PREFIX) - 7)}"
     long = f"{c.AGENT_LEASE_PREFIX}{short}"
     assert len(long) == NAME_MAX and heartbeat_name(short) == heartbeat_name(long) == long
-    clients = {}
+    kubeconfigs = {}
     for n in (short, long):
         cluster.create_node(n, ready=True)
-        clients[n] = Kube(load_config(inst.agent_kubeconfig(n)), "sandkeep-test")
+        kubeconfigs[n] = inst.agent_kubeconfig(n)
+    node_scope_in_force(cluster, namespace, kubeconfigs[short])
+    clients = {n: Kube(load_config(kubeconfig), "sandkeep-test") for n, kubeconfig in kubeconfigs.items()}
     try:
         renew_heartbeat(clients[short], namespace, short, "agent-short")
         with pytest.raises(KubeError) as refused:

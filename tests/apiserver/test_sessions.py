@@ -438,9 +438,13 @@ def sbed(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Bed]
     b.stop()
     # No kubelet here finishes a Pod's graceful deletion: remove them outright, then the namespace can go.
     cluster.kubectl("delete", "pods", "--all", "-n", sessions_ns, "--grace-period=0", "--force", check=False)
-    for doc in docs:
-        if doc["kind"] in ("Namespace", "ClusterRole", "ClusterRoleBinding") or doc["kind"].startswith("Validating"):
-            cluster.kubectl("delete", doc["kind"], doc["metadata"]["name"], "--wait=false", check=False)
+    cluster_wide = ("Namespace", "ClusterRole", "ClusterRoleBinding")
+    made = [
+        f"{doc['kind']}/{doc['metadata']['name']}"
+        for doc in docs
+        if doc["kind"] in cluster_wide or doc["kind"].startswith("Validating")
+    ]
+    cluster.kubectl("delete", *made, "--wait=false", check=False)  # one kubectl for them all
 
 
 class Bed:
@@ -514,7 +518,7 @@ class Bed:
         return wait_for(f"session {name} {phase}", probe, timeout)["status"]
 
     def pods(self) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self.cluster.kubectl_json("get", "pods", "-n", self.sessions_ns)["items"]
+        items: list[dict[str, Any]] = self.cluster.read(f"/api/v1/namespaces/{self.sessions_ns}/pods")["items"]
         return items
 
     def policy_images(self) -> list[str]:
