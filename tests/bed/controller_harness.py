@@ -35,11 +35,18 @@ CHART = REPO / "charts" / "sandkeep"
 T = TypeVar("T")
 
 
+_INSTALLED: set[str] = set()  # the clusters (by their admin kubeconfig, unique to each) with the CRDs served
+
+
 def install_crds(cluster: Any) -> None:
-    """Apply every CRD and wait until they are Established (idempotent: every test module calls it)."""
+    """Apply every CRD and wait until they are Established; once per cluster (no test removes them), since
+    fixtures of every test ask for them and the server-side apply of three schemas is not free."""
+    if str(cluster.kubeconfig) in _INSTALLED:
+        return
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
     crds = (f"crd/{plural}.{c.GROUP}" for plural in (c.SANDBOX_PLURAL, c.POLICY_PLURAL, c.SESSION_PLURAL))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
+    _INSTALLED.add(str(cluster.kubeconfig))
 
 
 def render_templates(release: str, namespace: str, templates: tuple[str, ...], *values: str) -> list[dict[str, Any]]:
