@@ -78,7 +78,7 @@ demo-node: deps venv tools
 
 ## A local control plane with one real, Ready node until Ctrl-C (`export KUBECONFIG=...` is printed).
 node: deps venv tools
-	$(PY) hack/localnode.py
+	$(PY) -m hack.localnode
 
 ## The suite without the Go tools' build step (they must already be built).
 test-fast: venv
@@ -86,7 +86,7 @@ test-fast: venv
 
 ## The main job: the whole story on a local control plane, with the controller and two node agents (~2 min).
 demo: demo-deps venv demo-tools
-	$(PY) hack/demo.py $(DEMO_ARGS)
+	$(PY) -m hack.demo $(DEMO_ARGS)
 
 ## The single-host mode alone (no cluster, no Go tools): retain, pin, ls, sweep on a temporary root.
 .PHONY: demo-standalone
@@ -95,7 +95,7 @@ demo-standalone: venv
 
 ## Start a local control plane and print how to point kubectl at it (Ctrl-C stops it).
 cluster: venv tools
-	$(PY) hack/localcluster.py
+	$(PY) -m hack.localcluster
 
 bench: venv tools
 	$(PY) hack/bench/delete.py

@@ -4,7 +4,7 @@
 The comment right above a key documents it (and everything under it); a key without one must be a
 mapping whose children are documented. A value documented nowhere is an error, so "every value is
 documented" is checked, not hoped for. Run it after changing values.yaml; `--check` (used by
-tests/test_chart.py) exits 1 when the README's table is stale.
+tests/chart/test_chart.py) exits 1 when the README's table is stale.
 
     python hack/chart_values_table.py          # rewrite the table in the README
     python hack/chart_values_table.py --check  # fail if it is out of date

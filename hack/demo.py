@@ -37,16 +37,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, signals_raise, tools_bin
-
 from controller.api.kube import now_utc
 from controller.node.inuse import uninspectable_pids
 from controller.rules import contracts as c
 from controller.rules.durations import Invalid, instant_or_none, parse_duration
 from controller.rules.objects import condition_of
+from hack.localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, signals_raise, tools_bin
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The end-to-end suite (tests/test_e2e.py) on kind, for a machine WITH Docker and kind.
+# The end-to-end suite (tests/node/test_e2e.py) on kind, for a machine WITH Docker and kind.
 #
 #   hack/kind-e2e.sh                 # create the cluster, run the suite, delete the cluster
 #   KEEP_CLUSTER=1 hack/kind-e2e.sh  # leave the cluster up afterwards (kubectl --context kind-sandkeep-e2e)
 #   KIND_NODE_IMAGE=kindest/node:v1.32.0 hack/kind-e2e.sh   # the chart needs Kubernetes >= 1.31
 #
 # The same test code as this repository's CI, which runs it on a local real node instead (make e2e;
-# tests/e2e_bed.py's LocalBed). Here the bed is KindBed: a one-node kind cluster, the image built by
+# tests/bed/e2e_bed.py's LocalBed). Here the bed is KindBed: a one-node kind cluster, the image built by
 # `docker build` from the Dockerfile and loaded with `kind load`, node-side steps (a job's directory,
 # chattr) through `docker exec` on the node container, and Prometheus on this machine scraping the Pods
 # (a route to the node's Pod range is added, so this needs root). The suite installs the chart itself.
@@ -83,8 +83,8 @@ main() {
 	log "building the suite's virtualenv and tools (kubectl, helm, prometheus)"
 	make -C "$repo" -s venv >/dev/null
 	bash "$repo/hack/tools/build.sh" kubectl helm prometheus >/dev/null
-	log "running the end-to-end suite (tests/test_e2e.py) on kind-$cluster"
-	SANDKEEP_E2E_KIND=$cluster SANDKEEP_E2E_IMAGE=$image "$repo/.venv/bin/pytest" -m e2e "$repo/tests/test_e2e.py"
+	log "running the end-to-end suite (tests/node/test_e2e.py) on kind-$cluster"
+	SANDKEEP_E2E_KIND=$cluster SANDKEEP_E2E_IMAGE=$image "$repo/.venv/bin/pytest" -m e2e "$repo/tests/node/test_e2e.py"
 	log "PASSED"
 }
 

@@ -16,7 +16,7 @@ at a time (a lock), since the addresses are fixed.
         node.import_image(archive)
         cluster.kubectl("get", "nodes")
 
-`make node` runs this file: a control plane with a Ready node, until Ctrl-C.
+`make node` runs this module (`python -m hack.localnode`): a control plane with a Ready node, until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-from localcluster import (
-    REPO,
+from hack.localcluster import (
     SERVICE_IP,
     ClusterError,
     Component,
@@ -536,5 +535,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "hack"))
     sys.exit(main())

@@ -3,7 +3,7 @@
 No I/O, no clock, no client: `observe()` reduces an object (and whether a tombstone of it exists) to an
 `Observation`, and `next_step()` says what to do with it, as the controller's `decide()` does. The runtime
 (`runtime.py`) does what it says; the deletion itself is the shared pipeline (`controller/node/reaper.py`),
-whose own pure core is `reaper.next_step`. Tested without a server in tests/test_agent_decide.py.
+whose own pure core is `reaper.next_step`. Tested without a server in tests/unit/test_agent_decide.py.
 
 The rule that matters: only an object being deleted (the controller's decision, or a person's `kubectl
 delete`) with this agent's finalizer ever leads to the pipeline; a kept (pinned or unexpired) object is

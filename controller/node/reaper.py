@@ -293,7 +293,7 @@ def next_step(found: Mapping[Look, Stop | None]) -> Look | Stop | Go:
     """The next look to take, the reason to stop, or RENAME when every look found nothing against it.
 
     `found` maps each look taken to what it found (None: nothing). Pure; the property that matters
-    (tests/test_agent_decide.py): no set of findings with a hold or a refusal in it ever says RENAME.
+    (tests/unit/test_agent_decide.py): no set of findings with a hold or a refusal in it ever says RENAME.
     """
     for look in ORDER:
         if look not in found:

@@ -28,7 +28,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "hack"))
 
 from controller.node.inuse import scan_usage  # noqa: E402
 from controller.node.store import Root  # noqa: E402
@@ -84,7 +83,7 @@ def rss_mib(pid: int) -> float:
 
 
 def measure_agent(root: Root, count: int, workdir: Path, kube_qps: float | None) -> dict[str, float]:
-    from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin, writes_by_resource
+    from hack.localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin, writes_by_resource
 
     cluster = LocalCluster(workdir / "cluster", tools_bin(CLUSTER_TOOLS))
     cluster.start()

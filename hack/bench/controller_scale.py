@@ -32,14 +32,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "hack"))
 sys.path.insert(0, str(REPO))
-
-from localcluster import LocalCluster, settled_writes, tools_bin, writes_by_resource  # noqa: E402
 
 from controller.api.kube import Kube, KubeError, load_config, sandbox_path  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.durations import format_instant, parse_instant  # noqa: E402
+from hack.localcluster import LocalCluster, settled_writes, tools_bin, writes_by_resource  # noqa: E402
 
 TARGET_LAG_P99 = 2.0
 TARGET_RSS_MIB = 200

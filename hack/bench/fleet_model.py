@@ -45,10 +45,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "hack"))
 sys.path.insert(0, str(REPO))
-
-from localcluster import LocalCluster  # noqa: E402
 
 from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, load_config, now_utc, sandbox_path  # noqa: E402
 from controller.cluster.decide import Context, decide  # noqa: E402
@@ -59,6 +56,7 @@ from controller.rules.models import label_value  # noqa: E402
 from controller.rules.objects import Obj, condition  # noqa: E402
 from controller.rules.policy import Policy  # noqa: E402
 from controller.rules.sizes import human_size  # noqa: E402
+from hack.localcluster import LocalCluster  # noqa: E402
 
 ROOT = "/var/lib/sandkeep"
 SIZE_BASE = 10_000_000_000  # sizeBytes of a watched update: SIZE_BASE + its sequence number

@@ -35,7 +35,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "hack"))
 
 from controller.node.inuse import scan_usage, uninspectable_pids  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
@@ -88,9 +87,8 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=2000, help="other processes on the machine (sleeps)")
     parser.add_argument("--held", type=int, default=5, help="sandboxes kept in use by a process inside")
     args = parser.parse_args()
-    from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
-
     from controller.api.kube import Kube, load_config
+    from hack.localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 
     load = os.getloadavg()
     print(f"load average: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")

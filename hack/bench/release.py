@@ -30,7 +30,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "hack"))
 
 from controller.agent.decide import candidate  # noqa: E402
 from controller.node.inuse import Usage  # noqa: E402
@@ -91,14 +90,13 @@ def measure_choice(count: int) -> dict[str, float]:
 
 def measure_release(count: int, releases: int, workdir: Path) -> dict[str, float]:
     """The agent's release path against the local control plane, against a bare GET + DELETE."""
-    from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
-
     from controller import agent
     from controller.api import kube
     from controller.node.inuse import uninspectable_pids
     from controller.node.store import Root
     from controller.observe import metrics
     from controller.rules.objects import key_of
+    from hack.localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 
     cluster = LocalCluster(workdir / "cluster", tools_bin(CLUSTER_TOOLS))
     cluster.start()

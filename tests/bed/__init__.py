@@ -1,0 +1,12 @@
+"""The test bed the folders share, imported as `tests.bed.<module>` (the repository root is on pytest's path).
+
+- `controller_harness`: the CRDs installed, a real `sandkeep controller` process, small builders, `wait_for`.
+- `chart`: the built helm, `helm template` of the chart, and the values the chart tests share.
+- `own_cluster`: a control plane of a test module's own, for questions about the whole cluster.
+- `diskkit`: real directories for the node side: jobs, immutable files, bind mounts, a throwaway user.
+- `procs`: whether a pid still runs, and the pids no agent may inspect.
+- `e2e_bed`: the end-to-end bed: the local control plane with one real node, or kind.
+
+The local control plane and the real node themselves are `hack.localcluster` and `hack.localnode`, which the
+demo and `make cluster` / `make node` run too.
+"""

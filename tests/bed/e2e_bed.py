@@ -1,0 +1,368 @@
+"""The end-to-end test bed: the chart installed with Helm on a real node, scraped by a real Prometheus.
+
+Two beds run the same suite (tests/node/test_e2e.py):
+- `LocalBed`, what this repository's CI runs: a control plane in node mode and one real node
+  (hack/localnode.py); the image is built from the Dockerfile (`hack/image.sh`) and imported into the
+  node's containerd.
+- `KindBed`, for machines with Docker (`hack/kind-e2e.sh`): a kind cluster the script made, its image
+  built with `docker build` and loaded; node-side steps run with `docker exec` on the worker.
+Both install `charts/sandkeep` with only values changed (image, root, intervals, monitoring on) and run
+the Prometheus server built from the same pinned module as promtool, configured the way
+prometheus-operator would configure it from the chart's own ServiceMonitor, PodMonitor and
+PrometheusRule (`operator_config`), read back from the API server after the install.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from hack.localcluster import REPO, Component, LocalCluster, free_port, spawn, tools_bin
+from hack.localnode import LocalNode
+
+T = TypeVar("T")
+RELEASE = "sandkeep"
+SYSTEM_NS = "sandkeep"
+UNPULLABLE_IMAGE = "registry.invalid/no-such-image:1"  # a session image no node can pull
+PROMETHEUS_TOOLS = ("prometheus", "helm", "kubectl")
+
+
+def say(message: str) -> None:
+    """One narrated step (shown live by `make demo-node`, which runs the suite with -s; kept with a failure)."""
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def eventually(check: Callable[[], T | None], what: str, timeout: float = 90.0, every: float = 1.0) -> T:
+    """Call `check` until it returns something truthy; fail naming `what` and the last error otherwise."""
+    began = time.monotonic()
+    deadline = began + timeout
+    last: object = None
+    while True:
+        try:
+            result = check()
+            if result:
+                say(f"ok after {time.monotonic() - began:.0f}s: {what}")
+                return result
+            last = result
+        except (subprocess.CalledProcessError, OSError, KeyError, ValueError) as e:
+            last = e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+        time.sleep(every)
+
+
+def build_image() -> tuple[Path, str]:
+    """`hack/image.sh`: the archive and the image reference (built only when the tree changed)."""
+    out = subprocess.run(["bash", str(REPO / "hack" / "image.sh")], check=True, capture_output=True, text=True)
+    archive, ref = out.stdout.split()
+    return Path(archive), ref
+
+
+def _relabelings(relabelings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """prometheus-operator's relabeling fields (camelCase) as Prometheus' own (snake_case)."""
+    names = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    return [{names.get(k, k.lower()): v for k, v in r.items()} for r in relabelings]
+
+
+def _label_keep(role: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+    prefix = f"__meta_kubernetes_{role}_label"
+    out = []
+    for key, value in selector.items():
+        safe = "".join(c if c.isalnum() else "_" for c in key)
+        out.append(
+            {
+                "action": "keep",
+                "source_labels": [f"{prefix}_{safe}", f"{prefix}present_{safe}"],
+                "regex": f"({value});true",
+            }
+        )
+    return out
+
+
+def operator_config(
+    pod_monitors: list[dict[str, Any]], service_monitors: list[dict[str, Any]], sd: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The scrape configs prometheus-operator generates for these monitors (the parts the chart uses:
+    matchLabels selectors, namespace names, a named port, path, interval, honorLabels, relabelings)."""
+    configs = []
+    for kind, monitors, role, port_label, endpoints_key in (
+        ("podMonitor", pod_monitors, "pod", "__meta_kubernetes_pod_container_port_name", "podMetricsEndpoints"),
+        ("serviceMonitor", service_monitors, "endpoints", "__meta_kubernetes_endpoint_port_name", "endpoints"),
+    ):
+        for monitor in monitors:
+            meta, spec = monitor["metadata"], monitor["spec"]
+            namespaces = spec.get("namespaceSelector", {}).get("matchNames") or [meta["namespace"]]
+            selector_role = "pod" if role == "pod" else "service"
+            for i, endpoint in enumerate(spec[endpoints_key]):
+                relabel = [
+                    *_label_keep(selector_role, spec["selector"].get("matchLabels", {})),
+                    {"action": "keep", "source_labels": [port_label], "regex": endpoint["port"]},
+                    {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+                    {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+                    {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
+                    {"target_label": "job", "replacement": meta["name"]},
+                    *_relabelings(endpoint.get("relabelings", [])),
+                ]
+                configs.append(
+                    {
+                        "job_name": f"{kind}/{meta['namespace']}/{meta['name']}/{i}",
+                        "honor_labels": bool(endpoint.get("honorLabels", False)),
+                        "scrape_interval": endpoint.get("interval", "30s"),
+                        "metrics_path": endpoint.get("path", "/metrics"),
+                        "kubernetes_sd_configs": [{"role": role, "namespaces": {"names": namespaces}, **sd}],
+                        "relabel_configs": relabel,
+                    }
+                )
+    return configs
+
+
+class Bed:
+    """What the suite needs of a cluster whose one node runs the chart; `start()` once, `stop()` always."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.bin = tools_bin(PROMETHEUS_TOOLS)
+        self.kubeconfig = Path()
+        self.node_name = ""
+        self.image_ref = ""
+        # Jobs' directories and the sandbox root, on one filesystem and under one mount of the node, as
+        # `sandkeep retain` needs (it moves by rename).
+        self.disk = Path()
+        self.root = Path()
+        self.prometheus: Component | None = None
+        self.prometheus_url = ""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`sh -c script` as root on the node, outside any container."""
+        raise NotImplementedError
+
+    def in_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`sh -c script` as root in the node's own PID namespace (what the agent's hostPID sees)."""
+        return self.on_node(script, check)
+
+    def _install(self) -> None:
+        """Everything once the cluster and its node are up: the disk, the chart, Prometheus."""
+        say(f"helm install {RELEASE} charts/sandkeep -n {SYSTEM_NS} (image {self.image_ref}, root {self.root})")
+        self.on_node(f"mkdir -p '{self.disk}/jobs'")
+        self.kubectl("apply", "--server-side", "-f", str(REPO / "tests" / "fixtures" / "prometheus-operator-crds.yaml"))
+        self.install_chart()
+        self.start_prometheus()
+
+    def stop(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
+            self.prometheus = None
+
+    # --- the node's disk ------------------------------------------------------------------------------
+    def exists(self, path: Path) -> bool:
+        return self.on_node(f"test -e '{path}'", check=False).returncode == 0
+
+    def tombstones(self) -> list[str]:
+        return self.on_node(f"find '{self.root}' -maxdepth 1 -name '.reap-*'", check=False).stdout.split()
+
+    # --- the API --------------------------------------------------------------------------------------
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bin / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
+        result = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise subprocess.CalledProcessError(result.returncode, cmd, result.stdout, result.stderr)
+        return result
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def helm(self, *args: str) -> str:
+        cmd = [str(self.bin / "helm"), f"--kubeconfig={self.kubeconfig}", *args]
+        return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+    def install_chart(self) -> None:
+        repo, _, tag = self.image_ref.rpartition(":")
+        self.kubectl("create", "namespace", SYSTEM_NS)
+        # The agent needs hostPID and a hostPath: its namespace runs at the `privileged` level.
+        self.kubectl("label", "namespace", SYSTEM_NS, "pod-security.kubernetes.io/enforce=privileged")
+        values = {
+            "image": {"repository": repo, "tag": tag},
+            "agent": {"root": str(self.root), "scanInterval": "2s", "stuckAfter": "15s"},
+            "monitoring": {"enabled": True, "interval": "5s"},
+            # The unpullable image of test_a_session_with_an_image_that_cannot_be_pulled_ends_saying_so is
+            # allowed, so that the controller, not the admission policy, is what meets it.
+            "sessions": {"enabled": True, "allowedImages": [UNPULLABLE_IMAGE]},
+        }
+        values_file = self.workdir / "values.yaml"
+        values_file.write_text(yaml.safe_dump(values))
+        self.helm("install", RELEASE, str(REPO / "charts" / "sandkeep"), "-n", SYSTEM_NS, "-f", str(values_file))
+
+    # --- Prometheus -----------------------------------------------------------------------------------
+    def _api_access(self) -> dict[str, Any]:
+        """Prometheus' kubernetes_sd settings: the API server and the kubeconfig's credentials, as files."""
+        config = yaml.safe_load(self.kubeconfig.read_text())
+        cluster, user = config["clusters"][0]["cluster"], config["users"][0]["user"]
+        tls = {}
+        for key, source, field in (
+            ("ca_file", cluster, "certificate-authority-data"),
+            ("cert_file", user, "client-certificate-data"),
+            ("key_file", user, "client-key-data"),
+        ):
+            path = self.workdir / f"prometheus-{key}"
+            path.write_bytes(base64.b64decode(source[field]))
+            tls[key] = str(path)
+        return {"api_server": cluster["server"], "tls_config": tls}
+
+    def start_prometheus(self) -> None:
+        pod_monitors = self.get("podmonitors", "-n", SYSTEM_NS)["items"]
+        service_monitors = self.get("servicemonitors", "-n", SYSTEM_NS)["items"]
+        rules = self.get("prometheusrules", "-n", SYSTEM_NS)["items"]
+        assert pod_monitors and service_monitors and rules, "the chart installed no monitors or rules"
+        rules_file = self.workdir / "rules.yaml"
+        rules_file.write_text(yaml.safe_dump({"groups": [g for r in rules for g in r["spec"]["groups"]]}))
+        config = {
+            "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+            "rule_files": [str(rules_file)],
+            "scrape_configs": operator_config(pod_monitors, service_monitors, self._api_access()),
+        }
+        config_file = self.workdir / "prometheus.yaml"
+        config_file.write_text(yaml.safe_dump(config))
+        port = free_port()
+        self.prometheus_url = f"http://127.0.0.1:{port}"
+        command = [
+            str(self.bin / "prometheus"),
+            f"--config.file={config_file}",
+            f"--storage.tsdb.path={self.workdir / 'prometheus-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
+        self.prometheus = spawn("prometheus", command, self.workdir / "prometheus.log")
+        say(f"Prometheus at {self.prometheus_url}, configured from the chart's PodMonitor, ServiceMonitor and rules")
+        eventually(lambda: self.prom("/-/ready", raw=True), "Prometheus to be ready", timeout=60)
+
+    def prom(self, path: str, raw: bool = False, **params: str) -> Any:
+        url = f"{self.prometheus_url}{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body = response.read().decode()
+        return body if raw else json.loads(body)["data"]
+
+    def alerts(self, name: str) -> list[dict[str, Any]]:
+        return [a for a in self.prom("/api/v1/alerts")["alerts"] if a["labels"].get("alertname") == name]
+
+    def targets_up(self) -> dict[str, int]:
+        """Scrape targets that are up, counted by job."""
+        up: dict[str, int] = {}
+        for t in self.prom("/api/v1/targets")["activeTargets"]:
+            if t["health"] == "up":
+                up[t["labels"]["job"]] = up.get(t["labels"]["job"], 0) + 1
+        return up
+
+    def logs(self) -> str:
+        parts = []
+        for name in ("controller", "agent"):
+            with contextlib.suppress(subprocess.CalledProcessError):
+                out = self.kubectl(
+                    "logs", "-n", SYSTEM_NS, "-l", f"app.kubernetes.io/component={name}", "--tail=40", "--prefix"
+                ).stdout
+                parts.append(f"----- {name} Pods -----\n{out}")
+        if self.prometheus is not None:
+            parts.append(f"----- prometheus -----\n{self.prometheus.log.read_text()[-3000:]}")
+        return "\n".join(parts)
+
+
+class LocalBed(Bed):
+    """A local control plane and one real node (hack/localnode.py); what this repository's CI runs."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.cluster = LocalCluster(workdir, node_mode=True)
+        self.node: LocalNode | None = None
+
+    def start(self) -> None:
+        say("building the image from the Dockerfile (make image; cached when the tree is unchanged)")
+        archive, self.image_ref = build_image()
+        try:
+            self.cluster.start()
+            self.kubeconfig = self.cluster.kubeconfig
+            self.node = LocalNode(self.cluster)
+            say("starting a real node: containerd, runc, the kubelet and kube-scheduler")
+            self.node.start()
+            self.node_name = self.node.name
+            self.node.import_image(archive)
+            assert self.node.dir is not None
+            self.disk = self.node.dir / "disk"
+            self.root = self.disk / "sandkeep"
+            self._install()
+        except BaseException:
+            self.cluster.failed = True
+            self.stop()
+            raise
+
+    def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        # The node shares the host's filesystem, so its disk is at the same path here.
+        return subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=check, timeout=120)
+
+    def in_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        assert self.node is not None
+        return self.node.in_node("sh", "-c", script, check=check)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.node is not None:
+            if self.root.exists():  # an immutable file left by a failed test would keep the tree
+                subprocess.run(["chattr", "-R", "-i", str(self.root)], capture_output=True)
+            self.node.stop()
+            self.node = None
+        self.cluster.stop()
+
+    def logs(self) -> str:
+        node = self.node.logs() if self.node is not None else ""
+        return "\n".join((self.cluster.logs(), node, super().logs()))
+
+
+class KindBed(Bed):
+    """A kind cluster that hack/kind-e2e.sh made (`SANDKEEP_E2E_KIND` names it, `SANDKEEP_E2E_IMAGE` is the image
+    it loaded); the node is its worker container. Never run on this repository's machines: no Docker."""
+
+    def __init__(self, workdir: Path, cluster: str, image: str) -> None:
+        super().__init__(workdir)
+        self.cluster_name = cluster
+        self.image_ref = image
+        self.node_name = f"{cluster}-control-plane"  # kind's one node
+        self.disk = Path("/var/lib/sandkeep-e2e")
+        self.root = self.disk / "sandkeep"
+
+    def start(self) -> None:
+        self.kubeconfig = self.workdir / "kubeconfig"
+        cmd = ["kind", "get", "kubeconfig", "--name", self.cluster_name]
+        self.kubeconfig.write_text(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        self._install()
+
+    def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = ["docker", "exec", self.node_name, "sh", "-c", script]
+        return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=120)
+
+    def stop(self) -> None:
+        super().stop()
+        self.on_node(f"chattr -R -i '{self.root}' 2>/dev/null; true", check=False)
+
+
+def make_bed(workdir: Path) -> Bed:
+    """The kind bed when hack/kind-e2e.sh runs the suite, the local node otherwise."""
+    kind = os.environ.get("SANDKEEP_E2E_KIND")
+    if kind:
+        return KindBed(workdir, kind, os.environ["SANDKEEP_E2E_IMAGE"])
+    return LocalBed(workdir)

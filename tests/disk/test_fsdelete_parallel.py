@@ -1,0 +1,197 @@
+"""The parallel delete's helpers (issue 15, item 3): a level's files unlinked by several threads at once.
+
+The hostile cases of tests/disk/test_fsdelete.py again, each arranged to happen where the new path runs: inside a
+subtree worker or a helper thread, in a directory wide enough to be shared out.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from controller.node import fsdelete
+from controller.rules.contracts import Reason
+from tests.bed.diskkit import User, listing, make_immutable, outside_bait, require_root
+
+pytest_plugins = ["tests.bed.diskkit"]
+
+WIDE = 3 * fsdelete._BATCH + 5  # several full batches and a short one
+
+
+def wide(top: Path, files: int = WIDE, subdirs: int = 6) -> int:
+    """`files` files in `top` beside `subdirs` subdirectories holding as many again each; returns the count."""
+    top.mkdir()
+    n = 0
+    for i in range(files):
+        (top / f"f{i:05d}").write_text("x")
+        n += 1
+    for d in range(subdirs):
+        (top / f"d{d}").mkdir()
+        for i in range(files):
+            (top / f"d{d}" / f"f{i:05d}").write_text("x")
+            n += 1
+    return n
+
+
+def in_pool_thread(prefix: str) -> bool:
+    return threading.current_thread().name.startswith(prefix)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_a_wide_tree_is_deleted_and_every_file_counted_once(tmp_path: Path, workers: int) -> None:
+    n = wide(tmp_path / "t")
+    result = fsdelete.delete_tree(tmp_path, "t", workers=workers)
+    assert result == fsdelete.DeleteResult(True, Reason.DELETED, files=n)
+    assert listing(tmp_path) == []
+
+
+def test_helpers_really_unlink_beside_the_walk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    n = wide(tmp_path / "t")
+    seen: set[str] = set()
+    real = fsdelete._unlink_names
+
+    def spy(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:
+        seen.add(threading.current_thread().name.rsplit("_", 1)[0])
+        return real(dir_fd, names)
+
+    monkeypatch.setattr(fsdelete, "_unlink_names", spy)
+    assert fsdelete.delete_tree(tmp_path, "t", workers=4).files == n
+    assert "fsdelete-unlink" in seen  # the shared-out path ran, not only the walk's own share
+
+
+def test_a_file_swapped_for_a_directory_while_a_helper_unlinks_it_is_descended_into(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The name was a file when read (d_type) and a directory by the time a helper unlinks it: EISDIR in the
+    # helper, again through `unlink` in the walk, and the level is read again so the directory is deleted too.
+    bait_file, bait_dir = outside_bait(tmp_path)
+    n = wide(tmp_path / "t", subdirs=0)
+    real, swapped, lock = fsdelete._unlink_names, list[str](), threading.Lock()
+
+    def swap_then_unlink(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:
+        with lock:  # helpers run at once: exactly one of them swaps
+            first = not swapped and in_pool_thread("fsdelete-unlink")
+            if first:
+                swapped.append(names[-1])
+        if first:
+            name = names[-1]
+            os.unlink(name, dir_fd=dir_fd)
+            os.mkdir(name, dir_fd=dir_fd)
+            os.symlink(bait_dir, f"/proc/self/fd/{dir_fd}/{name}/to-bait")
+            Path(f"/proc/self/fd/{dir_fd}/{name}/inner").write_text("x")
+        return real(dir_fd, names)
+
+    monkeypatch.setattr(fsdelete, "_unlink_names", swap_then_unlink)
+    result = fsdelete.delete_tree(tmp_path, "t", workers=4)
+    assert swapped and result.ok and result.files == n - 1 + 2, result
+    assert not (tmp_path / "t").exists()
+    assert listing(bait_dir) == ["keep.txt"] and bait_file.read_text() == "must survive too\n"
+
+
+def test_a_directory_swapped_for_a_link_inside_a_worker_is_unlinked_never_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bait_file, bait_dir = outside_bait(tmp_path)
+    top = tmp_path / "t"
+    wide(top, files=40, subdirs=0)
+    for d in range(24):  # enough subtrees that the workers, not the split, take them
+        (top / f"s{d}" / "inner").mkdir(parents=True)
+        for i in range(40):
+            (top / f"s{d}" / "inner" / f"f{i}").write_text("x")
+    real, moved, lock = fsdelete._Walker.open_dir, list[Path](), threading.Lock()
+
+    def swap_then_open(self: fsdelete._Walker, parent: fsdelete._Frame | None, name: str):  # type: ignore[no-untyped-def]
+        with lock:  # workers run at once: exactly one of them swaps
+            if name == "inner" and not moved and in_pool_thread("fsdelete_") and parent is not None:
+                assert parent.fd is not None
+                away = tmp_path / "moved-away"
+                os.rename(f"/proc/self/fd/{parent.fd}/inner", away)
+                os.symlink(bait_dir, f"/proc/self/fd/{parent.fd}/inner")
+                moved.append(away)
+        return real(self, parent, name)
+
+    monkeypatch.setattr(fsdelete._Walker, "open_dir", swap_then_open)
+    result = fsdelete.delete_tree(tmp_path, "t", workers=4)
+    assert moved and result.ok and not top.exists(), result
+    assert listing(bait_dir) == ["keep.txt"] and bait_file.read_text() == "must survive too\n"
+    assert len(listing(moved[0])) == 40  # moved out of the tree before it was entered: not the delete's to touch
+
+
+@pytest.mark.root
+def test_an_immutable_file_a_helper_cannot_unlink_fails_with_its_errno_and_path(
+    tmp_path: Path, immutable: list[Path]
+) -> None:
+    n = wide(tmp_path / "t", subdirs=2)
+    stuck = tmp_path / "t" / "d1" / "f00100"
+    make_immutable(immutable, stuck)
+    result = fsdelete.delete_tree(tmp_path, "t", workers=4)
+    assert not result.ok and result.reason is Reason.DELETE_FAILED
+    assert result.errno == errno.EPERM and result.path == str(stuck) and result.files == n - 1
+    subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert fsdelete.delete_tree(tmp_path, "t", workers=4).ok and listing(tmp_path) == []
+
+
+@pytest.mark.root
+def test_a_mount_beside_a_wide_level_is_refused_and_everything_around_it_goes(
+    tmp_path: Path, mounts: list[Path]
+) -> None:
+    require_root()
+    _, bait_dir = outside_bait(tmp_path)
+    top = tmp_path / "t"
+    wide(top, subdirs=3)
+    point = top / "d1" / "mnt"
+    point.mkdir()
+    subprocess.run(["mount", "--bind", str(bait_dir), str(point)], check=True)
+    mounts.append(point)
+    result = fsdelete.delete_tree(tmp_path, "t", workers=4)
+    assert not result.ok and result.reason is Reason.CROSS_DEVICE and result.path == str(point)
+    assert listing(bait_dir) == ["keep.txt"]
+    assert listing(top) == ["d1"] and listing(top / "d1") == ["mnt"]
+
+
+@pytest.mark.root
+def test_unreadable_wide_directories_the_user_owns_are_deleted_with_helpers(
+    shared_tmp: Path, throwaway_user: User
+) -> None:
+    # mode 0 and 0500 directories (the user's own): the walk makes them searchable and writable, then the
+    # helpers unlink their files; as a non-root user, so the permissions really bind.
+    top = shared_tmp / "t"
+    n = wide(top, subdirs=2)
+    subprocess.run(["chown", "-R", f"{throwaway_user.uid}:{throwaway_user.gid}", str(top)], check=True)
+    shared_tmp.chmod(0o777)
+    (top / "d0").chmod(0o000)
+    (top / "d1").chmod(0o500)
+    top.chmod(0o500)
+    code = "import sys; from controller.node import fsdelete\nprint(fsdelete.delete_tree(sys.argv[1], 't', workers=4))"
+    out = throwaway_user.python(code, str(shared_tmp))
+    assert "ok=True" in out.stdout and f"files={n}" in out.stdout, out.stdout + out.stderr
+    assert listing(shared_tmp) == []
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_a_10000_level_chain_with_a_wide_level_on_top_is_deleted_with_every_descriptor_closed(
+    tmp_path: Path, workers: int
+) -> None:
+    top = tmp_path / "t"
+    top.mkdir()
+    for i in range(WIDE):
+        (top / f"w{i}").write_text("x")
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(10_000):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(os.open(f"f{i % 3}", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=child))
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    before = len(os.listdir("/proc/self/fd"))
+    result = fsdelete.delete_tree(tmp_path, "t", workers=workers)
+    assert result.ok and result.files == WIDE + 10_000 and listing(tmp_path) == []
+    assert len(os.listdir("/proc/self/fd")) == before
