@@ -36,6 +36,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,11 +49,12 @@ sys.path.insert(0, str(REPO / "hack"))
 import grpc  # noqa: E402
 from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin  # noqa: E402
 
+from controller.csi import server as csi_server  # noqa: E402
 from controller.csi.proto import csi_pb2, csi_pb2_grpc  # noqa: E402
 from controller.node.capture import Kept, State, Volumes, entry_name  # noqa: E402
 from controller.node.fsdelete import unescape_mountinfo  # noqa: E402
 from controller.node.inuse import uninspectable_pids  # noqa: E402
-from controller.node.store import Root  # noqa: E402
+from controller.node.store import Root, write_atomic  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.contracts import Outcome  # noqa: E402
 from controller.rules.models import Origin  # noqa: E402
@@ -109,22 +111,40 @@ class Vol:
 # --- the plugin process and its clients ------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Bed:
+    """A running plugin: its socket, the root it publishes on, the kubelet directory of the targets, its log."""
+
+    endpoint: Path
+    root: Path
+    kubelet: Path
+    log: Path
+
+    def said(self, since: int, event: str) -> list[float]:
+        """The `ms=` of every `event` line the plugin logged after byte `since` of its log: its own time for a call,
+        from its request checked to its answer (what it spends beyond is gRPC's, and the wait for a worker)."""
+        text = self.log.read_bytes()[since:].decode(errors="replace")
+        return [float(ms) for ms in re.findall(rf" {event} .*? ms=(\d+)", text)]
+
+
 @contextmanager
-def plugin(root: Path, kubelet: Path, node: str) -> Iterator[Path]:
-    """`sandkeep csi-node` on a short socket path (a unix socket's must fit in 107 bytes); stopped by pid."""
+def plugin(workdir: Path, node: str) -> Iterator[Bed]:
+    """`sandkeep csi-node` on a fresh root, on a short socket path (a unix socket's must fit in 107 bytes);
+    stopped by pid."""
     sockets = Path(tempfile.mkdtemp(prefix="skcsi-", dir="/tmp"))
-    endpoint = sockets / c.CSI_DRIVER / "csi.sock"
-    command = [sys.executable, "-m", "controller.cli.sandkeep", "csi-node", f"--node={node}", f"--root={root}"]
-    command += [f"--endpoint={endpoint}", f"--kubelet-dir={kubelet}"]
-    log = (root.parent / "csi-node.log").open("wb")
+    bed = Bed(sockets / c.CSI_DRIVER / "csi.sock", workdir / "root", workdir / "kubelet", workdir / "csi-node.log")
+    bed.root.mkdir(mode=0o700)
+    command = [sys.executable, "-m", "controller.cli.sandkeep", "csi-node", f"--node={node}", f"--root={bed.root}"]
+    command += [f"--endpoint={bed.endpoint}", f"--kubelet-dir={bed.kubelet}"]
+    log = bed.log.open("wb")
     proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while not endpoint.is_socket():
+        while not bed.endpoint.is_socket():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"csi-node did not start: {(root.parent / 'csi-node.log').read_text()[-2000:]}")
+                raise RuntimeError(f"csi-node did not start: {bed.log.read_text()[-2000:]}")
             time.sleep(0.1)
-        yield endpoint
+        yield bed
     finally:
         stop(proc)
         log.close()
@@ -215,22 +235,49 @@ def discard_all(root: Path) -> None:
 # --- 1. publish latency -------------------------------------------------------------------------------------
 
 
-def measure_publish(endpoint: Path, root: Path, kubelet: Path, count: int, waves: int) -> dict[str, list[float]]:
+def measure_publish(bed: Bed, count: int, waves: int) -> dict[str, list[float]]:
     """`waves` waves of `count` publishes at once, and as many one at a time, alternating; each wave is
-    unpublished (at once too) and its entries discarded before the next, so every wave starts alike."""
-    out: dict[str, list[float]] = {"at_once": [], "one_by_one": [], "unpublish_at_once": []}
-    chan, stub = node_stub(endpoint)
+    unpublished (at once too) and its entries discarded before the next, so every wave starts alike. Beside
+    each wave at once: the plugin's own time per publish (its log), and the disk's floor."""
+    out: dict[str, list[float]] = {m: [] for m in ("at_once", "one_by_one", "unpublish_at_once", "in_plugin", "floor")}
+    chan, stub = node_stub(bed.endpoint)
     try:
         for wave in range(waves):
             for mode in ("at_once", "one_by_one") if wave % 2 == 0 else ("one_by_one", "at_once"):
-                vols = [Vol.new(kubelet) for _ in range(count)]
+                vols = [Vol.new(bed.kubelet) for _ in range(count)]
                 calls = [_publish(v) for v in vols]
-                out[mode] += at_once(endpoint, calls) if mode == "at_once" else [timed(f, stub)[0] for f in calls]
-                out["unpublish_at_once"] += at_once(endpoint, [_unpublish(v) for v in vols])
-                discard_all(root)
+                if mode == "at_once":
+                    since = bed.log.stat().st_size
+                    out[mode] += at_once(bed.endpoint, calls)
+                    out["in_plugin"] += bed.said(since, "volume_published")
+                    out["floor"].append(record_writes(bed.root.parent, count))
+                else:
+                    out[mode] += [timed(f, stub)[0] for f in calls]
+                out["unpublish_at_once"] += at_once(bed.endpoint, [_unpublish(v) for v in vols])
+                discard_all(bed.root)
     finally:
         chan.close()
     return out
+
+
+def record_writes(workdir: Path, count: int) -> float:
+    """The disk's floor under a wave: `count` records written as a publish writes its one (write, fsync, rename,
+    fsync the directory), each in its own directory, at once in as many threads as the plugin serves RPCs in;
+    the milliseconds until the last is done."""
+    base = workdir / f"floor-{secrets.token_hex(4)}"
+    dirs = [base / str(i) for i in range(count)]
+    for d in dirs:
+        d.mkdir(parents=True)
+    fds = [os.open(d, os.O_RDONLY | os.O_DIRECTORY) for d in dirs]
+    record = b"x" * 700  # a publish's record is about this long
+    try:
+        with ThreadPoolExecutor(csi_server.WORKERS) as pool:
+            took, _ = timed(lambda: list(pool.map(lambda fd: write_atomic(fd, "record.json", record, mode=0o600), fds)))
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(base)
+    return took
 
 
 def _publish(v: Vol) -> Callable[[csi_pb2_grpc.NodeStub], object]:
@@ -268,20 +315,20 @@ class Keeps:
         return [u + k for u, k in zip(self.unpublish, self.keep, strict=True)]
 
 
-def measure_keep(endpoint: Path, root: Path, kubelet: Path, files: int, rounds: int) -> dict[int, Keeps]:
+def measure_keep(bed: Bed, files: int, rounds: int) -> dict[int, Keeps]:
     """Each round, per size (the order alternating): publish, fill the workspace (its files moved in from a
     pool on the same filesystem: not timed), sync, then time the unpublish (gRPC) and the keep (in-process);
     the kept sandbox's files go back to the pool and the sandbox is removed."""
-    pools = {n: root.parent / "pools" / str(n) for n in (files, SMALL_FILES)}
+    pools = {n: bed.root.parent / "pools" / str(n) for n in (files, SMALL_FILES)}
     for n, pool in pools.items():
         build_pool(pool, n)
-    volumes = Volumes(Root(root))
+    volumes = Volumes(Root(bed.root))
     out = {n: Keeps([], []) for n in pools}
-    chan, stub = node_stub(endpoint)
+    chan, stub = node_stub(bed.endpoint)
     try:
         for r in range(rounds):
             for n in list(pools) if r % 2 == 0 else list(pools)[::-1]:
-                v = Vol.new(kubelet)
+                v = Vol.new(bed.kubelet)
                 stub.NodePublishVolume(v.publish_request(), timeout=RPC_TIMEOUT)
                 entry = entry_name(v.volume_id)
                 move_children(pools[n], volumes.path / entry / c.WORKSPACE_DIR)
@@ -292,7 +339,7 @@ def measure_keep(endpoint: Path, root: Path, kubelet: Path, files: int, rounds: 
                 out[n].keep.append(took)
                 if not isinstance(result, Kept):
                     raise RuntimeError(f"keep of {n} files gave {result!r}, not Kept")
-                sandbox = root / result.namespace / result.name
+                sandbox = bed.root / result.namespace / result.name
                 move_children(sandbox / c.WORKSPACE_DIR, pools[n])
                 shutil.rmtree(sandbox)
     finally:
@@ -349,9 +396,7 @@ class Agent:
         self.out.close()
 
 
-def measure_agent(
-    endpoint: Path, root: Path, kubelet: Path, cluster: LocalCluster, kubeconfig: Path, count: int, passes: int
-) -> dict[str, float]:
+def measure_agent(bed: Bed, cluster: LocalCluster, kubeconfig: Path, count: int, passes: int) -> dict[str, float]:
     """Publish `count` volumes (left mounted), then start two agents at once, one on this root and one on an
     empty root; once each has made `passes` passes, sample both RSS five times, a second apart (the largest
     of each counts). Then check every volume is still published and mounted, and unpublish them."""
@@ -366,16 +411,16 @@ def measure_agent(
     kubectl("create", "namespace", namespace)
     for node in nodes.values():
         kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}))
-    vols = [Vol.new(kubelet) for _ in range(count)]
-    chan, stub = node_stub(endpoint)
-    roots = {"live": root, "idle": root.parent / "idle-root"}
+    vols = [Vol.new(bed.kubelet) for _ in range(count)]
+    chan, stub = node_stub(bed.endpoint)
+    roots = {"live": bed.root, "idle": bed.root.parent / "idle-root"}
     roots["idle"].mkdir(mode=0o700)
     agents: dict[str, Agent] = {}
     try:
         for v in vols:
             stub.NodePublishVolume(v.publish_request(), timeout=RPC_TIMEOUT)
         for what in ("live", "idle"):
-            agents[what] = Agent(nodes[what], roots[what], kubeconfig, namespace, root.parent / f"agent-{what}.log")
+            agents[what] = Agent(nodes[what], roots[what], kubeconfig, namespace, bed.root.parent / f"agent-{what}.log")
         deadline = time.monotonic() + 60 + 10 * passes
         made = dict.fromkeys(agents, 0)
         while min(made.values()) < passes:
@@ -389,7 +434,7 @@ def measure_agent(
                 rss[what] = max(rss[what], rss_mib(a.proc.pid))
             time.sleep(1)
         made = {what: a.passes() for what, a in agents.items()}
-        records = [v.record for v in Volumes(Root(root)).records()]
+        records = [v.record for v in Volumes(Root(bed.root)).records()]
         published = sum(1 for r in records if r is not None and r.state is State.PUBLISHED)
         mounted = sum(1 for v in vols if mounts_under(v.target))
     finally:
@@ -398,7 +443,7 @@ def measure_agent(
         for v in vols:
             stub.NodeUnpublishVolume(v.unpublish_request(), timeout=RPC_TIMEOUT)
         chan.close()
-        discard_all(root)
+        discard_all(bed.root)
         kubectl("delete", "namespace", namespace, "--wait=false")
         kubectl("delete", "node", *nodes.values(), "--wait=false")
     return {
@@ -419,6 +464,11 @@ def report(publish: dict[str, list[float]], keeps: dict[int, Keeps], agent: dict
     p99 = percentile(once, 0.99)
     print(f"publish, {n} at once ({len(once)} in all): {spread(once)}")
     print(f"publish, 1 at a time ({len(alone)} in all): {spread(alone)}")
+    print(f"publish, {n} at once, the plugin's own time (its log): {spread(publish['in_plugin'])}")
+    print(
+        f"the disk's floor: {n} record writes at once in {csi_server.WORKERS} threads (2 fsyncs each, as a publish): "
+        f"median {statistics.median(publish['floor']):.1f} ms for all"
+    )
     print(f"unpublish, {n} at once:{' ' * 13}{spread(publish['unpublish_at_once'])}")
     print(f"publish p99 at once / 1 at a time: {p99 / percentile(alone, 0.99):.2f}x")
     print(f"publish p99 at once / {PUBLISH_TARGET_MS:.0f} ms target: {p99 / PUBLISH_TARGET_MS:.2f} (target <= 1)")
@@ -453,29 +503,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--volumes", type=int, default=200, help="live volumes on the agent's root")
     parser.add_argument("--passes", type=int, default=3, help="agent passes before its RSS is read")
     parser.add_argument("--no-agent", action="store_true", help="skip the agent (no control plane needed)")
+    parser.add_argument("--dir", help="make the work directory here (default: the system's temp directory)")
     parser.add_argument("--kubeconfig", help="use this running cluster (e.g. a test's) instead of starting one")
     args = parser.parse_args(argv)
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
-    workdir = Path(tempfile.mkdtemp(prefix="sandkeep-csi-bench-"))
-    root, kubelet = workdir / "root", workdir / "kubelet"
-    root.mkdir(mode=0o700)
+    workdir = Path(tempfile.mkdtemp(prefix="sandkeep-csi-bench-", dir=args.dir))
     agent = None
     try:
-        with plugin(root, kubelet, "bench-node") as endpoint:
-            publish = measure_publish(endpoint, root, kubelet, args.publishes, args.waves)
-            keeps = measure_keep(endpoint, root, kubelet, args.files, args.rounds)
+        with plugin(workdir, "bench-node") as bed:
+            publish = measure_publish(bed, args.publishes, args.waves)
+            keeps = measure_keep(bed, args.files, args.rounds)
             if not args.no_agent:
                 if args.kubeconfig:
                     attached = LocalCluster(tools_bin=tools_bin(("kubectl",)))
-                    agent = measure_agent(
-                        endpoint, root, kubelet, attached, Path(args.kubeconfig), args.volumes, args.passes
-                    )
+                    agent = measure_agent(bed, attached, Path(args.kubeconfig), args.volumes, args.passes)
                 else:
                     with LocalCluster(workdir / "cluster", tools_bin(CLUSTER_TOOLS)) as cluster:
-                        agent = measure_agent(
-                            endpoint, root, kubelet, cluster, cluster.kubeconfig, args.volumes, args.passes
-                        )
+                        agent = measure_agent(bed, cluster, cluster.kubeconfig, args.volumes, args.passes)
                 agent["count"] = args.volumes
     finally:
         unmount_under(workdir)
