@@ -238,8 +238,10 @@ def discard_all(root: Path) -> None:
 def measure_publish(bed: Bed, count: int, waves: int) -> dict[str, list[float]]:
     """`waves` waves of `count` publishes at once, and as many one at a time, alternating; each wave is
     unpublished (at once too) and its entries discarded before the next, so every wave starts alike. Beside
-    each wave at once: the plugin's own time per publish (its log), and the disk's floor."""
-    out: dict[str, list[float]] = {m: [] for m in ("at_once", "one_by_one", "unpublish_at_once", "in_plugin", "floor")}
+    each wave at once: the plugin's own time per call (its log), and two floors of the moment: as many no-op
+    RPCs at once (NodeGetInfo: gRPC and the machine's CPU, no disk) and as many records written at once."""
+    keys = ("at_once", "one_by_one", "in_plugin", "noop", "floor", "unpublish", "unpublish_in_plugin")
+    out: dict[str, list[float]] = {k: [] for k in keys}
     chan, stub = node_stub(bed.endpoint)
     try:
         for wave in range(waves):
@@ -247,13 +249,16 @@ def measure_publish(bed: Bed, count: int, waves: int) -> dict[str, list[float]]:
                 vols = [Vol.new(bed.kubelet) for _ in range(count)]
                 calls = [_publish(v) for v in vols]
                 if mode == "at_once":
+                    out["noop"] += at_once(bed.endpoint, [_node_info] * count)
                     since = bed.log.stat().st_size
                     out[mode] += at_once(bed.endpoint, calls)
                     out["in_plugin"] += bed.said(since, "volume_published")
                     out["floor"].append(record_writes(bed.root.parent, count))
                 else:
                     out[mode] += [timed(f, stub)[0] for f in calls]
-                out["unpublish_at_once"] += at_once(bed.endpoint, [_unpublish(v) for v in vols])
+                since = bed.log.stat().st_size
+                out["unpublish"] += at_once(bed.endpoint, [_unpublish(v) for v in vols])
+                out["unpublish_in_plugin"] += bed.said(since, "volume_unpublished")
                 discard_all(bed.root)
     finally:
         chan.close()
@@ -282,6 +287,10 @@ def record_writes(workdir: Path, count: int) -> float:
 
 def _publish(v: Vol) -> Callable[[csi_pb2_grpc.NodeStub], object]:
     return lambda stub: stub.NodePublishVolume(v.publish_request(), timeout=RPC_TIMEOUT)
+
+
+def _node_info(stub: csi_pb2_grpc.NodeStub) -> object:
+    return stub.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=RPC_TIMEOUT)
 
 
 def _unpublish(v: Vol) -> Callable[[csi_pb2_grpc.NodeStub], object]:
@@ -462,14 +471,16 @@ def measure_agent(bed: Bed, cluster: LocalCluster, kubeconfig: Path, count: int,
 def report(publish: dict[str, list[float]], keeps: dict[int, Keeps], agent: dict[str, float] | None, n: int) -> None:
     once, alone = publish["at_once"], publish["one_by_one"]
     p99 = percentile(once, 0.99)
-    print(f"publish, {n} at once ({len(once)} in all): {spread(once)}")
-    print(f"publish, 1 at a time ({len(alone)} in all): {spread(alone)}")
-    print(f"publish, {n} at once, the plugin's own time (its log): {spread(publish['in_plugin'])}")
+    print(f"publish, {n} at once ({len(once)} in all):   {spread(once)}")
+    print(f"publish, 1 at a time ({len(alone)} in all):  {spread(alone)}")
+    print(f"  the plugin's own time, {n} at once:   {spread(publish['in_plugin'])} (its log: request to answer)")
+    print(f"  floor: NodeGetInfo, {n} at once:      {spread(publish['noop'])} (gRPC and the CPU, no disk)")
     print(
-        f"the disk's floor: {n} record writes at once in {csi_server.WORKERS} threads (2 fsyncs each, as a publish): "
+        f"  floor: {n} records written at once in {csi_server.WORKERS} threads (2 fsyncs each, as a publish's): "
         f"median {statistics.median(publish['floor']):.1f} ms for all"
     )
-    print(f"unpublish, {n} at once:{' ' * 13}{spread(publish['unpublish_at_once'])}")
+    print(f"unpublish, {n} at once:               {spread(publish['unpublish'])}")
+    print(f"  the plugin's own time, {n} at once:   {spread(publish['unpublish_in_plugin'])}")
     print(f"publish p99 at once / 1 at a time: {p99 / percentile(alone, 0.99):.2f}x")
     print(f"publish p99 at once / {PUBLISH_TARGET_MS:.0f} ms target: {p99 / PUBLISH_TARGET_MS:.2f} (target <= 1)")
     (large, big), (small, little) = sorted(keeps.items(), reverse=True)
