@@ -3,7 +3,9 @@ unix socket, publishing with real bind mounts on a temporary root; from one run,
 
 - publish latency p50/p99/max with `--publishes` (50) publishes at once, each from its own client thread with
   its own channel, volume and target (`--waves` such waves), against the same number one at a time; the p99
-  at once over the 100 ms target;
+  at once over the 100 ms target. Beside each wave: the plugin's own time per call (from its log), and two
+  floors of the moment: as many no-op RPCs at once (NodeGetInfo: gRPC and the CPU) and as many records written
+  at once (the disk). Then the same waves beside `--mounts` (1,000) other mounts, as on a node full of Pods;
 - keep of a `--files` (100,000) file workspace against a 10-file one: NodeUnpublishVolume, then `Volumes.keep`
   (what the agent's pass calls, here in-process), `--rounds` rounds in alternating order; the ratio of the
   medians, target <= 2 (keep is a rename: the file count should not matter);
@@ -14,12 +16,14 @@ unix socket, publishing with real bind mounts on a temporary root; from one run,
 Targets are printed, never asserted. Needs root (bind mounts) and the built tools; everything mounted is
 unmounted and the work directory removed at the end.
 
-    .venv/bin/python hack/bench/csi.py [--publishes 50] [--waves 4] [--files 100000] [--rounds 5] [--volumes 200]
+    .venv/bin/python hack/bench/csi.py [--publishes 50] [--waves 4] [--mounts 1000] [--files 100000] [--rounds 5]
+                                       [--volumes 200] [--passes 3] [--no-agent] [--kubeconfig FILE] [--dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -35,6 +39,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -67,6 +72,8 @@ SMALL_FILES = 10
 FILES_PER_DIR = 1000
 RPC_TIMEOUT = 120.0
 T = TypeVar("T")
+MS_BIND, MNT_DETACH = 0x1000, 2
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -223,7 +230,17 @@ def mounts_under(path: Path) -> list[str]:
 
 def unmount_under(path: Path) -> None:
     for point in sorted(mounts_under(path), key=len, reverse=True):  # the deepest first
-        subprocess.run(["umount", "-l", point], check=False)
+        _libc.umount2(os.fsencode(point), MNT_DETACH)
+
+
+def bind_mounts(under: Path, count: int) -> None:
+    """`count` empty directories bind-mounted onto themselves: the mount table of a node whose other Pods have
+    theirs (each has several: its token, its ConfigMaps, its containers' root filesystems)."""
+    for i in range(count):
+        d = under / str(i)
+        d.mkdir(parents=True)
+        if _libc.mount(os.fsencode(d), os.fsencode(d), None, ctypes.c_ulong(MS_BIND), None) != 0:
+            raise OSError(ctypes.get_errno(), "mount --bind", str(d))
 
 
 def discard_all(root: Path) -> None:
@@ -235,34 +252,47 @@ def discard_all(root: Path) -> None:
 # --- 1. publish latency -------------------------------------------------------------------------------------
 
 
-def measure_publish(bed: Bed, count: int, waves: int) -> dict[str, list[float]]:
-    """`waves` waves of `count` publishes at once, and as many one at a time, alternating; each wave is
-    unpublished (at once too) and its entries discarded before the next, so every wave starts alike. Beside
-    each wave at once: the plugin's own time per call (its log), and two floors of the moment: as many no-op
-    RPCs at once (NodeGetInfo: gRPC and the machine's CPU, no disk) and as many records written at once."""
-    keys = ("at_once", "one_by_one", "in_plugin", "noop", "floor", "unpublish", "unpublish_in_plugin")
-    out: dict[str, list[float]] = {k: [] for k in keys}
+def measure_publish(bed: Bed, count: int, waves: int, mounts: int) -> dict[str, list[float]]:
+    """`waves` waves of `count` publishes at once, and as many one at a time, alternating. Beside each wave at
+    once, two floors of the moment: as many no-op RPCs at once (NodeGetInfo: gRPC and the machine's CPU, no
+    disk) and as many records written at once. Then as many waves at once again beside `mounts` other mounts."""
+    out: dict[str, list[float]] = defaultdict(list)
     chan, stub = node_stub(bed.endpoint)
     try:
         for wave in range(waves):
             for mode in ("at_once", "one_by_one") if wave % 2 == 0 else ("one_by_one", "at_once"):
-                vols = [Vol.new(bed.kubelet) for _ in range(count)]
-                calls = [_publish(v) for v in vols]
                 if mode == "at_once":
                     out["noop"] += at_once(bed.endpoint, [_node_info] * count)
-                    since = bed.log.stat().st_size
-                    out[mode] += at_once(bed.endpoint, calls)
-                    out["in_plugin"] += bed.said(since, "volume_published")
+                    _wave(bed, count, out, mode)
                     out["floor"].append(record_writes(bed.root.parent, count))
                 else:
-                    out[mode] += [timed(f, stub)[0] for f in calls]
-                since = bed.log.stat().st_size
-                out["unpublish"] += at_once(bed.endpoint, [_unpublish(v) for v in vols])
-                out["unpublish_in_plugin"] += bed.said(since, "volume_unpublished")
-                discard_all(bed.root)
+                    _wave(bed, count, out, mode, stub)
     finally:
         chan.close()
+    others = bed.root.parent / "other-mounts"
+    try:
+        bind_mounts(others, mounts)
+        for _ in range(waves if mounts else 0):
+            _wave(bed, count, out, "beside")
+    finally:
+        unmount_under(others)
     return out
+
+
+def _wave(
+    bed: Bed, count: int, out: dict[str, list[float]], key: str, stub: csi_pb2_grpc.NodeStub | None = None
+) -> None:
+    """`count` publishes, at once (or one at a time through `stub`), then their unpublishes at once, each with the
+    plugin's own time (its log); then the entries are discarded, so every wave starts alike."""
+    vols = [Vol.new(bed.kubelet) for _ in range(count)]
+    calls = [_publish(v) for v in vols]
+    since = bed.log.stat().st_size
+    out[key] += at_once(bed.endpoint, calls) if stub is None else [timed(f, stub)[0] for f in calls]
+    out[f"{key}_in_plugin"] += bed.said(since, "volume_published")
+    since = bed.log.stat().st_size
+    out[f"{key}_unpublish"] += at_once(bed.endpoint, [_unpublish(v) for v in vols])
+    out[f"{key}_unpublish_in_plugin"] += bed.said(since, "volume_unpublished")
+    discard_all(bed.root)
 
 
 def record_writes(workdir: Path, count: int) -> float:
@@ -468,21 +498,35 @@ def measure_agent(bed: Bed, cluster: LocalCluster, kubeconfig: Path, count: int,
 # --- the run ------------------------------------------------------------------------------------------------
 
 
-def report(publish: dict[str, list[float]], keeps: dict[int, Keeps], agent: dict[str, float] | None, n: int) -> None:
-    once, alone = publish["at_once"], publish["one_by_one"]
+def report(
+    publish: dict[str, list[float]], keeps: dict[int, Keeps], agent: dict[str, float] | None, n: int, mounts: int
+) -> None:
+    once, alone, beside = publish["at_once"], publish["one_by_one"], publish["beside"]
     p99 = percentile(once, 0.99)
-    print(f"publish, {n} at once ({len(once)} in all):   {spread(once)}")
-    print(f"publish, 1 at a time ({len(alone)} in all):  {spread(alone)}")
-    print(f"  the plugin's own time, {n} at once:   {spread(publish['in_plugin'])} (its log: request to answer)")
-    print(f"  floor: NodeGetInfo, {n} at once:      {spread(publish['noop'])} (gRPC and the CPU, no disk)")
+
+    def row(label: str, key: str, note: str = "") -> None:
+        print(f"{label:<48} {spread(publish[key])}{note}")
+
+    own = "  the plugin's own time (its log)"
+    row(f"publish, {n} at once ({len(once)} in all)", "at_once")
+    row(own, "at_once_in_plugin")
+    row(f"  floor: NodeGetInfo, {n} at once", "noop", " (gRPC and the CPU, no disk)")
     print(
-        f"  floor: {n} records written at once in {csi_server.WORKERS} threads (2 fsyncs each, as a publish's): "
-        f"median {statistics.median(publish['floor']):.1f} ms for all"
+        f"  floor: {n} records written at once in {csi_server.WORKERS} threads, 2 fsyncs each as a publish's: "
+        f"median {statistics.median(publish['floor']):.1f} ms for all (the disk)"
     )
-    print(f"unpublish, {n} at once:               {spread(publish['unpublish'])}")
-    print(f"  the plugin's own time, {n} at once:   {spread(publish['unpublish_in_plugin'])}")
+    row(f"publish, 1 at a time ({len(alone)} in all)", "one_by_one")
+    row(own, "one_by_one_in_plugin")
+    row(f"unpublish, {n} at once", "at_once_unpublish")
+    row(own, "at_once_unpublish_in_plugin")
+    if beside:
+        row(f"publish, {n} at once beside {mounts:,} other mounts", "beside")
+        row(own, "beside_in_plugin")
+        row(f"unpublish, {n} at once beside {mounts:,} other mounts", "beside_unpublish")
     print(f"publish p99 at once / 1 at a time: {p99 / percentile(alone, 0.99):.2f}x")
     print(f"publish p99 at once / {PUBLISH_TARGET_MS:.0f} ms target: {p99 / PUBLISH_TARGET_MS:.2f} (target <= 1)")
+    if beside:
+        print(f"publish p99 at once beside {mounts:,} other mounts / without: {percentile(beside, 0.99) / p99:.2f}x")
     (large, big), (small, little) = sorted(keeps.items(), reverse=True)
     for files, k in ((large, big), (small, little)):
         print(
@@ -509,6 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--publishes", type=int, default=50, help="publishes at once (each its own thread)")
     parser.add_argument("--waves", type=int, default=4, help="waves of publishes at once (and one at a time)")
+    parser.add_argument(
+        "--mounts", type=int, default=1000, help="other mounts on the node for the last waves (0: no such waves)"
+    )
     parser.add_argument("--files", type=int, default=100_000, help="files of the large workspace kept")
     parser.add_argument("--rounds", type=int, default=5, help="keeps of each size")
     parser.add_argument("--volumes", type=int, default=200, help="live volumes on the agent's root")
@@ -523,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     agent = None
     try:
         with plugin(workdir, "bench-node") as bed:
-            publish = measure_publish(bed, args.publishes, args.waves)
+            publish = measure_publish(bed, args.publishes, args.waves, args.mounts)
             keeps = measure_keep(bed, args.files, args.rounds)
             if not args.no_agent:
                 if args.kubeconfig:
@@ -536,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         unmount_under(workdir)
         shutil.rmtree(workdir, ignore_errors=True)
-    report(publish, keeps, agent, args.publishes)
+    report(publish, keeps, agent, args.publishes, args.mounts)
     load = os.getloadavg()
     print(f"load average at end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     return 0
