@@ -30,9 +30,7 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,7 +50,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "hack"))
 
 import grpc  # noqa: E402
-from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin  # noqa: E402
+from agent_scan import rss_mib  # noqa: E402
+from localcluster import CLUSTER_TOOLS, LocalCluster, spawn, tools_bin  # noqa: E402
 
 from controller.csi import server as csi_server  # noqa: E402
 from controller.csi.proto import csi_pb2, csi_pb2_grpc  # noqa: E402
@@ -137,35 +136,23 @@ class Bed:
 @contextmanager
 def plugin(workdir: Path, node: str) -> Iterator[Bed]:
     """`sandkeep csi-node` on a fresh root, on a short socket path (a unix socket's must fit in 107 bytes);
-    stopped by pid."""
+    stopped by pid (localcluster's `spawn`)."""
     sockets = Path(tempfile.mkdtemp(prefix="skcsi-", dir="/tmp"))
     bed = Bed(sockets / c.CSI_DRIVER / "csi.sock", workdir / "root", workdir / "kubelet", workdir / "csi-node.log")
     bed.root.mkdir(mode=0o700)
     command = [sys.executable, "-m", "controller.cli.sandkeep", "csi-node", f"--node={node}", f"--root={bed.root}"]
     command += [f"--endpoint={bed.endpoint}", f"--kubelet-dir={bed.kubelet}"]
-    log = bed.log.open("wb")
-    proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    proc = spawn("csi-node", command, bed.log, cwd=REPO)
     try:
         deadline = time.monotonic() + 120
         while not bed.endpoint.is_socket():
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"csi-node did not start: {bed.log.read_text()[-2000:]}")
             time.sleep(0.1)
         yield bed
     finally:
-        stop(proc)
-        log.close()
+        proc.stop(timeout=30)
         shutil.rmtree(sockets, ignore_errors=True)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 def node_stub(endpoint: Path) -> tuple[grpc.Channel, csi_pb2_grpc.NodeStub]:
@@ -389,13 +376,6 @@ def measure_keep(bed: Bed, files: int, rounds: int) -> dict[int, Keeps]:
 # --- 3. the agent's memory with live volumes ----------------------------------------------------------------
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return math.nan
-
-
 class Agent:
     """`sandkeep agent` as a real process on `root` for `node`; its log in a file; its passes read from its
     own metrics (each full pass makes one /proc pass, `sandkeep_inuse_scans_total`)."""
@@ -414,8 +394,8 @@ class Agent:
         args = [sys.executable, "-m", "controller.cli.sandkeep", "agent", *(f"{k}={v}" for k, v in flags.items())]
         args += [f"--ignore-pid={pid}" for pid in uninspectable_pids()]
         self.log = log
-        self.out = log.open("wb")
-        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.out, stderr=subprocess.STDOUT)
+        self.component = spawn(f"agent {node}", args, log, cwd=REPO)
+        self.proc = self.component.proc
         self.port: int | None = None
 
     def passes(self) -> int:
@@ -431,8 +411,7 @@ class Agent:
         return sum(int(float(x)) for x in re.findall(rf"^{c.M_INUSE_SCANS}\{{[^}}]*\}} (\S+)$", text, re.M))
 
     def stop(self) -> None:
-        stop(self.proc)
-        self.out.close()
+        self.component.stop(timeout=30)
 
 
 def measure_agent(bed: Bed, cluster: LocalCluster, kubeconfig: Path, count: int, passes: int) -> dict[str, float]:
