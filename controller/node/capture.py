@@ -385,7 +385,7 @@ class Volumes:
                 os.mkdir(leaf, 0o750, dir_fd=parent_fd)
             with _fd(self._open_target(record, parent_fd, leaf)) as target_fd:
                 if _ident(os.fstat(target_fd)) != record.workspace:
-                    if self._is_mount_point(target):
+                    if self._mounted_on(target_fd, parent_fd, target):
                         raise VolumeError(
                             "FAILED_PRECONDITION",
                             f"volume {record.volume_id}: something else is mounted at {record.target_path}",
@@ -476,7 +476,7 @@ class Volumes:
                             "INTERNAL", f"volume at {target_path}: the mount is busy (a process still uses it); retried"
                         ) from err
                     raise
-            if self._is_mount_point(target):
+            if self._mounted_at(parent_fd, leaf, target):
                 if record is None:
                     return  # not ours: left as it is
                 raise VolumeError(
@@ -516,6 +516,25 @@ class Volumes:
 
     def _is_mount_point(self, path: str) -> bool:
         return any(point == path for point in mount_points(self.mountinfo))
+
+    def _mounted_on(self, target_fd: int, parent_fd: int, target: str) -> bool:
+        """Whether the target (`target_fd`, opened from `parent_fd`) is a mount's root: its mount id against its
+        parent's, one statx each. Not the mount table: its read costs 3.5 ms of CPU at 1,000 mounts, and 50
+        publishes at once beside 1,000 other mounts took p99 0.95 s with it, 0.15-0.17 s without (hack/bench/csi.py)."""
+        mine, parents = fsdelete.mount_id(target_fd), fsdelete.mount_id(parent_fd)
+        if mine is None or parents is None:  # a kernel that tells no mount id (before 3.15)
+            return self._is_mount_point(target)
+        return mine != parents
+
+    def _mounted_at(self, parent_fd: int, leaf: str, target: str) -> bool:
+        try:
+            target_fd = os.open(leaf, _PATH, dir_fd=parent_fd)
+        except OSError as err:
+            if err.errno in (E.ENOENT, E.ELOOP, E.ENOTDIR):  # nothing there, or a link: nothing is mounted on it
+                return False
+            return self._is_mount_point(target)
+        with _fd(target_fd):
+            return self._mounted_on(target_fd, parent_fd, target)
 
     def workspace_empty(self, entry: str) -> bool | None:
         """Whether an entry's workspace holds nothing (None: it has none, or it cannot be read)."""

@@ -188,6 +188,27 @@ def test_a_target_that_is_a_link_or_a_file_is_refused_and_leaves_nothing(
     assert list(volumes.records()) == [] and volumes.root.tombstones() == []
 
 
+def bind(source: Path, target: Path) -> None:
+    """`mount --bind source target`: something that is not the volume's, where the kubelet wants it."""
+    assert _libc.mount(os.fsencode(source), os.fsencode(target), None, ctypes.c_ulong(0x1000), None) == 0
+
+
+def test_a_target_with_something_else_mounted_on_it_is_refused_and_left_as_it_is(
+    volumes: Volumes, tmp_path: Path
+) -> None:
+    req = request(tmp_path)
+    target, other = Path(req.target_path), tmp_path / "other"
+    target.mkdir(parents=True)
+    other.mkdir()
+    bind(other, target)
+    with pytest.raises(VolumeError) as caught:
+        volumes.publish(req)
+    assert caught.value.code == "FAILED_PRECONDITION" and "something else is mounted" in caught.value.message
+    assert len(mounts_at(req.target_path)) == 1 and target.stat().st_ino == other.stat().st_ino
+    volumes.unpublish(req.volume_id, req.target_path)  # it never was ours: left mounted
+    assert len(mounts_at(req.target_path)) == 1
+
+
 @pytest.mark.parametrize(
     "fields",
     [
@@ -232,6 +253,20 @@ def test_an_unknown_volume_unpublishes_fine_and_a_mount_that_is_not_ours_is_left
     volumes.publish(req)
     volumes.unpublish(req.volume_id, req.target_path + "-elsewhere")  # not where it is published: nothing done
     assert len(mounts_at(req.target_path)) == 1 and record_of(volumes, req).state is State.PUBLISHED
+
+
+def test_an_unpublish_under_something_mounted_on_top_of_the_workspace_is_refused_and_keeps_the_record(
+    volumes: Volumes, tmp_path: Path
+) -> None:
+    req = request(tmp_path)
+    volumes.publish(req)
+    other = tmp_path / "other"
+    other.mkdir()
+    bind(other, Path(req.target_path))
+    with pytest.raises(VolumeError) as caught:
+        volumes.unpublish(req.volume_id, req.target_path)
+    assert caught.value.code == "FAILED_PRECONDITION" and "on top of its workspace" in caught.value.message
+    assert len(mounts_at(req.target_path)) == 2 and record_of(volumes, req).state is State.PUBLISHED
 
 
 def test_a_publish_after_an_unpublish_mounts_it_again(volumes: Volumes, tmp_path: Path) -> None:
