@@ -12,9 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from localcluster import LocalCluster
+from hack.localcluster import LocalCluster
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SPREAD = r"p50 +\d+\.\d ms, p99 +\d+\.\d ms, max +\d+\.\d ms"
 
 
