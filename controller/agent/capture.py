@@ -97,6 +97,8 @@ class Capture(Part):
                         why=volume.why,
                         action="its workspace holds files and no record says whose: look at it, then remove it",
                     )
+            elif record.sandbox is not None:
+                continue  # a reopen: never kept nor discarded; its unpublish removes it (runtime holds the sandbox)
             elif record.state in (State.KEEPING, State.KEPT) or not self.volumes.mounted(record, points):
                 out.append(volume)
         return out
