@@ -509,3 +509,20 @@ def test_a_reopen_of_a_sandbox_it_cannot_trust_is_refused_and_mounts_nothing(
     assert caught.value.code == ("NOT_FOUND" if how == "absent" else "FAILED_PRECONDITION")
     assert "RetainedSandbox team/run-42" in caught.value.message
     assert mounts_at(req.target_path) == [] and list(volumes.records()) == []
+
+
+def test_a_reopen_whose_unpublish_never_came_is_forgotten_only_once_unmounted_and_never_its_sandbox(
+    volumes: Volumes, tmp_path: Path
+) -> None:
+    workspace = retained(volumes, tmp_path)
+    req = request(tmp_path, sandbox="run-42")
+    volumes.publish(req)
+    entry = entry_name(req.volume_id)
+    assert volumes.forget(entry) == Busy(req.target_path)  # still mounted: in use, the hold stays
+    unmount_under(Path(req.target_path))  # the node rebooted: its mounts are gone, the record is not
+    assert volumes.forget(entry) is True and list(volumes.records()) == [] and volumes.reopened() == ([], [])
+    assert (workspace / "logs" / "build.log").exists()
+    capture = request(tmp_path, pod_uid="1f5c2a7e-1b6d-4c8e-9a3f-5d2e7b1c4a91")
+    volumes.publish(capture)
+    unmount_under(Path(capture.target_path))
+    assert volumes.forget(entry_name(capture.volume_id)) is False  # a capture's entry is never a reopen's to drop

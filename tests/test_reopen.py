@@ -149,3 +149,19 @@ def test_the_agent_holds_a_reopened_sandbox_until_its_unpublish(
     plugin.unpublish(volume_id, target)
     wait_for(lambda: get(cluster, namespace, "held") is None, what="deleted once the reopen is unpublished")
     assert not path.exists()
+
+
+def test_a_reopen_whose_unpublish_never_comes_is_released_once_unmounted_and_its_pod_gone(
+    cluster, namespace, nodes, plugin, agents: Callable[..., Any]
+):
+    n1, _ = nodes
+    path = n1.retain(namespace, "rebooted")
+    agents(n1)
+    adopted(cluster, namespace, "rebooted")
+    _, target = plugin.publish(namespace, "rebooted")  # its Pod "debug" is not in the API: gone
+    holder = f"pod {namespace}/debug (reopen volume)"
+    wait_for(lambda: holder in ((get(cluster, namespace, "rebooted") or {}).get("status") or {}).get("heldBy", []))
+    unmount_under(target)  # the node rebooted: the mount is gone, the record is not
+    wait_for(lambda: list(Volumes(n1.root).records()) == [], what="the stale reopen record released")
+    wait_for(lambda: not ((get(cluster, namespace, "rebooted") or {}).get("status") or {}).get("heldBy"))
+    assert (path / c.WORKSPACE_DIR / "README").read_text() == "hello"

@@ -644,6 +644,20 @@ class Volumes:
         except OSError:
             return None
 
+    def forget(self, entry: str) -> bool | Busy:
+        """Remove a reopen's entry whose unpublish never came (its Pod is gone): never one whose target is still
+        mounted (Busy), never a capture's entry (False: not a reopen). True: removed, or already gone."""
+        with self._lock(entry), self._volumes(create=False) as vols_fd:
+            volume = None if vols_fd is None else self._read(vols_fd, entry)
+            if vols_fd is None or volume is None:
+                return True
+            if volume.record is None or volume.record.sandbox is None:
+                return False
+            if self.mounted(volume.record):
+                return Busy(volume.record.target_path)
+            self._forget(vols_fd, entry)  # its record alone: an entry holding anything else is not removed
+            return True
+
     def keep(self, entry: str, origin: Origin, why: str) -> KeepResult:
         """Keep a volume's workspace as `<root>/<its Pod's namespace>/<name>` (Root.retain_volume: a rename,
         never a copy, a manifest carrying `origin`), under the first free name of `kept_names`; then the entry
