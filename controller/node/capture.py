@@ -357,7 +357,7 @@ class Volumes:
             try:
                 with _fd(os.open(entry, _DIR, dir_fd=vols_fd)) as entry_fd:
                     if record is None:
-                        record = self._reopen_record(req, sandbox, _ident(os.fstat(ws)))
+                        record = self._record(req, _ident(os.fstat(ws)))
                         self._write(entry_fd, record)
                     self._mount(record, ws)
             except BaseException:
@@ -397,7 +397,8 @@ class Volumes:
             with _fd(ws):
                 yield ws
 
-    def _reopen_record(self, req: VolumeRequest, sandbox: str, workspace: tuple[int, int]) -> Record:
+    def _record(self, req: VolumeRequest, workspace: tuple[int, int]) -> Record:
+        """A new publish's record: the request as the kubelet made it, the workspace's identity, published now."""
         return Record(
             volume_id=req.volume_id,
             target_path=req.target_path,
@@ -405,11 +406,15 @@ class Volumes:
             pod_name=req.pod_name,
             pod_uid=req.pod_uid,
             service_account=req.service_account,
+            keep=req.keep,
+            name=req.name,
+            retention_seconds=None if req.retention is None else int(req.retention.total_seconds()),
             read_only=req.read_only,
+            mount_group=req.mount_group,
             workspace=workspace,
             published_at=format_instant(self.clock()),
             state=State.PUBLISHED,
-            sandbox=sandbox,
+            sandbox=req.sandbox,
         )
 
     @staticmethod
@@ -449,22 +454,7 @@ class Volumes:
             else:
                 os.fchmod(ws, 0o1777)
             ident = _ident(os.fstat(ws))
-        record = Record(
-            volume_id=req.volume_id,
-            target_path=req.target_path,
-            pod_namespace=req.pod_namespace,
-            pod_name=req.pod_name,
-            pod_uid=req.pod_uid,
-            service_account=req.service_account,
-            keep=req.keep,
-            name=req.name,
-            retention_seconds=None if req.retention is None else int(req.retention.total_seconds()),
-            read_only=req.read_only,
-            mount_group=req.mount_group,
-            workspace=ident,
-            published_at=format_instant(self.clock()),
-            state=State.PUBLISHED,
-        )
+        record = self._record(req, ident)
         self._write(entry_fd, record)
         return record
 
