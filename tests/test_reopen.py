@@ -131,16 +131,23 @@ def test_what_open_refuses_a_reopen_refuses_as_the_pods_events_show_it(cluster, 
     assert list(Volumes(n1.root).records()) == []
 
 
+def reopened_and_held(cluster: Any, namespace: str, plugin: Plugin, name: str) -> tuple[str, Path]:
+    """A sandbox adopted by the running agent, reopened by a Pod `debug` and held for it: its volume id, target."""
+    adopted(cluster, namespace, name)
+    volume_id, target = plugin.publish(namespace, name)
+    holder = f"pod {namespace}/debug (reopen volume)"
+    wait_for(lambda: holder in ((get(cluster, namespace, name) or {}).get("status") or {}).get("heldBy", []))
+    return volume_id, target
+
+
 def test_the_agent_holds_a_reopened_sandbox_until_its_unpublish(
     cluster, namespace, nodes, plugin, agents: Callable[..., Any]
 ):
     n1, _ = nodes
     path = n1.retain(namespace, "held")
     agents(n1)
-    adopted(cluster, namespace, "held")
-    volume_id, target = plugin.publish(namespace, "held")
+    volume_id, target = reopened_and_held(cluster, namespace, plugin, "held")
     holder = f"pod {namespace}/debug (reopen volume)"
-    wait_for(lambda: holder in ((get(cluster, namespace, "held") or {}).get("status") or {}).get("heldBy", []))
     delete(cluster, namespace, "held")
     held = wait_for(lambda: (o := get(cluster, namespace, "held")) and o["status"].get("phase") == "Held" and o)
     assert holder in held["status"]["heldBy"] and path.is_dir()
@@ -157,10 +164,7 @@ def test_a_reopen_whose_unpublish_never_comes_is_released_once_unmounted_and_its
     n1, _ = nodes
     path = n1.retain(namespace, "rebooted")
     agents(n1)
-    adopted(cluster, namespace, "rebooted")
-    _, target = plugin.publish(namespace, "rebooted")  # its Pod "debug" is not in the API: gone
-    holder = f"pod {namespace}/debug (reopen volume)"
-    wait_for(lambda: holder in ((get(cluster, namespace, "rebooted") or {}).get("status") or {}).get("heldBy", []))
+    _, target = reopened_and_held(cluster, namespace, plugin, "rebooted")  # its Pod "debug" is not in the API
     unmount_under(target)  # the node rebooted: the mount is gone, the record is not
     wait_for(lambda: list(Volumes(n1.root).records()) == [], what="the stale reopen record released")
     wait_for(lambda: not ((get(cluster, namespace, "rebooted") or {}).get("status") or {}).get("heldBy"))
