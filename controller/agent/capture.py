@@ -97,6 +97,9 @@ class Capture(Part):
                         why=volume.why,
                         action="its workspace holds files and no record says whose: look at it, then remove it",
                     )
+            elif record.sandbox is not None:  # a reopen: never kept nor discarded; its unpublish removes it
+                if not self.volumes.mounted(record, points):
+                    out.append(volume)  # unless that never came: released once its Pod is gone (`_released`)
             elif record.state in (State.KEEPING, State.KEPT) or not self.volumes.mounted(record, points):
                 out.append(volume)
         return out
@@ -106,6 +109,9 @@ class Capture(Part):
         if record is None:
             await asyncio.to_thread(self.volumes.discard, volume.entry)
             logs.say(log, "capture_cleared", reason=Reason.DELETED, entry=volume.entry, why=volume.why)
+            return
+        if record.sandbox is not None:
+            await self._released(record, volume.entry, pods.get(record.pod_uid))
             return
         if record.state in (State.KEEPING, State.KEPT):  # decided before a crash: finish that decision
             if record.origin is not None:  # written with the decision, always
@@ -126,6 +132,16 @@ class Capture(Part):
         else:
             deleted = await asyncio.to_thread(self.volumes.discard, volume.entry)
             await self._discarded(record, decision, deleted)
+
+    async def _released(self, record: Record, entry: str, pod: Obj | None) -> None:
+        """A reopen no longer mounted whose Pod is gone or ended (the node rebooted, the Pod was force-deleted
+        with the kubelet down): its record goes, and with it the hold on the sandbox. The sandbox is untouched."""
+        if pod is not None and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+            return  # its Pod may still mount it (a publish being retried): the hold stays
+        if await asyncio.to_thread(self.volumes.forget, entry) is True:
+            sandbox = f"{record.pod_namespace}/{record.sandbox}"
+            pod_name = f"{record.pod_namespace}/{record.pod_name}"
+            logs.say(log, "reopen_released", reason=Reason.POD_MOUNT, pod=pod_name, sandbox=sandbox, why="pod ended")
 
     async def _said(self, record: Record, why: str, result: Kept | Busy | Lost | None) -> None:
         """The Event and log line of a keep."""

@@ -215,7 +215,8 @@ class Agent:
         self.state.present = set(keys)
         listed = await asyncio.to_thread(self._pods)
         pods = self._pod_paths(listed) or []  # a deletion asks again, and holds without them
-        usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore)
+        held, unknown = await asyncio.to_thread(self.volumes.reopened)
+        usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore, held, unknown)
         self.m.inuse_scans.labels(self.s.node).inc()
         self.state.usage = await asyncio.to_thread(discount_orphans, usage, keys, orphans.orphan_pids)
         refused = await self.adopter.adopt(scan.sandboxes)
@@ -494,7 +495,8 @@ class Agent:
         No Pod list, no way to rule out a Pod that mounts one: unknown, which holds.
         """
         pods = self._pod_paths(self._pods())
-        found = scan_usage(paths, pods or [], Path("/proc"), self.ignore)
+        held, unknown = self.volumes.reopened()  # a Pod's reopen volume holds its sandbox (capture.py)
+        found = scan_usage(paths, pods or [], Path("/proc"), self.ignore, held, unknown)
         self.m.inuse_scans.labels(self.s.node).inc()
         for key, usage in found.items():
             if pods is None and not usage.in_use:

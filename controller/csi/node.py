@@ -22,6 +22,8 @@ import grpc
 from controller.csi.proto import csi_pb2, csi_pb2_grpc
 from controller.observe import logs
 from controller.rules.contracts import POD_INFO_NAME, POD_INFO_NAMESPACE, Reason
+from controller.rules.objects import Obj
+from controller.rules.reopen import volume_refusal
 from controller.rules.volume import (
     INTERNAL,
     Capability,
@@ -55,11 +57,19 @@ class VolumeBackend(Protocol):
     def unpublish(self, volume_id: str, target_path: str) -> None: ...
 
 
+# A RetainedSandbox as the API server has it now (None: it does not exist); raises when the API cannot say.
+SandboxLookup = Callable[[str, str], Obj | None]
+UNAVAILABLE = "UNAVAILABLE"
+
+
 class NodeService(csi_pb2_grpc.NodeServicer):
-    def __init__(self, node: str, backend: VolumeBackend, kubelet_dir: str) -> None:
+    def __init__(
+        self, node: str, backend: VolumeBackend, kubelet_dir: str, sandboxes: SandboxLookup | None = None
+    ) -> None:
         self.node = node
         self.backend = backend
         self.kubelet_dir = kubelet_dir
+        self.sandboxes = sandboxes  # None: no API access, so every reopen is refused (UNAVAILABLE)
         self.serial = Serial()
         self.pods: dict[str, str] = {}  # volume id -> `namespace/name` of its Pod, from the publish (for the log)
 
@@ -92,12 +102,33 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 attributes,
                 self.kubelet_dir,
             )
+            if req.sandbox is not None:
+                self._may_reopen(req.pod_namespace, req.sandbox)
             self.backend.publish(req)
             self.pods[req.volume_id] = pod
             return {"keep": None if req.sandbox else req.keep, "sandbox": req.sandbox, "read_only": req.read_only}
 
         self._answer(context, "volume_published", request.volume_id, pod, publish)
         return csi_pb2.NodePublishVolumeResponse()
+
+    def _may_reopen(self, namespace: str, name: str) -> None:
+        """Refuse a reopen `kubectl sandkeep open` would refuse (rules/reopen.py), or one on another node; fail
+        closed (UNAVAILABLE, which the kubelet retries) when the API cannot say."""
+        if self.sandboxes is None:
+            raise VolumeError(
+                UNAVAILABLE, f"RetainedSandbox {namespace}/{name}: sandkeep's node plugin has no API access to check it"
+            )
+        try:
+            sandbox = self.sandboxes(namespace, name)
+        except Exception as err:
+            raise VolumeError(
+                UNAVAILABLE,
+                f"RetainedSandbox {namespace}/{name} could not be read from the API ({str(err)[:200]}); the kubelet "
+                "retries",
+            ) from err
+        refusal = volume_refusal(sandbox, namespace, name, self.node)
+        if refusal is not None:
+            raise VolumeError(*refusal)
 
     def NodeUnpublishVolume(
         self, request: csi_pb2.NodeUnpublishVolumeRequest, context: grpc.ServicerContext

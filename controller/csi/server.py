@@ -15,7 +15,7 @@ import grpc
 
 from controller.csi import sockets
 from controller.csi.identity import IdentityService
-from controller.csi.node import NodeService, VolumeBackend
+from controller.csi.node import NodeService, SandboxLookup, VolumeBackend
 from controller.csi.proto import csi_pb2_grpc
 from controller.observe import logs
 from controller.rules.contracts import CSI_DRIVER
@@ -45,14 +45,16 @@ class Serving:
         logs.say(log, "csi_plugin_stopped", socket=self.socket.path)
 
 
-def serve(endpoint: Path, node: str, backend: VolumeBackend, kubelet_dir: str) -> Serving:
+def serve(
+    endpoint: Path, node: str, backend: VolumeBackend, kubelet_dir: str, sandboxes: SandboxLookup | None = None
+) -> Serving:
     """Start the plugin on the unix socket `endpoint` (SocketRefused when something else is there)."""
     server = grpc.server(
         ThreadPoolExecutor(WORKERS, thread_name_prefix="csi"),
         maximum_concurrent_rpcs=MAX_PENDING,
         options=[("grpc.max_receive_message_length", MAX_MESSAGE)],
     )
-    node_service = NodeService(node, backend, kubelet_dir)
+    node_service = NodeService(node, backend, kubelet_dir, sandboxes)
     csi_pb2_grpc.add_IdentityServicer_to_server(IdentityService(), server)
     csi_pb2_grpc.add_NodeServicer_to_server(node_service, server)
     try:

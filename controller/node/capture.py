@@ -8,7 +8,13 @@ Layout (the root's own directory: its scan skips it, nothing in it is a sandbox)
         record.json                           0600, written atomically: the request, the state, the decision
         workspace/                            the Pod's files, bind-mounted (nosuid, nodev) at the target path
 
-A record goes published -> unpublished -> keeping -> kept, then its entry is tombstoned and deleted. The CSI
+A record goes published -> unpublished -> keeping -> kept, then its entry is tombstoned and deleted.
+
+A reopen (`sandbox` set: a Pod's volume naming a retained sandbox of its own namespace) has a record and no
+workspace of its own: the sandbox's `workspace/` is bind-mounted at the target (read-only unless asked), its
+(st_dev, st_ino) in the record. Its record is published until the unpublish, which unmounts and removes the
+entry entirely: nothing is ever kept or discarded from a reopen, and while its record exists (or its target is
+still mounted) the agent holds the sandbox (`reopened`). The CSI
 node service calls `publish` and `unpublish` (blocking, idempotent, raising `VolumeError` with the CSI status);
 the agent's pass decides (controller/rules/capture.py) and calls `keep` or `discard`, never on a volume whose
 target is still mounted. Both sides take one lock per entry, so a pass never acts on a publish in progress: a
@@ -51,6 +57,7 @@ from controller.node.store import (
     Present,
     Root,
     StoreError,
+    manifest_in,
     parse_tombstone,
     rename_noreplace,
     standalone_id,
@@ -109,6 +116,7 @@ class Record(BaseModel):
     why: str | None = Field(None, max_length=1024)  # the decision in words, once keeping
     origin: Origin | None = None  # once keeping: the manifest's
     kept_as: str | None = Field(None, alias="keptAs")  # `<namespace>/<name>`, once kept
+    sandbox: ObjectName | None = None  # a reopen of <podNamespace>/<sandbox>: never kept nor discarded
 
     def to_json(self) -> bytes:
         return (self.model_dump_json(by_alias=True, indent=2, exclude_none=True) + "\n").encode()
@@ -222,7 +230,7 @@ def _check(req: VolumeRequest) -> None:
         (not is_namespace_name(req.pod_namespace), "Pod namespace"),
         (not is_object_name(req.pod_name), "Pod name"),
         (not req.pod_uid or len(req.pod_uid) > 128, "Pod uid"),
-        (req.sandbox is not None, "sandbox (a reopen is not a capture)"),
+        (req.sandbox is not None and not is_object_name(req.sandbox), "sandbox name"),
     ]
     for bad, what in problems:
         if bad:
@@ -287,7 +295,10 @@ class Volumes:
         entry = entry_name(req.volume_id)
         with self._lock(entry):
             try:
-                self._publish(req, entry)
+                if req.sandbox is not None:
+                    self._publish_reopen(req, req.sandbox, entry)
+                else:
+                    self._publish(req, entry)
             except OSError as err:
                 raise VolumeError(
                     "INTERNAL",
@@ -308,7 +319,7 @@ class Volumes:
             if record is not None:
                 self._republish(req, record)
                 with _fd(os.open(entry, _DIR, dir_fd=vols_fd)) as entry_fd:
-                    self._mount(record, entry_fd)
+                    self._mount_workspace(record, entry_fd)
                     if record.state is State.UNPUBLISHED:  # the kubelet mounts a running Pod's volume again
                         self._write(
                             entry_fd, record.model_copy(update={"state": State.PUBLISHED, "unpublished_at": None})
@@ -319,11 +330,102 @@ class Volumes:
             try:
                 with _fd(os.open(entry, _DIR, dir_fd=vols_fd)) as entry_fd:
                     record = self._new_record(req, entry_fd)
-                    self._mount(record, entry_fd)
+                    self._mount_workspace(record, entry_fd)
             except BaseException:  # nothing is mounted and nothing was written in it: it goes, never to be decided on
                 with contextlib.suppress(OSError, StoreError):
                     self._remove(vols_fd, entry)
                 raise
+
+    def _publish_reopen(self, req: VolumeRequest, sandbox: str, entry: str) -> None:
+        """Mount the workspace of the sandbox <Pod's namespace>/<sandbox> at the target (idempotent): opened with
+        no link followed in any component, its manifest naming it; the record first, then the mount."""
+        ns = req.pod_namespace
+        with self._volumes(create=True) as vols_fd, self._reopened(ns, sandbox, req.volume_id) as ws:
+            assert vols_fd is not None
+            volume = self._read(vols_fd, entry)
+            record = volume.record if volume is not None else None
+            if record is not None:
+                self._republish(req, record)
+                if (record.pod_namespace, record.sandbox, record.workspace) != (ns, sandbox, _ident(os.fstat(ws))):
+                    raise VolumeError(
+                        "FAILED_PRECONDITION",
+                        f"volume {req.volume_id}: RetainedSandbox {ns}/{sandbox} is not the one it was published "
+                        "from (replaced since); a new Pod gets a new volume",
+                    )
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(entry, 0o700, dir_fd=vols_fd)
+            try:
+                with _fd(os.open(entry, _DIR, dir_fd=vols_fd)) as entry_fd:
+                    if record is None:
+                        record = self._record(req, _ident(os.fstat(ws)))
+                        self._write(entry_fd, record)
+                    self._mount(record, ws)
+            except BaseException:
+                if volume is None:  # a first publish that failed leaves nothing: no mount, no hold
+                    with contextlib.suppress(OSError):
+                        self._forget(vols_fd, entry)
+                raise
+
+    @contextlib.contextmanager
+    def _reopened(self, namespace: str, name: str, volume_id: str) -> Iterator[int]:
+        """An O_PATH fd of the sandbox's workspace/, reached with no link followed, its manifest naming it."""
+        ref = f"RetainedSandbox {namespace}/{name}"
+        try:
+            sandbox_fd = fsdelete.open_no_symlinks(self.root.path / namespace / name)
+        except FileNotFoundError as err:
+            raise VolumeError("NOT_FOUND", f"{ref}: its directory is not on this node's root") from err
+        except OSError as err:
+            if err.errno not in (E.ELOOP, E.ENOTDIR):
+                raise
+            raise VolumeError(
+                "FAILED_PRECONDITION", f"{ref}: a link or a file on its path on this node; a link is never followed"
+            ) from err
+        with _fd(sandbox_fd):
+            read = manifest_in(sandbox_fd, namespace, name)
+            if not isinstance(read, Present):
+                raise VolumeError(
+                    "FAILED_PRECONDITION",
+                    f"{ref}: its manifest on this node does not name it ({read.reason}); see `kubectl sandkeep doctor`",
+                )
+            try:
+                ws = os.open(WORKSPACE_DIR, _PATH, dir_fd=sandbox_fd)
+            except OSError as err:
+                raise VolumeError(
+                    "FAILED_PRECONDITION",
+                    f"{ref}: its workspace/ cannot be opened ({os.strerror(_errno_of(err))}); a link is never followed",
+                ) from err
+            with _fd(ws):
+                yield ws
+
+    def _record(self, req: VolumeRequest, workspace: tuple[int, int]) -> Record:
+        """A new publish's record: the request as the kubelet made it, the workspace's identity, published now."""
+        return Record(
+            volume_id=req.volume_id,
+            target_path=req.target_path,
+            pod_namespace=req.pod_namespace,
+            pod_name=req.pod_name,
+            pod_uid=req.pod_uid,
+            service_account=req.service_account,
+            keep=req.keep,
+            name=req.name,
+            retention_seconds=None if req.retention is None else int(req.retention.total_seconds()),
+            read_only=req.read_only,
+            mount_group=req.mount_group,
+            workspace=workspace,
+            published_at=format_instant(self.clock()),
+            state=State.PUBLISHED,
+            sandbox=req.sandbox,
+        )
+
+    @staticmethod
+    def _forget(vols_fd: int, entry: str) -> None:
+        """Remove a reopen's entry (its record alone: the workspace it mounted is the sandbox's, never here)."""
+        with _fd(os.open(entry, _DIR, dir_fd=vols_fd)) as entry_fd:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(RECORD_NAME, dir_fd=entry_fd)
+            os.fsync(entry_fd)
+        os.rmdir(entry, dir_fd=vols_fd)
+        os.fsync(vols_fd)
 
     def _republish(self, req: VolumeRequest, record: Record) -> None:
         """Refuse a publish of a known volume that is not the same one again."""
@@ -352,26 +454,15 @@ class Volumes:
             else:
                 os.fchmod(ws, 0o1777)
             ident = _ident(os.fstat(ws))
-        record = Record(
-            volume_id=req.volume_id,
-            target_path=req.target_path,
-            pod_namespace=req.pod_namespace,
-            pod_name=req.pod_name,
-            pod_uid=req.pod_uid,
-            service_account=req.service_account,
-            keep=req.keep,
-            name=req.name,
-            retention_seconds=None if req.retention is None else int(req.retention.total_seconds()),
-            read_only=req.read_only,
-            mount_group=req.mount_group,
-            workspace=ident,
-            published_at=format_instant(self.clock()),
-            state=State.PUBLISHED,
-        )
+        record = self._record(req, ident)
         self._write(entry_fd, record)
         return record
 
-    def _mount(self, record: Record, entry_fd: int) -> None:
+    def _mount_workspace(self, record: Record, entry_fd: int) -> None:
+        with _fd(os.open(WORKSPACE_DIR, _PATH, dir_fd=entry_fd)) as ws:
+            self._mount(record, ws)
+
+    def _mount(self, record: Record, ws: int) -> None:
         """Bind-mount the workspace at the target, unless it is mounted there already; never through a link.
 
         Both ends are opened first (the target's own name with O_NOFOLLOW) and mounted by their
@@ -390,8 +481,7 @@ class Volumes:
                             "FAILED_PRECONDITION",
                             f"volume {record.volume_id}: something else is mounted at {record.target_path}",
                         )
-                    with _fd(os.open(WORKSPACE_DIR, _PATH, dir_fd=entry_fd)) as ws:
-                        _syscall_mount(f"/proc/self/fd/{ws}", f"/proc/self/fd/{target_fd}", _MS_BIND)
+                    _syscall_mount(f"/proc/self/fd/{ws}", f"/proc/self/fd/{target_fd}", _MS_BIND)
             with _fd(self._open_target(record, parent_fd, leaf)) as mounted:
                 if _ident(os.fstat(mounted)) != record.workspace:
                     raise VolumeError(
@@ -443,7 +533,9 @@ class Volumes:
                 self._remove_target(target_path, None)  # only an empty, unmounted directory: never ours to mount
                 return
             self._remove_target(target_path, record)
-            if record.state is State.PUBLISHED:
+            if record.sandbox is not None:  # a reopen: nothing to keep, the entry goes and with it the hold
+                self._forget(vols_fd, entry)
+            elif record.state is State.PUBLISHED:
                 with _fd(os.open(entry, _DIR, dir_fd=vols_fd)) as entry_fd:
                     now = format_instant(self.clock())
                     self._write(entry_fd, record.model_copy(update={"state": State.UNPUBLISHED, "unpublished_at": now}))
@@ -505,6 +597,23 @@ class Volumes:
                 if volume is not None:
                     yield volume
 
+    def reopened(self) -> tuple[list[tuple[str, Path]], list[str]]:
+        """What reopens hold: (holder, the sandbox's path) of every reopen record, published or still mounted,
+        and the entries that may be a reopen whose record cannot be read (no record and no workspace of their
+        own): those name no sandbox, so each holds every sandbox of the node until its entry is cleared."""
+        holds: list[tuple[str, Path]] = []
+        unknown: list[str] = []
+        points = self.mount_points()
+        for volume in self.records():
+            record = volume.record
+            if record is None:
+                if not (self.path / volume.entry / WORKSPACE_DIR).exists():
+                    unknown.append(f"volume entry {volume.entry}: {volume.why}")
+            elif record.sandbox is not None and (record.state is State.PUBLISHED or self.mounted(record, points)):
+                where = self.root.path / record.pod_namespace / record.sandbox
+                holds.append((f"pod {record.pod_namespace}/{record.pod_name} (reopen volume)", where))
+        return holds, unknown
+
     def mounted(self, record: Record, points: Collection[str] | None = None) -> bool:
         """Whether anything is mounted at the record's target: it is in use, never kept or discarded.
         `points`: this namespace's mount points read once for many records (`mount_points`)."""
@@ -543,6 +652,20 @@ class Volumes:
                 return next(it, None) is None
         except OSError:
             return None
+
+    def forget(self, entry: str) -> bool | Busy:
+        """Remove a reopen's entry whose unpublish never came (its Pod is gone): never one whose target is still
+        mounted (Busy), never a capture's entry (False: not a reopen). True: removed, or already gone."""
+        with self._lock(entry), self._volumes(create=False) as vols_fd:
+            volume = None if vols_fd is None else self._read(vols_fd, entry)
+            if vols_fd is None or volume is None:
+                return True
+            if volume.record is None or volume.record.sandbox is None:
+                return False
+            if self.mounted(volume.record):
+                return Busy(volume.record.target_path)
+            self._forget(vols_fd, entry)  # its record alone: an entry holding anything else is not removed
+            return True
 
     def keep(self, entry: str, origin: Origin, why: str) -> KeepResult:
         """Keep a volume's workspace as `<root>/<its Pod's namespace>/<name>` (Root.retain_volume: a rename,

@@ -406,13 +406,20 @@ def scan_usage(
     pod_paths: Iterable[tuple[str, Path]] = (),
     proc: Path = Path("/proc"),
     ignore: Collection[int] = (),
+    held: Iterable[tuple[str, Path]] = (),
+    unknown: Iterable[str] = (),
 ) -> dict[K, Usage]:
     """Answer, for every sandbox in `paths`, whether it is in use: one walk of `/proc` for all of them.
 
     `pod_paths` are (`namespace/name`, hostPath) of the Pods on this node. `ignore` lists pids that do
-    not count as users (the agent itself, whose own size walk opens files inside sandboxes).
+    not count as users (the agent itself, whose own size walk opens files inside sandboxes). `held` are
+    other holders of a path (a reopen volume's, with its words); each of `unknown` makes every answer unknown.
     """
     scan: _Scan[K] = _Scan(paths, proc)
+    scan.found.unknown.extend(unknown)
+    for holder, path in held:
+        for key in scan.index.owners(os.path.realpath(path)):
+            scan.found.pods.setdefault(key, []).append(holder)
     for pod, host_path in pod_paths:
         # Only a hostPath AT or BELOW a sandbox: the agent's own pod mounts the whole root above them.
         for key in scan.index.owners(os.path.realpath(host_path)):

@@ -1248,3 +1248,8 @@ rename_noreplace = _rename_noreplace
 owned_fd = _fd
 errno_of = _errno_of
 ident = _ident
+
+
+def manifest_in(dir_fd: int, namespace: str, name: str) -> Read:
+    """The manifest of the open sandbox directory `dir_fd`, Present only when it names namespace/name."""
+    return _claimed(_read_manifest_in(dir_fd), namespace, name)

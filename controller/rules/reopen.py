@@ -38,3 +38,22 @@ def sandbox_refusal(sandbox: Obj | None, expired: bool, namespace: str, name: st
 def expired_by_phase(sandbox: Obj) -> bool:
     """Expired as the controller last said it (the phase): for doors that read no policy of their own."""
     return (sandbox.get("status") or {}).get("phase") == c.Phase.EXPIRED
+
+
+def volume_refusal(sandbox: Obj | None, namespace: str, name: str, node: str) -> tuple[str, str] | None:
+    """Why a Pod's reopen volume (`volumeAttributes: {sandbox: name}` in namespace) cannot be published on `node`,
+    as the CSI status name and the message the Pod's Events show; None: it can.
+
+    The name is looked up in the Pod's own namespace only, so another namespace's sandbox is simply not found.
+    """
+    refusal = sandbox_refusal(sandbox, sandbox is not None and expired_by_phase(sandbox), namespace, name)
+    if refusal is not None:
+        return ("NOT_FOUND" if sandbox is None else "FAILED_PRECONDITION"), refusal[1]
+    assert sandbox is not None
+    on = (sandbox.get("spec") or {}).get("nodeName")
+    if on != node:
+        return "FAILED_PRECONDITION", (
+            f"RetainedSandbox {namespace}/{name} is on node {on}, not {node}; schedule the Pod there: "
+            f"spec.nodeName: {on}, or a nodeSelector on kubernetes.io/hostname={on}"
+        )
+    return None

@@ -25,6 +25,7 @@ from controller.rules.contracts import (
     POD_INFO_UID,
     VOLUME_KEEP,
     VOLUME_NAME,
+    VOLUME_READ_WRITE,
     VOLUME_RETENTION,
     VOLUME_SANDBOX,
     Keep,
@@ -41,8 +42,8 @@ INTERNAL = "INTERNAL"
 
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet"  # the kubelet's --root-dir
 KUBELET_PREFIX = "csi.storage.k8s.io/"  # the kubelet's own volumeAttributes (pod info, ephemeral)
-USER_KEYS = (VOLUME_KEEP, VOLUME_NAME, VOLUME_RETENTION, VOLUME_SANDBOX)
-MAX_ATTRIBUTES = 16  # the four user keys and the kubelet's five, with room for the kubelet's next ones
+USER_KEYS = (VOLUME_KEEP, VOLUME_NAME, VOLUME_RETENTION, VOLUME_SANDBOX, VOLUME_READ_WRITE)
+MAX_ATTRIBUTES = 16  # the five user keys and the kubelet's five, with room for the kubelet's next ones
 MAX_BYTES = 256  # of any one key, value, volume id or target path component
 MAX_PATH_BYTES = 4096  # PATH_MAX
 MAX_SANDBOX_NAME = 63  # `name` and `sandbox`: a sandbox name short enough to show whole in a column
@@ -80,7 +81,7 @@ class VolumeRequest:
     name: str | None = None  # VOLUME_NAME: the kept sandbox's name, when the user chose one
     retention: timedelta | None = None  # VOLUME_RETENTION
     sandbox: str | None = None  # VOLUME_SANDBOX: reopen this retained sandbox instead of a fresh workspace
-    read_only: bool = False
+    read_only: bool = False  # a reopen is, unless VOLUME_READ_WRITE says "true"; csi.readOnly always wins
     mount_group: int | None = None  # VolumeCapability.mount.volume_mount_group (the Pod's fsGroup), when sent
 
 
@@ -136,7 +137,7 @@ def parse_publish(
         pod_name=pod[POD_INFO_NAME],
         pod_uid=pod[POD_INFO_UID],
         service_account=pod[POD_INFO_SERVICE_ACCOUNT],
-        read_only=read_only,
+        read_only=read_only or (choices.sandbox is not None and not choices.read_write),
         mount_group=_mount_group(capability.mount_group),
         keep=choices.keep,
         name=choices.name,
@@ -250,11 +251,21 @@ class _Choices(NamedTuple):
     name: str | None = None
     retention: timedelta | None = None
     sandbox: str | None = None
+    read_write: bool = False
 
 
 def _user_choices(attributes: Mapping[str, str]) -> _Choices:
-    """keep, name, retention or sandbox, each checked; a reopen (sandbox) takes none of the others."""
+    """keep, name, retention or sandbox, each checked; a reopen (sandbox) takes none of the others, and only a
+    reopen takes readWrite ("true" or "false")."""
     sandbox = attributes.get(VOLUME_SANDBOX)
+    read_write = attributes.get(VOLUME_READ_WRITE)
+    if read_write is not None and sandbox is None:
+        raise _invalid(
+            f"volumeAttributes.{VOLUME_READ_WRITE} goes only with {VOLUME_SANDBOX} (a reopened sandbox is read-only "
+            f'unless it says "true"); a captured workspace is always writable: remove {VOLUME_READ_WRITE}'
+        )
+    if read_write is not None and read_write not in ("true", "false"):
+        raise _invalid(f'volumeAttributes.{VOLUME_READ_WRITE} is {_shown(read_write)}; write "true" or "false"')
     if sandbox is not None:
         others = [key for key in (VOLUME_KEEP, VOLUME_NAME, VOLUME_RETENTION) if key in attributes]
         if others:
@@ -263,7 +274,8 @@ def _user_choices(attributes: Mapping[str, str]) -> _Choices:
                 f"{' and '.join(others)} cannot go with it: remove {' and '.join(others)}, or remove "
                 f"{VOLUME_SANDBOX} to capture a new workspace"
             )
-        return _Choices(sandbox=_sandbox_name(VOLUME_SANDBOX, sandbox, "a retained sandbox of this namespace"))
+        reopened = _sandbox_name(VOLUME_SANDBOX, sandbox, "a retained sandbox of this namespace")
+        return _Choices(sandbox=reopened, read_write=read_write == "true")
     keep = attributes.get(VOLUME_KEEP, Keep.ALWAYS.value)
     if keep not in {k.value for k in Keep}:
         raise _invalid(

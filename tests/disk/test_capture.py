@@ -217,9 +217,9 @@ def test_a_target_with_something_else_mounted_on_it_is_refused_and_left_as_it_is
         {"volume_id": ""},
         {"volume_id": "x" * 2000},
         {"pod_namespace": "Not_A_Namespace"},
-        {"sandbox": "run-42"},
+        {"sandbox": "Run_42"},
     ],
-    ids=["relative", "dotdot", "empty-id", "long-id", "bad-namespace", "reopen"],
+    ids=["relative", "dotdot", "empty-id", "long-id", "bad-namespace", "bad-sandbox"],
 )
 def test_a_request_that_cannot_be_used_is_invalid_argument_and_makes_nothing(
     volumes: Volumes, tmp_path: Path, fields: dict[str, Any]
@@ -480,3 +480,84 @@ def test_an_agent_killed_at_any_step_ends_with_exactly_one_sandbox_or_none_and_n
         read = volumes.root.read("team", sandboxes[0].name)
         assert isinstance(read, Present) and read.manifest.origin == origin(req), where
         assert (sandboxes[0] / MANIFEST_NAME).stat().st_mode & 0o777 == 0o600, where
+
+
+# --- reopen -------------------------------------------------------------------------------------------------------
+def retained(volumes: Volumes, tmp_path: Path, namespace: str = "team", name: str = "run-42") -> Path:
+    """A real retained sandbox of the root, kept by `Root.retain` from a job directory with one file."""
+    job = tmp_path / f"job-{name}"
+    (job / "logs").mkdir(parents=True)
+    (job / "logs" / "build.log").write_text("error: it failed\n")
+    volumes.root.retain(job, namespace, name, job_id="j-1", created_at=NOW, retention=None, node="n1", now=NOW)
+    return volumes.root.path / namespace / name / WORKSPACE_DIR
+
+
+def test_a_reopen_mounts_the_sandboxs_workspace_read_only_and_its_unpublish_leaves_no_entry(
+    volumes: Volumes, tmp_path: Path
+) -> None:
+    workspace = retained(volumes, tmp_path)
+    req = request(tmp_path, sandbox="run-42", read_only=True)
+    volumes.publish(req)
+    volumes.publish(req)  # the kubelet's retry: the same mount, once
+    target = Path(req.target_path)
+    assert (target / "logs" / "build.log").read_text() == "error: it failed\n"
+    (options,) = mounts_at(req.target_path)
+    assert {"ro", "nosuid", "nodev"} <= set(options.split(","))
+    with pytest.raises(OSError) as caught:
+        (target / "new.txt").write_text("x")
+    assert caught.value.errno == errno.EROFS
+    (volume,) = volumes.records()
+    assert volume.record is not None and volume.record.sandbox == "run-42"
+    assert volume.record.state is State.PUBLISHED and not (volumes.path / volume.entry / WORKSPACE_DIR).exists()
+    holds, unknown = volumes.reopened()
+    assert holds == [("pod team/build-42-x7k2p (reopen volume)", volumes.root.path / "team" / "run-42")]
+    assert unknown == []
+    volumes.unpublish(req.volume_id, req.target_path)
+    assert mounts_at(req.target_path) == [] and list(volumes.records()) == [] and volumes.reopened() == ([], [])
+    assert (workspace / "logs" / "build.log").exists()  # nothing of the sandbox goes with its reopen
+
+
+def test_a_read_write_reopen_writes_into_the_sandbox(volumes: Volumes, tmp_path: Path) -> None:
+    workspace = retained(volumes, tmp_path)
+    req = request(tmp_path, sandbox="run-42", read_only=False)
+    volumes.publish(req)
+    (Path(req.target_path) / "notes.txt").write_text("looked at it")
+    assert (workspace / "notes.txt").read_text() == "looked at it"
+    volumes.unpublish(req.volume_id, req.target_path)
+
+
+@pytest.mark.parametrize("how", ["absent", "link", "mismatch"])
+def test_a_reopen_of_a_sandbox_it_cannot_trust_is_refused_and_mounts_nothing(
+    volumes: Volumes, tmp_path: Path, how: str
+) -> None:
+    if how == "link":  # team/run-42 is a link to another namespace's sandbox: never followed
+        retained(volumes, tmp_path, "other", "run-42")
+        (volumes.root.path / "team").mkdir()
+        (volumes.root.path / "team" / "run-42").symlink_to(volumes.root.path / "other" / "run-42")
+    elif how == "mismatch":  # a manifest of other/run-42 under team/run-42
+        retained(volumes, tmp_path, "other", "run-42")
+        (volumes.root.path / "team").mkdir()
+        (volumes.root.path / "other" / "run-42").rename(volumes.root.path / "team" / "run-42")
+    req = request(tmp_path, sandbox="run-42")
+    with pytest.raises(VolumeError) as caught:
+        volumes.publish(req)
+    assert caught.value.code == ("NOT_FOUND" if how == "absent" else "FAILED_PRECONDITION")
+    assert "RetainedSandbox team/run-42" in caught.value.message
+    assert mounts_at(req.target_path) == [] and list(volumes.records()) == []
+
+
+def test_a_reopen_whose_unpublish_never_came_is_forgotten_only_once_unmounted_and_never_its_sandbox(
+    volumes: Volumes, tmp_path: Path
+) -> None:
+    workspace = retained(volumes, tmp_path)
+    req = request(tmp_path, sandbox="run-42")
+    volumes.publish(req)
+    entry = entry_name(req.volume_id)
+    assert volumes.forget(entry) == Busy(req.target_path)  # still mounted: in use, the hold stays
+    unmount_under(Path(req.target_path))  # the node rebooted: its mounts are gone, the record is not
+    assert volumes.forget(entry) is True and list(volumes.records()) == [] and volumes.reopened() == ([], [])
+    assert (workspace / "logs" / "build.log").exists()
+    capture = request(tmp_path, pod_uid="1f5c2a7e-1b6d-4c8e-9a3f-5d2e7b1c4a91")
+    volumes.publish(capture)
+    unmount_under(Path(capture.target_path))
+    assert volumes.forget(entry_name(capture.volume_id)) is False  # a capture's entry is never a reopen's to drop

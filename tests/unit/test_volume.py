@@ -18,6 +18,7 @@ from controller.rules.contracts import (
     POD_INFO_UID,
     VOLUME_KEEP,
     VOLUME_NAME,
+    VOLUME_READ_WRITE,
     VOLUME_RETENTION,
     VOLUME_SANDBOX,
     Keep,
@@ -84,11 +85,15 @@ def test_keep_name_and_retention_are_read_as_the_user_wrote_them() -> None:
     assert (req.keep, req.name, req.retention, req.sandbox) == (Keep.ON_FAILURE, "run-42", timedelta(days=3), None)
 
 
-def test_a_reopen_names_a_sandbox_and_is_read_only_when_the_volume_or_its_mode_says_so() -> None:
+def test_a_reopen_is_read_only_unless_read_write_says_true_and_csi_read_only_always_wins() -> None:
     assert publish({VOLUME_SANDBOX: "run-42"}).sandbox == "run-42"
-    assert not publish({VOLUME_SANDBOX: "run-42"}).read_only
-    assert publish({VOLUME_SANDBOX: "run-42"}, readonly=True).read_only
-    assert publish({VOLUME_SANDBOX: "run-42"}, capability=Capability("mount", "SINGLE_NODE_READER_ONLY")).read_only
+    assert publish({VOLUME_SANDBOX: "run-42"}).read_only
+    assert publish({VOLUME_SANDBOX: "run-42", VOLUME_READ_WRITE: "false"}).read_only
+    assert not publish({VOLUME_SANDBOX: "run-42", VOLUME_READ_WRITE: "true"}).read_only
+    assert publish({VOLUME_SANDBOX: "run-42", VOLUME_READ_WRITE: "true"}, readonly=True).read_only
+    reader = Capability("mount", "SINGLE_NODE_READER_ONLY")
+    assert publish({VOLUME_SANDBOX: "run-42", VOLUME_READ_WRITE: "true"}, capability=reader).read_only
+    assert not publish().read_only  # a captured workspace is the Pod's to write
 
 
 def test_the_pods_fsgroup_comes_as_a_numeric_mount_group() -> None:
@@ -142,8 +147,10 @@ def test_a_request_the_kubelet_would_not_send_is_refused_with_the_spec_code(
     [
         ({POD_INFO_EPHEMERAL: "false"}, ["only inline ephemeral volumes", "spec.volumes[].csi"]),
         ({POD_INFO_NAME: ""}, ["podInfoOnMount must be on", POD_INFO_NAME]),
-        ({"kep": "Always"}, ['"kep"', "keep, name, retention, sandbox"]),
-        ({"sandkeep.io/keep": "Always"}, ['"sandkeep.io/keep"', "keep, name, retention, sandbox"]),
+        ({"kep": "Always"}, ['"kep"', "keep, name, retention, sandbox, readWrite"]),
+        ({"sandkeep.io/keep": "Always"}, ['"sandkeep.io/keep"', "keep, name, retention, sandbox, readWrite"]),
+        ({VOLUME_READ_WRITE: "true"}, ["goes only with sandbox", "remove readWrite"]),
+        ({VOLUME_SANDBOX: "run-42", VOLUME_READ_WRITE: "yes"}, ['"yes"', 'write "true" or "false"']),
         ({VOLUME_KEEP: "onfailure"}, ['"onfailure"', "Always, OnFailure, Never"]),
         ({VOLUME_NAME: "Run_42"}, ['"Run_42"', "Kubernetes name", "e.g. run-42"]),
         ({VOLUME_NAME: "r" * 64}, ["at most 63 characters"]),
