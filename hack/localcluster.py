@@ -48,7 +48,8 @@ CLUSTER_TOOLS = ("kube-apiserver", "kube-controller-manager", "etcd", "kubectl")
 # The kube-controller-manager loops whose work the tests and the demo rely on or check: Pods for the
 # chart's Deployment and DaemonSet, `default` ServiceAccounts, deleted namespaces emptied and removed,
 # dependents collected, the chart's aggregated ClusterRoles folded into view/edit/admin, and the
-# PodDisruptionBudget's status (which Pods it covers). Node
+# PodDisruptionBudget's status (which Pods it covers), and ResourceQuotas' status (quota admission
+# refuses every Pod of a namespace whose quota has no status.hard yet). Node
 # lifecycle is left out on purpose: with no kubelet it would mark every Node unreachable.
 CONTROLLERS = (
     "serviceaccount-controller",
@@ -59,6 +60,7 @@ CONTROLLERS = (
     "replicaset-controller",
     "daemonset-controller",
     "disruption-controller",
+    "resourcequota-controller",
     # Pods' projected ServiceAccount tokens carry this ConfigMap's CA.
     "root-ca-certificate-publisher-controller",
 )

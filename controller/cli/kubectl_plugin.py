@@ -4,7 +4,8 @@ kubectl finds `kubectl-sandkeep` on PATH and passes every argument through, so t
 own conventions: `--kubeconfig`, `--context`, `-n/--namespace` (default: the context's namespace, else
 `default`), `-A/--all-namespaces`, `-o json|yaml|wide`, and exit 0 on success, 1 with one `error: ...` line on
 stderr that says what to do next. Reads and writes go through sandkeep's own client (`controller.api.kube`);
-`kubectl` itself runs only for exec, which needs its streaming, with the same --kubeconfig and --context.
+`kubectl` itself runs only for exec, which needs its streaming, with the same --kubeconfig and --context:
+the session's Pod runs in the sandbox's own namespace, so exec is the user's own `pods/exec` there.
 
     ls      sandboxes with node, phase, size, deadline, pin, holders
     pin     `--for 72h` or `--until T`: the pin annotations, checked here with the grammar the controller uses

@@ -13,7 +13,7 @@ Its parts, each named for its job:
     lost_nodes.py      a deleting sandbox whose node is gone past the grace: its disk finalizer removed
     events.py          Events, posted in the background from a bounded backlog
     sessions.py        SandboxSessions: the queue of sessions, the reads and writes around their decision
-    session_decide.py  pure: what one session needs now (caps, images, the admission guard, the mount)
-    session_objects.py pure: a session's Pod, and the Role and RoleBinding that grant exec on it
+    session_decide.py  pure: what one session needs now (caps, images, the admission guard, its Pod)
+    session_objects.py pure: a session's Pod in its sandbox's namespace (the CSI volume, `restricted`)
     policyset.py       several SandboxPolicies in one namespace: the oldest applies
 """

@@ -120,8 +120,12 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kube-burst", type=int, help="API requests at once above the average (default 200)")
     parser.add_argument("--identity", help="leader-election identity (default hostname_pid)")
-    parser.add_argument("--sessions-namespace", help="namespace session Pods run in (default: sessions off)")
-    parser.add_argument("--sessions-root", help="the nodes' sandbox root, as the agents' --root")
+    parser.add_argument(
+        "--sessions",
+        action="store_true",
+        default=None,
+        help="serve SandboxSessions: a Pod in the sandbox's own namespace (default: off)",
+    )
     parser.add_argument("--sessions-image", help="image of a session that names none")
     parser.add_argument("--sessions-max-lifetime", help="longest session lifetime (default 8h)")
     parser.add_argument("--sessions-run-as-user", type=int, help="uid of a session whose workspace owner is unknown")

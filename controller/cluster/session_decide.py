@@ -4,9 +4,11 @@ Refused, by the one expiry rule and the sandbox's state (`sandbox_refusal`), whe
 being deleted, Stuck or Lost, or has orphans that survived; when its image is not an allowed one; when its
 user, or its namespace, already has as many live sessions as the chart allows (`limit_refusal`); and every
 session, running or not, while the admission guard is weakened (`guard_defect`: its binding gone, not
-denying, or its policy not failing closed). Ended when its lifetime is over, its Pod ends, or the mount is
-not the sandbox's (`mount_check`). No I/O, no clock: `now` is a parameter. What a session is, and the
-adapter that reads and writes around this: sessions.py.
+denying, or its policy not failing closed); and when the API server refuses its Pod (`pod_refused`: the
+namespace's quota, LimitRange or Pod Security). Running once its Pod runs with its container ready (the
+CSI plugin mounted the sandbox's own directory, or the Pod never starts). Ended when its lifetime is over
+or its Pod ends. No I/O, no clock: `now` is a parameter. What a session is, and the adapter that reads
+and writes around this: sessions.py.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from pathlib import PurePosixPath
 
 from controller.rules import contracts as c
-from controller.rules.contracts import MountCheck, Reason, SessionPhase
+from controller.rules.contracts import Reason, SessionPhase
 from controller.rules.durations import Invalid, format_duration, format_instant, instant_or_none, parse_duration
 from controller.rules.objects import Obj, is_deleting, key_of
 from controller.rules.reopen import sandbox_refusal
@@ -37,10 +38,8 @@ DEFAULT_RESOURCES: Obj = {
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """Where sessions run and what bounds them (the chart's `sessions.*`)."""
+    """What bounds sessions (the chart's `sessions.*`); their Pods run in their sandbox's namespace."""
 
-    namespace: str  # the namespace session Pods run in
-    root: PurePosixPath  # the nodes' sandbox root (the agent's --root)
     image: str  # the image when a session names none
     max_lifetime: timedelta = timedelta(hours=8)
     run_as_user: int = c.NOBODY  # when the workspace's owner is not known, or below min_owner_id
@@ -63,18 +62,16 @@ class SessionSettings:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one session needs now: its status, and which of the Pod, the grant and the tear-down to do."""
+    """What one session needs now: its status, and whether to create its Pod or tear it down."""
 
     status: Obj
     create_pod: bool = False
-    grant: bool = False
     teardown: bool = False
-    verify: str | None = None  # the Pod uid the agent is asked to verify
     wake_at: datetime | None = None
 
 
 def object_name(session: Obj) -> str:
-    """The Pod's, Role's and RoleBinding's name: the session's uid, unique and stable across restarts."""
+    """The Pod's name: the session's uid, unique and stable across restarts."""
     return f"session-{session['metadata']['uid']}"
 
 
@@ -134,15 +131,6 @@ def limit_refusal(session: Obj, live: Sequence[Obj], settings: SessionSettings) 
     return None
 
 
-def mount_check(sandbox: Obj | None, pod_uid: str) -> str | None:
-    """What the node agent found this Pod mounted (`status.sessions` of the sandbox), None: not yet read."""
-    for entry in ((sandbox or {}).get("status") or {}).get("sessions") or []:
-        if entry.get("podUID") == pod_uid:
-            mount: str | None = entry.get("mount")
-            return mount
-    return None
-
-
 def _waiting(pod: Obj) -> Obj:
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
         if status.get("name") == c.SESSION_CONTAINER:
@@ -150,11 +138,28 @@ def _waiting(pod: Obj) -> Obj:
     return {}
 
 
-def _running(pod: Obj) -> bool:
+def _ready(pod: Obj) -> bool:
+    """Its container runs and is ready: the kubelet mounted every volume (the sandbox's, by the plugin)."""
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
         if status.get("name") == c.SESSION_CONTAINER:
-            return "running" in (status.get("state") or {})
+            return "running" in (status.get("state") or {}) and status.get("ready") is True
     return False
+
+
+def pod_refused(status: Obj, message: str, now: datetime) -> Obj:
+    """The session's status once the API server refused its Pod (the namespace's ResourceQuota, LimitRange,
+    Pod Security, or an invalid field): Refused with the server's own words, never retried."""
+    return {
+        **status,
+        "phase": SessionPhase.REFUSED,
+        "reason": Reason.POD_REFUSED,
+        "message": (
+            f"the API server refused its Pod {status.get('podNamespace')}/{status.get('podName')}: "
+            f"{message[:800]}. Ask the namespace's administrators (its ResourceQuota, LimitRange or Pod Security "
+            "level), then create the session again"
+        ),
+        "endedAt": format_instant(now),
+    }
 
 
 def decide(
@@ -168,22 +173,20 @@ def decide(
     settings: SessionSettings,
     max_pin: timedelta | None = None,
     live: Sequence[Obj] = (),
-    others: int = 0,
 ) -> Plan:
     """The session's next state from what was read. Pure: no I/O, no clock (`now` is a parameter).
 
     `guard` is what weakens the admission guard (`guard_defect`), None when it holds. `max_pin` is the
     namespace's: a session's Pod holds its sandbox no longer than a pin set when the session was created
     could keep it, so a lifetime longer than that is cut to it. `live` is the other sessions holding a
-    place under the caps; only a session not yet started is counted against them. `others`: the other
-    session Pods of the same sandbox, each holding one of the agent's verification slots.
+    place under the caps; only a session not yet started is counted against them.
     """
     meta, spec = session["metadata"], session.get("spec") or {}
     status = dict(session.get("status") or {})
     if status.get("phase") in SETTLED:
         return Plan(status=status, teardown=True)
     namespace, name = meta["namespace"], str(spec.get("sandbox", ""))
-    base: Obj = {"podNamespace": settings.namespace, "podName": object_name(session)}
+    base: Obj = {"podNamespace": namespace, "podName": object_name(session)}
     base["observedGeneration"] = meta.get("generation", 1)
     started = status.get("phase") == SessionPhase.RUNNING or pod is not None
 
@@ -234,18 +237,12 @@ def decide(
     pending = {**status, **base, "phase": SessionPhase.PENDING, "reason": Reason.SESSION_STARTING}
     if pod is None:
         if status.get("phase") == SessionPhase.RUNNING:
-            return stop(Reason.POD_ENDED, f"its Pod {settings.namespace}/{base['podName']} is gone")
-        if others >= c.SESSION_VERIFY_SLOTS:  # its Pod would never be verified: refused, never left waiting
-            return stop(
-                Reason.VERIFY_LIMIT,
-                f"{others} other sessions of {namespace}/{name} are being verified or run on node {node} (at most "
-                f"{c.SESSION_VERIFY_SLOTS}); end one and ask again",
-            )
-        message = f"starting Pod {settings.namespace}/{base['podName']} on node {node}"
+            return stop(Reason.POD_ENDED, f"its Pod {namespace}/{base['podName']} is gone")
+        message = f"starting Pod {namespace}/{base['podName']} on node {node}"
         return Plan(status={**pending, "message": message}, create_pod=True, wake_at=expires)
     pod_phase = (pod.get("status") or {}).get("phase")
     if is_deleting(pod) or pod_phase in ("Succeeded", "Failed"):
-        return stop(Reason.POD_ENDED, f"its Pod {settings.namespace}/{base['podName']} ended ({pod_phase})")
+        return stop(Reason.POD_ENDED, f"its Pod {namespace}/{base['podName']} ended ({pod_phase})")
     waiting = _waiting(pod)
     if waiting.get("reason") in PULL_FAILURES:
         image = spec.get("image") or settings.image
@@ -255,26 +252,20 @@ def decide(
             f"image {image} cannot be pulled on node {node} ({detail}); check its name, or leave image unset "
             "for the default",
         )
-    if pod_phase != "Running" or not _running(pod):
+    if pod_phase != "Running" or not _ready(pod):
+        # A volume the plugin refused leaves the Pod ContainerCreating; the refusal is in the Pod's Events.
         why = f" ({waiting['reason']})" if waiting.get("reason") else ""
-        return Plan(status={**pending, "message": f"waiting for its Pod to start on node {node}{why}"}, wake_at=expires)
-    pod_uid = pod["metadata"]["uid"]
-    mount = mount_check(sandbox, pod_uid)
-    if mount == MountCheck.MISMATCH:
-        return stop(
-            Reason.MOUNT_MISMATCH,
-            f"the directory its Pod mounted on node {node} is not the sandbox's workspace (it was replaced or "
-            "swept meanwhile); nothing was granted",
+        message = (
+            f"waiting for its Pod to start on node {node}{why}; "
+            f"`kubectl describe pod -n {namespace} {base['podName']}` shows why"
         )
-    if mount != MountCheck.VERIFIED:
-        message = f"its Pod runs; waiting for the node agent on {node} to verify it mounted the sandbox's workspace"
-        return Plan(status={**pending, "message": message}, verify=pod_uid, wake_at=expires)
+        return Plan(status={**pending, "message": message}, wake_at=expires)
     running = {
         **status,
         **base,
         "phase": SessionPhase.RUNNING,
         "reason": Reason.SESSION_RUNNING,
-        "message": f"kubectl exec -it -n {settings.namespace} {base['podName']} -c {c.SESSION_CONTAINER} -- sh",
+        "message": f"kubectl exec -it -n {namespace} {base['podName']} -c {c.SESSION_CONTAINER} -- sh",
         "startedAt": status.get("startedAt") or format_instant(now),
     }
-    return Plan(status=running, grant=True, wake_at=expires)
+    return Plan(status=running, wake_at=expires)

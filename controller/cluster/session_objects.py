@@ -1,9 +1,11 @@
-"""The objects a SandboxSession makes, pure: its Pod on the sandbox's node, and the Role and RoleBinding
-that grant its user exec and logs on exactly that Pod.
+"""The object a SandboxSession makes, pure: its Pod, in the sandbox's own namespace, on the sandbox's node.
 
-The Pod mounts the workspace at /sandbox (hostPath `type: Directory`: never created when missing), is
-never privileged, has bounded resources, tolerates only the taints of its node that the agent tolerates
-(`session_tolerations`), and runs as the workspace's owner only where that is a person's id (`run_as`).
+The Pod mounts the sandbox at /sandbox through sandkeep's CSI driver (`volumeAttributes.sandbox`: the node
+plugin mounts the sandbox's own verified directory, or refuses), read-only unless the session asks
+readWrite. It is admitted by Pod Security `restricted` (non-root, no privilege escalation, no
+capabilities, RuntimeDefault seccomp), has bounded resources, tolerates only the taints of its node that
+the agent tolerates (`session_tolerations`), and runs as the workspace's owner only where that is a
+person's id (`run_as`). The tenant's quota, LimitRange and NetworkPolicies apply to it as to any Pod.
 """
 
 from __future__ import annotations
@@ -84,11 +86,12 @@ def pod_body(
     now: datetime,
     taints: Sequence[Obj] = (),
 ) -> Obj:
-    """The session's Pod: on the sandbox's node (`taints` are that node's), the workspace at /sandbox, never
-    privileged, with bounded resources."""
+    """The session's Pod: in the sandbox's namespace, on its node (`taints` are that node's), the sandbox at
+    /sandbox through the CSI driver, `restricted`-compatible, with bounded resources."""
     spec = session.get("spec") or {}
     namespace, name = key_of(sandbox)
-    workspace = settings.root / namespace / name / c.WORKSPACE_DIR  # from our root, never from the object
+    read_write = bool(spec.get("readWrite"))
+    attributes = {c.VOLUME_SANDBOX: name, **({c.VOLUME_READ_WRITE: "true"} if read_write else {})}
     seconds = max(1, int((expires - now).total_seconds()))
     # As the workspace's owner (the agent reads it) where that is a person's id, never root nor a system id.
     uid, gid = run_as((sandbox.get("status") or {}).get("owner") or {}, settings)
@@ -97,7 +100,7 @@ def pod_body(
         "kind": "Pod",
         "metadata": {
             "name": object_name(session),
-            "namespace": settings.namespace,
+            "namespace": namespace,
             "labels": _labels(session, sandbox["metadata"]["uid"]),
             "annotations": {**_annotations(session), c.ANN_SANDBOX: f"{namespace}/{name}"},
         },
@@ -129,50 +132,17 @@ def pod_body(
                     },
                     "resources": copy.deepcopy(settings.resources),
                     "volumeMounts": [
-                        {"name": "workspace", "mountPath": c.SESSION_MOUNT, "readOnly": not spec.get("readWrite")},
+                        {"name": "sandbox", "mountPath": c.SESSION_MOUNT, "readOnly": not read_write},
                         {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (an emptyDir of its own)
                     ],
                 }
             ],
             "volumes": [
-                {"name": "workspace", "hostPath": {"path": str(workspace), "type": "Directory"}},
+                {
+                    "name": "sandbox",
+                    "csi": {"driver": c.CSI_DRIVER, "readOnly": not read_write, "volumeAttributes": attributes},
+                },
                 {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
             ],
         },
-    }
-
-
-def role_body(session: Obj, settings: SessionSettings) -> Obj:
-    """Exec and logs on exactly the session's Pod, nothing else in the namespace."""
-    pod = [object_name(session)]
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": {
-            "name": object_name(session),
-            "namespace": settings.namespace,
-            "labels": _labels(session, ""),
-            "annotations": _annotations(session),
-        },
-        "rules": [
-            {"apiGroups": [""], "resources": ["pods"], "resourceNames": pod, "verbs": ["get"]},
-            {"apiGroups": [""], "resources": ["pods/exec"], "resourceNames": pod, "verbs": ["create", "get"]},
-            {"apiGroups": [""], "resources": ["pods/log"], "resourceNames": pod, "verbs": ["get"]},
-        ],
-    }
-
-
-def binding_body(session: Obj, settings: SessionSettings) -> Obj:
-    user = str((session.get("spec") or {}).get("user"))
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": {
-            "name": object_name(session),
-            "namespace": settings.namespace,
-            "labels": _labels(session, ""),
-            "annotations": _annotations(session),
-        },
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": object_name(session)},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
     }

@@ -1,20 +1,19 @@
 """SandboxSession: open a retained sandbox from the cluster (the reference system's opener).
 
-A person creates a SandboxSession naming a RetainedSandbox of the same namespace. The controller runs a
-Pod on the sandbox's node with the workspace mounted at /sandbox (hostPath `type: Directory`: never
-created when missing), in the namespace the chart owns for sessions, where nobody else may create Pods.
-The kubelet resolves a hostPath through links, so the Pod is trusted only once the node agent has read,
-through the container's own processes, that its /sandbox is the sandbox's workspace by device and inode
-(`status.sessions` of the sandbox, written by the agent alone). Only then are `pods/exec` and `pods/log`
-on exactly that Pod granted to the session's user (a Role scoped by `resourceNames` and its binding),
-whom the admission policy proved to be whoever created the session.
+A person creates a SandboxSession naming a RetainedSandbox of the same namespace, as themselves (the
+admission policy proves spec.user is whoever created it). The controller runs a Pod in that same
+namespace, pinned to the sandbox's node, mounting the sandbox at /sandbox through sandkeep's CSI driver:
+the node plugin mounts the sandbox's own directory or refuses (another namespace's, expired, deleting,
+stuck, lost, another node's), and holds the sandbox while mounted. The Pod is an ordinary tenant Pod: the
+namespace's ResourceQuota, LimitRange, NetworkPolicies and Pod Security apply, and a Pod the API server
+refuses ends the session Refused with its words (`PodRefused`). Exec is the user's own `pods/exec` there.
 
 When a session is refused or ended is `session_decide.py`'s to say (the one expiry rule, the caps, the
-images, the admission guard, the mount); what its Pod may do is `session_objects.py`'s (bounded resources,
-its node's taints the agent tolerates, never an id below `min_owner_id` read from disk). The Pod is the
-sandbox's hold while it runs (the agent's existing Pod check); a session never extends a sandbox past its
-own lifetime, which the chart caps. Nothing here uses a finalizer: the Pod, Role and binding are named after
-the session's uid and torn down when the session ends or is gone, found again by label after a restart.
+images, the admission guard); what its Pod may do is `session_objects.py`'s (bounded resources, its
+node's taints the agent tolerates, never an id below `min_owner_id` read from disk). A session never
+extends a sandbox past its own lifetime, which the chart caps. Nothing here uses a finalizer: the Pod is
+named after the session's uid and deleted when the session ends or is gone, found again by label after a
+restart.
 
 `Sessions` here is the thin adapter around them: a queue of session keys, the reads and the writes.
 """
@@ -25,14 +24,22 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from urllib.parse import quote
 
 from controller.api.kube import Kube, KubeError, now_utc
 from controller.api.workqueue import WorkQueue
-from controller.cluster.session_decide import LIVE, SETTLED, SessionSettings, decide, guard_defect, object_name
-from controller.cluster.session_objects import binding_body, pod_body, role_body
+from controller.cluster.session_decide import (
+    LIVE,
+    SETTLED,
+    SessionSettings,
+    decide,
+    guard_defect,
+    object_name,
+    pod_refused,
+)
+from controller.cluster.session_objects import pod_body
 from controller.observe import logs
 from controller.rules import contracts as c
 from controller.rules.contracts import Reason, SessionPhase
@@ -62,8 +69,10 @@ def session_path(namespace: str | None = None, name: str | None = None, subresou
 
 
 _PODS = "/api/v1/namespaces/{ns}/pods"
-_ROLES = "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles"
-_BINDINGS = "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"
+_ALL_PODS = "/api/v1/pods"
+# What the API server answers a Pod it will never admit as sent: 403 (ResourceQuota, LimitRange, Pod
+# Security), 422 (invalid) and 400. Anything else (a 5xx, a timeout) is retried with the queue's backoff.
+REFUSED_POD = frozenset({400, 403, 422})
 _VAP_BINDING = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings/{name}"
 _VAP = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{name}"
 _NODE = "/api/v1/nodes/{name}"
@@ -92,8 +101,8 @@ class Sessions:
             self.by_sandbox.get(sandbox, set()).discard(key)
             started_here = key in self.started
             self.started.discard(key)
-            if not started_here and (obj.get("status") or {}).get("podNamespace") != self.settings.namespace:
-                return  # not started by this install (another's, or refused before a Pod): nothing of ours
+            if not started_here and not (obj.get("status") or {}).get("podName"):
+                return  # never given a Pod (refused before one): nothing to tear down
             if self.is_leader():  # torn down by the queue's worker, retried until done; a standby's next
                 self.gone.setdefault(key, set()).add(object_name(obj))  # leadership collects them all
                 self.queue.add(key)
@@ -112,9 +121,8 @@ class Sessions:
         self.queue.add(COLLECT_ALL)
 
     async def _collect_all(self) -> None:
-        collection = _PODS.format(ns=self.settings.namespace)
-        query = {"labelSelector": f"{c.LABEL_SESSION_UID}"}
-        listed = await asyncio.to_thread(self.kube.request, "GET", collection, query=query)
+        query = {"labelSelector": f"{c.LABEL_SESSION_UID},{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"}
+        listed = await asyncio.to_thread(self.kube.request, "GET", _ALL_PODS, query=query)
         for pod in listed.get("items", []):
             ref = (pod["metadata"].get("annotations") or {}).get(c.ANN_SESSION, "")
             namespace, _, name = ref.partition("/")
@@ -130,7 +138,7 @@ class Sessions:
             return
         names = self.gone.get(key, set())
         for gone in sorted(names):  # a failure raises: the worker retries what is left with backoff
-            await self._teardown(gone, "/".join(key), Reason.POD_ENDED)
+            await self._teardown(key[0], gone, "/".join(key), Reason.POD_ENDED)
             names.discard(gone)
         if not names:
             self.gone.pop(key, None)
@@ -140,7 +148,7 @@ class Sessions:
         spec = session.get("spec") or {}
         sandbox = await asyncio.to_thread(self.kube.get_sandbox, key[0], str(spec.get("sandbox", "")))
         name = object_name(session)
-        pod = await asyncio.to_thread(self._get, f"{_PODS.format(ns=self.settings.namespace)}/{name}")
+        pod = await asyncio.to_thread(self._get, f"{_PODS.format(ns=quote(key[0]))}/{name}")
         if pod is not None and pod["metadata"].get("labels", {}).get(c.LABEL_SESSION_UID) != session["metadata"]["uid"]:
             pod = None  # not ours (never: the name carries the uid); never adopted
         guard = await asyncio.to_thread(self._guard)
@@ -151,13 +159,6 @@ class Sessions:
         now = now_utc()
         expired = sandbox is not None and self.expired(sandbox, now)
         max_pin = self.max_pin(key[0])
-        others = 0
-        if (
-            pod is None
-            and sandbox is not None
-            and (session.get("status") or {}).get("phase") in (None, SessionPhase.PENDING)
-        ):
-            others = await asyncio.to_thread(self._others, sandbox, session)
         plan = decide(
             session,
             sandbox,
@@ -168,21 +169,17 @@ class Sessions:
             settings=self.settings,
             max_pin=max_pin,
             live=live,
-            others=others,
         )
         if plan.create_pod and sandbox is not None:
             expires = instant_or_none(plan.status.get("expiresAt")) or now
             taints = await asyncio.to_thread(self._taints, sandbox["spec"]["nodeName"])
             body = pod_body(session, sandbox, self.settings, expires, now, taints)
             self.started.add(key)  # before the create: a crash in between is collected by `collect_all`
-            await asyncio.to_thread(self._create, _PODS, body)
-        if plan.verify is not None and sandbox is not None:
-            await asyncio.to_thread(self._ask_verify, sandbox, plan.verify)
-        if plan.grant:
-            await asyncio.to_thread(self._create, _ROLES, role_body(session, self.settings))
-            await asyncio.to_thread(self._create, _BINDINGS, binding_body(session, self.settings))
+            refused = await asyncio.to_thread(self._create_pod, key[0], body)
+            if refused is not None:  # settled: never retried, the next pass only tears down
+                plan = replace(plan, status=pod_refused(plan.status, refused, now), teardown=True, wake_at=None)
         if plan.teardown:
-            await self._teardown(name, "/".join(key), plan.status.get("reason"))
+            await self._teardown(key[0], name, "/".join(key), plan.status.get("reason"))
         if plan.status != (session.get("status") or {}):
             await asyncio.to_thread(self._write_status, session, plan.status)
         # No Pod watch (it would need every Pod of the cluster): a starting session looks again soon, a
@@ -191,25 +188,6 @@ class Sessions:
             poll = POLL_STARTING if plan.status.get("phase") == SessionPhase.PENDING else POLL_RUNNING
             due = min(poll, (plan.wake_at - now_utc()).total_seconds() + 0.5)
             self.queue.add_after(key, max(0.0, due))
-
-    def _ask_verify(self, sandbox: Obj, pod_uid: str) -> None:
-        """Wake the node agent for this Pod (a watch event on the sandbox); it also looks on every pass."""
-        if (sandbox["metadata"].get("annotations") or {}).get(c.ANN_VERIFY_SESSION) == pod_uid:
-            return
-        try:
-            self.kube.patch_annotations(sandbox, {c.ANN_VERIFY_SESSION: pod_uid})
-        except KubeError as err:
-            if not (err.conflict or err.not_found):  # changed meanwhile: the next look asks again
-                raise
-
-    def _others(self, sandbox: Obj, session: Obj) -> int:
-        """The other sessions' Pods of this sandbox (the ones the agent reads, deleting or not)."""
-        query = {"labelSelector": f"{c.LABEL_SANDBOX_UID}={sandbox['metadata']['uid']}"}
-        listed = self.kube.request("GET", _PODS.format(ns=self.settings.namespace), query=query)
-        mine = session["metadata"]["uid"]
-        return sum(
-            1 for p in listed.get("items", []) if p["metadata"].get("labels", {}).get(c.LABEL_SESSION_UID) != mine
-        )
 
     def _get(self, path: str) -> Obj | None:
         try:
@@ -239,26 +217,25 @@ class Sessions:
         return defect
 
     def _live(self) -> list[Obj]:
-        """Every session of this install holding a place under the caps (Pending or Running), cluster-wide."""
+        """Every session holding a place under the caps (Pending or Running), cluster-wide."""
         listed = self.kube.request("GET", session_path())
-        return [
-            s
-            for s in listed.get("items", [])
-            if (s.get("status") or {}).get("phase") in LIVE
-            and (s.get("status") or {}).get("podNamespace") == self.settings.namespace
-        ]
+        return [s for s in listed.get("items", []) if (s.get("status") or {}).get("phase") in LIVE]
 
     def _taints(self, node: str) -> list[Obj]:
         """The node's taints; none when it is gone (the Pod then fails and the session ends)."""
         found = self._get(_NODE.format(name=quote(node)))
         return list(((found or {}).get("spec") or {}).get("taints") or [])
 
-    def _create(self, collection: str, body: Obj) -> None:
+    def _create_pod(self, namespace: str, body: Obj) -> str | None:
+        """Create the session's Pod; the API server's words when it refuses it for good, None when made."""
         try:
-            self.kube.request("POST", collection.format(ns=self.settings.namespace), body=body)
+            self.kube.request("POST", _PODS.format(ns=quote(namespace)), body=body)
         except KubeError as err:
+            if err.status in REFUSED_POD:
+                return err.message or f"{err.status}"
             if err.status != 409:  # AlreadyExists: an earlier pass made it
                 raise
+        return None
 
     def _write_status(self, session: Obj, status: Obj) -> None:
         meta = session["metadata"]
@@ -289,21 +266,21 @@ class Sessions:
                 detail=status.get("message"),
             )
 
-    async def _teardown(self, name: str, session: str, reason: object) -> None:
-        """Take the grant away first, then the Pod; each absent one is already done."""
-        for collection in (_BINDINGS, _ROLES, _PODS):
-            path = f"{collection.format(ns=self.settings.namespace)}/{name}"
-            try:
-                await asyncio.to_thread(self.kube.request, "DELETE", path)
-            except KubeError as err:
-                if not err.not_found:
-                    raise
-                continue
-            logs.say(log, "session_teardown", reason=reason, session=session, deleted=path)
+    async def _teardown(self, namespace: str, name: str, session: str, reason: object) -> None:
+        """Delete the session's Pod; an absent one is already done."""
+        path = f"{_PODS.format(ns=quote(namespace))}/{name}"
+        try:
+            await asyncio.to_thread(self.kube.request, "DELETE", path)
+        except KubeError as err:
+            if not err.not_found:
+                raise
+            return
+        logs.say(log, "session_teardown", reason=reason, session=session, deleted=path)
 
     async def _collect(self, pod: Obj, namespace: str, name: str) -> None:
         """A session Pod whose session is gone (deleted while the controller was down) is torn down."""
         session = await asyncio.to_thread(self._get, session_path(namespace, name)) if namespace and name else None
         uid = (pod["metadata"].get("labels") or {}).get(c.LABEL_SESSION_UID)
         if session is None or session["metadata"].get("uid") != uid:
-            await self._teardown(pod["metadata"]["name"], f"{namespace}/{name}", Reason.POD_ENDED)
+            pod_ns, pod_name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+            await self._teardown(pod_ns, pod_name, f"{namespace}/{name}", Reason.POD_ENDED)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import PurePosixPath
 from typing import Annotated
 
 from pydantic import Field
@@ -46,13 +45,12 @@ class ControllerSettings(models.Settings):
     quota_max_count: Annotated[int, Field(ge=0)] | None = None
     quota_ceiling_bytes: HumanSize | None = None
     quota_ceiling_count: Annotated[int, Field(ge=0)] | None = None
-    # SandboxSessions (controller/cluster/sessions.py): the namespace their Pods run in (empty: sessions are not
-    # served), the nodes' sandbox root, the default image, the longest lifetime, the uid a session runs
+    # SandboxSessions (controller/cluster/sessions.py): whether they are served (their Pods run in their
+    # sandbox's own namespace), the default image, the longest lifetime, the uid a session runs
     # as when its workspace's owner is not known (or a system id), the admission policy binding proving
     # who asked (and the policy it binds), and the bounds of issue 25: caps on live sessions, the lowest
     # owner id taken from disk, the images allowed, the container's resources and the agent's tolerations.
-    sessions_namespace: str = ""
-    sessions_root: str = "/var/lib/sandkeep"
+    sessions: bool = False
     sessions_image: str = ""
     sessions_max_lifetime: HumanDuration = timedelta(hours=8)
     sessions_run_as_user: Annotated[int, Field(ge=1, le=MAX_ID)] = c.NOBODY
@@ -66,11 +64,9 @@ class ControllerSettings(models.Settings):
     sessions_tolerations: JsonList = ()
 
     def session_settings(self) -> SessionSettings | None:
-        if not self.sessions_namespace:
+        if not self.sessions:
             return None
         return SessionSettings(
-            namespace=self.sessions_namespace,
-            root=PurePosixPath(self.sessions_root),
             image=self.sessions_image,
             max_lifetime=self.sessions_max_lifetime,
             run_as_user=self.sessions_run_as_user,

@@ -279,8 +279,8 @@ class Reason(StrEnum):
     # ORPHAN_SURVIVOR of the sandbox it names)
     SANDBOX_NOT_FOUND = "SandboxNotFound"  # no RetainedSandbox of that name in the session's namespace
     SANDBOX_DELETING = "SandboxDeleting"  # the sandbox is being deleted: a deletion is final
-    SESSION_STARTING = "SessionStarting"  # its Pod is being created, started or verified
-    SESSION_RUNNING = "SessionRunning"  # its Pod runs with the sandbox's workspace verified
+    SESSION_STARTING = "SessionStarting"  # its Pod is being created or started
+    SESSION_RUNNING = "SessionRunning"  # its Pod runs, its container ready with the sandbox mounted
     MOUNT_MISMATCH = "MountMismatch"  # the directory the Pod mounted is not the sandbox's workspace
     LIFETIME_ENDED = "LifetimeEnded"  # the session's lifetime is over: its Pod is deleted
     POD_ENDED = "PodEnded"  # its Pod ended or was deleted
@@ -289,7 +289,7 @@ class Reason(StrEnum):
     BAD_SESSION = "BadSession"  # a field the controller cannot use (its lifetime, over the cap, ...)
     SESSION_LIMIT = "SessionLimit"  # its user, or its namespace, already has as many live sessions as allowed
     IMAGE_NOT_ALLOWED = "ImageNotAllowed"  # its image is not one of sessions.allowedImages
-    VERIFY_LIMIT = "VerifyLimit"  # SESSION_VERIFY_SLOTS other sessions of its sandbox hold every verification slot
+    POD_REFUSED = "PodRefused"  # the API server refused its Pod: the namespace's quota, LimitRange, Pod Security
     CGROUPS_UNKNOWN = "CgroupsUnknown"  # the agent cannot read whose cgroup a process is in: no process answers
     # measuring sizes (issue 25, item 8): why a sandbox's sizeBytes is a lower bound (condition SizePartial)
     SIZE_TOO_SLOW = "SizeTooSlow"  # the walk ran past --size-budget: the bytes counted until then

@@ -385,7 +385,8 @@ def run_until_running(cluster: Any, client: Kube, namespace: str, args: list[str
     proc = start_plugin(cluster, "-n", namespace, *args, env=env)  # -n first: after `--` is the command
     try:
         session = the_session(client, namespace)
-        running = {"phase": "Running", "reason": "SessionRunning", "podName": "sess-1", "podNamespace": "sk-sessions"}
+        # The session's Pod runs in the sandbox's own namespace (issue 27): exec there, as the user themselves.
+        running = {"phase": "Running", "reason": "SessionRunning", "podName": "sess-1", "podNamespace": namespace}
         set_session_status(client, namespace, session["metadata"]["name"], running)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -409,7 +410,7 @@ def test_open_execs_in_the_sessions_pod_returns_its_exit_code_and_ends_the_sessi
         "exec",
         "-i",  # stdin is no terminal here: no -t
         "-n",
-        "sk-sessions",
+        namespace,
         "sess-1",
         "-c",
         c.SESSION_CONTAINER,

@@ -32,8 +32,7 @@ from typing import Any
 
 import pytest
 
-from controller.agent.sessions import SESSIONS_MANAGER_SUFFIX
-from controller.api.kube import AGENT_MANAGER, Kube, KubeError, load_config
+from controller.api.kube import Kube, KubeError, load_config
 from controller.api.leases import heartbeat_name, read_lease, renew_heartbeat
 from controller.cluster.settings import SEAM_ENV
 from controller.node.inuse import uninspectable_pids
@@ -495,26 +494,23 @@ def test_every_verb_of_every_rule_is_needed(
 
 
 # --- the controller's session rules: the whole of a session, as its ServiceAccount ---------------------------
-def sessions_namespace(release: str) -> str:
-    return f"{release}-sessions"
-
-
 def render_sessions(release: str, namespace: str) -> list[dict[str, Any]]:
-    """The chart's RBAC with sessions on (their own namespace for this release, so tests never share one)."""
-    flags = ("--set=sessions.enabled=true", f"--set=sessions.namespace={sessions_namespace(release)}")
-    return render_templates(release, namespace, (*RBAC_TEMPLATES, "sessions.yaml"), only_in(namespace), *flags)
+    """The chart's RBAC with sessions on."""
+    return render_templates(
+        release, namespace, (*RBAC_TEMPLATES, "sessions.yaml"), only_in(namespace), "--set=sessions.enabled=true"
+    )
 
 
 def session_role(role: str) -> bool:
-    """The controller's session rules: its Role in the sessions namespace and its ClusterRole."""
-    return role in ("Role-sessions", "ClusterRole-controller-sessions")
+    """The controller's session rules: its ClusterRole (sessions, their Pods in any namespace, the guard)."""
+    return role == "ClusterRole-controller-sessions"
 
 
 class SessionScenario(Scenario):
-    """A session's whole life as the controller's ServiceAccount sees it: watched, its Pod created and read,
-    its status written, exec granted once its Pod runs with the mount verified, and everything torn down
-    when it is deleted. No kubelet runs here: the Pod's running state and the agent's mount check are
-    written as the kubelet and the agent write them; the controller's own calls are what is proven."""
+    """A session's whole life as the controller's ServiceAccount sees it: watched, its Pod created in the
+    sandbox's own namespace and read, its status written, Running once its Pod runs ready, and its Pod
+    deleted when it is deleted. Nothing is granted. No kubelet runs here: the Pod's running state is
+    written as the kubelet writes it; the controller's own calls are what is proven."""
 
     def start(self) -> None:
         controller_args = [
@@ -523,7 +519,7 @@ class SessionScenario(Scenario):
             f"--kubeconfig={self.inst.kubeconfig('controller')}",
             "--metrics-port=0",
             "--lease-duration=5",
-            f"--sessions-namespace={sessions_namespace(self.inst.release)}",
+            "--sessions",
             "--sessions-image=sandkeep:test",
             f"--sessions-admission-binding={self.inst.release}-sandkeep-sessions",
             f"--watch-namespace={self.ns}",  # this test's sessions only: other tests' are other installs'
@@ -531,7 +527,6 @@ class SessionScenario(Scenario):
         self.processes.append(Process("controller", controller_args, self.tmp / "controller.log"))
 
     def run(self) -> None:
-        sessions_ns = sessions_namespace(self.inst.release)
         self.cluster.create_node(self.node, ready=True)
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         sandbox = {
@@ -552,28 +547,23 @@ class SessionScenario(Scenario):
             "spec": {"sandbox": "look", "user": me},
         }
         self.cluster.kubectl("create", "-f", "-", input=json.dumps(session))
-        pod = self.step("the session's Pod", lambda: self._session_pod(sessions_ns))
-        self._runs(pod, sessions_ns)
+        pod = self.step("the session's Pod", self._session_pod)
+        self._runs(pod)
         self.step("the session Running", lambda: self._session_phase() == c.SessionPhase.RUNNING)
         name = pod["metadata"]["name"]
-        self.step(
-            "the grant", lambda: self.get("rolebindings", name, sessions_ns) and self.get("roles", name, sessions_ns)
-        )
+        assert not self.get("rolebindings", name) and not self.get("roles", name), "nothing is granted"
         self.cluster.kubectl("delete", c.SESSION_PLURAL, "look-1", "-n", self.ns)
-        self.step("the grant and the Pod taken away", lambda: self._torn_down(name, sessions_ns))
+        self.step("the Pod deleted", lambda: self._torn_down(name))
         if refused := self.refusals():
             raise Refused(f"after the last step: refused: {refused[0][:400]}")
 
     def stop(self) -> None:
         super().stop()
         # No kubelet finishes a Pod's graceful deletion here: remove them outright, so the namespace can go.
-        ns = sessions_namespace(self.inst.release)
-        self.cluster.kubectl("delete", "pods", "--all", "-n", ns, "--grace-period=0", "--force", check=False)
+        self.cluster.kubectl("delete", "pods", "--all", "-n", self.ns, "--grace-period=0", "--force", check=False)
 
-    def _torn_down(self, name: str, sessions_ns: str) -> bool:
-        if any(self.get(kind, name, sessions_ns) for kind in ("rolebindings", "roles")):
-            return False
-        pod = self.get("pods", name, sessions_ns)
+    def _torn_down(self, name: str) -> bool:
+        pod = self.get("pods", name)
         return pod is None or "deletionTimestamp" in pod["metadata"]
 
     def _session_phase(self) -> str | None:
@@ -583,13 +573,13 @@ class SessionScenario(Scenario):
         phase: str | None = status.get("phase")
         return phase
 
-    def _session_pod(self, sessions_ns: str) -> dict[str, Any] | None:
+    def _session_pod(self) -> dict[str, Any] | None:
         self._session_phase()
         name = ((self.get(c.SESSION_PLURAL, "look-1") or {}).get("status") or {}).get("podName")
-        return self.get("pods", name, sessions_ns) if name else None
+        return self.get("pods", name) if name else None
 
-    def _runs(self, pod: dict[str, Any], sessions_ns: str) -> None:
-        """What the kubelet reports of a started Pod, and what the agent finds it mounted."""
+    def _runs(self, pod: dict[str, Any]) -> None:
+        """What the kubelet reports of a started Pod whose volumes (the sandbox's, by the plugin) mounted."""
         started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         container = {
             "name": c.SESSION_CONTAINER,
@@ -603,16 +593,8 @@ class SessionScenario(Scenario):
         status = {"status": {"phase": "Running", "containerStatuses": [container]}}
         name = pod["metadata"]["name"]
         self.cluster.kubectl(
-            "patch", "pod", name, "-n", sessions_ns, "--subresource=status", "--type=merge", "-p", json.dumps(status)
+            "patch", "pod", name, "-n", self.ns, "--subresource=status", "--type=merge", "-p", json.dumps(status)
         )
-        entry = {"pod": f"{sessions_ns}/{name}", "podUID": pod["metadata"]["uid"], "mount": c.MountCheck.VERIFIED}
-        kube = Kube(load_config(self.cluster.kubeconfig), "rbac-test")
-        try:
-            obj = kube.get_sandbox(self.ns, "look")
-            assert obj is not None
-            kube.apply_status(obj, {"sessions": [entry]}, AGENT_MANAGER + SESSIONS_MANAGER_SUFFIX)
-        finally:
-            kube.close()
 
 
 @pytest.mark.slow
@@ -647,27 +629,28 @@ def test_every_verb_of_the_controllers_session_rules_is_needed(
 
 
 @pytest.mark.slow
-def test_a_grant_the_controller_was_refused_to_take_away_goes_once_it_may(
+def test_a_pod_the_controller_was_refused_to_delete_goes_once_it_may(
     install: Callable[..., Install], cluster: LocalCluster, namespace: str, tmp_path: Path
 ) -> None:
     release = f"rs{secrets.token_hex(3)}"
     full = render_sessions(release, namespace)
-    inst = install(without(full, "Role-sessions", 3, "delete"), release=release)
+    name = f"{release}-sandkeep-controller-sessions"
+    (role,) = [d for d in full if d["kind"] == "ClusterRole" and d["metadata"]["name"] == name]
+    pods = next(i for i, rule in enumerate(role["rules"]) if rule["resources"] == ["pods"])
+    inst = install(without(full, "ClusterRole-controller-sessions", pods, "delete"), release=release)
     run = SessionScenario(inst, tmp_path)
     try:
-        with pytest.raises(Refused, match="rolebindings"):
+        with pytest.raises(Refused, match="pods"):
             run.run()
-        assert run.get(c.SESSION_PLURAL, "look-1") is None, "the session is deleted; its grant is what is left"
-        (role,) = [d for d in full if d["kind"] == "Role" and d["metadata"]["name"] == f"{release}-sandkeep-sessions"]
-        ns = sessions_namespace(release)
+        assert run.get(c.SESSION_PLURAL, "look-1") is None, "the session is deleted; its Pod is what is left"
 
-        def granted() -> list[str]:
-            names = cluster.kubectl("get", "rolebindings,roles", "-n", ns, "-o", "name").stdout.split()
-            return [n for n in names if "/session-" in n]
+        def left() -> list[dict[str, Any]]:
+            items = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", c.LABEL_SESSION_UID)["items"]
+            return [p for p in items if "deletionTimestamp" not in p["metadata"]]
 
-        assert granted(), "the refused teardown left the grant"
-        cluster.apply([role])  # the verb given back: the worker's retry takes the grant away
-        wait_for("the grant taken away", lambda: not granted() or None, timeout=60)
+        assert left(), "the refused teardown left the Pod"
+        cluster.apply([role])  # the verb given back: the worker's retry deletes the Pod
+        wait_for("the Pod deleted", lambda: not left() or None, timeout=60)
         assert "retry_in" in run.processes[0].log()
     finally:
         run.stop()

@@ -1,9 +1,11 @@
 """SandboxSessions: the pure decision, then a real controller against the real API server with the chart's
-session objects (namespace, Roles, admission policy) applied for one release.
+session objects (RBAC, admission policy) applied for one release.
 
-There is no kubelet here, so a session's Pod never starts: these tests cover every refusal, the Pod as the
-controller writes it, lifetime expiry, tear-down and who may do what. A Pod that really starts, is verified
-by the real agent and is opened with exec is tested on the real node (tests/node/test_e2e.py).
+There is no kubelet here, so a session's Pod never starts unless a test writes its status: these tests
+cover every refusal (the namespace's own ResourceQuota and Pod Security among them, decided by the real
+API server's admission), the Pod as the controller writes it in the sandbox's namespace, lifetime expiry,
+tear-down and who may do what. A Pod that really starts, mounts the sandbox through the CSI plugin and is
+opened with exec is tested on the real node (tests/node/test_e2e.py).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controller.api.kube import AGENT_MANAGER
-from controller.cluster.session_decide import DEFAULT_RESOURCES, SessionSettings, decide, guard_defect
+from controller.cluster.session_decide import DEFAULT_RESOURCES, SessionSettings, decide, guard_defect, pod_refused
 from controller.cluster.session_objects import pod_body, run_as, session_tolerations, tolerates
 from controller.cluster.sessions import session_path
 from controller.rules import contracts as c
@@ -40,7 +43,7 @@ from tests.bed.controller_harness import (
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
-SETTINGS = SessionSettings(namespace="sk-sessions", root=PurePosixPath("/var/lib/sandkeep"), image="sandkeep:test")
+SETTINGS = SessionSettings(image="sandkeep:test")
 
 
 # --- the pure decision ------------------------------------------------------------------------------------
@@ -72,11 +75,12 @@ def sandbox(
     }
 
 
-def pod(phase: str = "Running", running: bool = True, waiting: str | None = None) -> dict[str, Any]:
+def pod(phase: str = "Running", running: bool = True, waiting: str | None = None, ready: bool = True) -> dict[str, Any]:
     state: dict[str, Any] = {"running": {}} if running else {"waiting": {"reason": waiting or "ContainerCreating"}}
+    container = {"name": c.SESSION_CONTAINER, "state": state, "ready": running and ready}
     return {
-        "metadata": {"name": "session-u-1", "uid": "pod-1"},
-        "status": {"phase": phase, "containerStatuses": [{"name": c.SESSION_CONTAINER, "state": state}]},
+        "metadata": {"name": "session-u-1", "namespace": "team", "uid": "pod-1"},
+        "status": {"phase": phase, "containerStatuses": [container]},
     }
 
 
@@ -114,7 +118,7 @@ def test_a_sandbox_that_cannot_be_opened_refuses_the_session_and_creates_nothing
 ) -> None:
     p = plan(session(), sb, expired=expired)
     assert (p.status["phase"], p.status["reason"]) == (SessionPhase.REFUSED, reason)
-    assert not p.create_pod and not p.grant and p.teardown
+    assert not p.create_pod and p.teardown
 
 
 def test_unguarded_over_the_cap_and_unparsed_lifetimes_are_refused() -> None:
@@ -127,25 +131,30 @@ def test_unguarded_over_the_cap_and_unparsed_lifetimes_are_refused() -> None:
     assert plan(session("soon"), sandbox()).status["reason"] == Reason.BAD_SESSION
 
 
-def test_a_session_starts_its_pod_then_waits_for_the_agent_then_grants() -> None:
+def test_a_session_starts_its_pod_then_runs_once_its_container_is_ready() -> None:
     first = plan(session(), sandbox())
-    assert first.create_pod and not first.grant and first.status["phase"] == SessionPhase.PENDING
+    assert first.create_pod and first.status["phase"] == SessionPhase.PENDING
+    assert (first.status["podNamespace"], first.status["podName"]) == ("team", "session-u-1")
     starting = plan(session(), sandbox(), pod("Pending", running=False))
     assert not starting.create_pod and "ContainerCreating" in starting.status["message"]
-    unverified = plan(session(), sandbox(), pod())
-    assert unverified.verify == "pod-1" and not unverified.grant and unverified.status["phase"] == SessionPhase.PENDING
-    verified = sandbox(sessions=[{"pod": "x/session-u-1", "podUID": "pod-1", "mount": MountCheck.VERIFIED}])
-    running = plan(session(), verified, pod())
-    assert running.grant and running.status["phase"] == SessionPhase.RUNNING
+    assert "kubectl describe pod -n team session-u-1" in starting.status["message"]
+    unready = plan(session(), sandbox(), pod(ready=False))
+    assert unready.status["phase"] == SessionPhase.PENDING and not unready.create_pod
+    running = plan(session(), sandbox(), pod())
+    assert running.status["phase"] == SessionPhase.RUNNING and not running.teardown
+    assert running.status["message"] == f"kubectl exec -it -n team session-u-1 -c {c.SESSION_CONTAINER} -- sh"
     assert running.status["startedAt"] == format_instant(NOW)
     assert running.wake_at == NOW + timedelta(hours=1)
 
 
-def test_a_mount_that_is_not_the_sandboxs_ends_the_session_without_a_grant() -> None:
-    swapped = sandbox(sessions=[{"pod": "x/session-u-1", "podUID": "pod-1", "mount": MountCheck.MISMATCH}])
-    p = plan(session(), swapped, pod())
-    assert (p.status["phase"], p.status["reason"]) == (SessionPhase.ENDED, Reason.MOUNT_MISMATCH)
-    assert not p.grant and p.teardown
+def test_a_pod_the_api_server_refuses_settles_the_session_refused_with_its_words() -> None:
+    pending = plan(session(), sandbox()).status
+    refused = pod_refused(pending, 'pods "session-u-1" is forbidden: exceeded quota: q, limited: pods=0', NOW)
+    assert (refused["phase"], refused["reason"]) == (SessionPhase.REFUSED, Reason.POD_REFUSED)
+    assert 'refused its Pod team/session-u-1: pods "session-u-1" is forbidden: exceeded quota' in refused["message"]
+    assert refused["endedAt"] == format_instant(NOW)
+    settled = plan(session(**refused), sandbox())
+    assert settled.status == refused and settled.teardown and not settled.create_pod, "never retried"
 
 
 def test_lifetime_pod_end_pull_failure_and_deletion_end_a_started_session() -> None:
@@ -171,24 +180,39 @@ def test_a_session_holds_its_sandbox_no_longer_than_a_pin_could() -> None:
 
 
 def test_an_expired_sandbox_stays_open_for_a_running_session_and_a_settled_one_stays_settled() -> None:
-    verified = sandbox("Held", sessions=[{"pod": "x/session-u-1", "podUID": "pod-1", "mount": MountCheck.VERIFIED}])
-    assert plan(session(), verified, pod(), expired=True).status["phase"] == SessionPhase.RUNNING
+    assert plan(session(), sandbox("Held"), pod(), expired=True).status["phase"] == SessionPhase.RUNNING
     ended = session(phase=SessionPhase.ENDED, reason=Reason.LIFETIME_ENDED)
     assert plan(ended, sandbox(), pod()).status == ended["status"]
 
 
-def test_the_pod_mounts_the_workspace_from_the_configured_root_never_from_the_object() -> None:
+def test_the_pod_mounts_the_sandbox_through_the_csi_driver_in_its_own_namespace_as_restricted_allows() -> None:
     sb = sandbox()
     sb["spec"]["workspace"] = {"path": "/etc"}  # an editor can write spec; it is never read
     body = pod_body(session(), sb, SETTINGS, NOW + timedelta(hours=1), NOW)
-    volume = body["spec"]["volumes"][0]["hostPath"]
-    assert volume == {"path": "/var/lib/sandkeep/team/run-1/workspace", "type": "Directory"}
+    assert body["metadata"]["namespace"] == "team" and body["metadata"]["name"] == "session-u-1"
+    volume = body["spec"]["volumes"][0]
+    assert volume == {
+        "name": "sandbox",
+        "csi": {"driver": c.CSI_DRIVER, "readOnly": True, "volumeAttributes": {c.VOLUME_SANDBOX: "run-1"}},
+    }
+    assert not any("hostPath" in v for v in body["spec"]["volumes"])
     container = body["spec"]["containers"][0]
-    assert container["volumeMounts"][0] == {"name": "workspace", "mountPath": "/sandbox", "readOnly": True}
+    assert container["volumeMounts"][0] == {"name": "sandbox", "mountPath": c.SESSION_MOUNT, "readOnly": True}
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert body["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    pod_security = body["spec"]["securityContext"]
+    assert pod_security["runAsNonRoot"] is True and pod_security["seccompProfile"] == {"type": "RuntimeDefault"}
     assert body["spec"]["nodeName"] == "node-a" and body["spec"]["activeDeadlineSeconds"] == 3600
     assert body["metadata"]["labels"][c.LABEL_SANDBOX_UID] == "sb-1"
+    rw = session()
+    rw["spec"]["readWrite"] = True
+    rw_body = pod_body(rw, sb, SETTINGS, NOW + timedelta(hours=1), NOW)
+    assert rw_body["spec"]["volumes"][0]["csi"] == {
+        "driver": c.CSI_DRIVER,
+        "readOnly": False,
+        "volumeAttributes": {c.VOLUME_SANDBOX: "run-1", c.VOLUME_READ_WRITE: "true"},
+    }
+    assert rw_body["spec"]["containers"][0]["volumeMounts"][0]["readOnly"] is False
 
 
 # --- bounds (issue 25): caps, images, the guard, ids from disk, tolerations, resources -------------------------
@@ -210,7 +234,7 @@ def test_a_new_session_past_its_users_cap_is_refused_naming_the_sessions_that_co
 
 
 def test_a_namespace_full_of_sessions_refuses_a_new_one_whoever_asks() -> None:
-    small = SessionSettings(namespace="sk", root=PurePosixPath("/r"), image="sandkeep:test", max_per_namespace=2)
+    small = SessionSettings(image="sandkeep:test", max_per_namespace=2)
     live = (live_session("a", user="bob"), live_session("b", user="carol"), live_session("c", namespace="elsewhere"))
     p = plan(session(), sandbox(), live=live, settings=small)
     assert p.status["reason"] == Reason.SESSION_LIMIT and "namespace team already has 2" in p.status["message"]
@@ -226,9 +250,7 @@ def test_a_namespace_full_of_sessions_refuses_a_new_one_whoever_asks() -> None:
 def test_the_caps_count_only_other_live_sessions_and_never_stop_an_admitted_one(
     owners: list[tuple[str, str]], per_user: int, per_namespace: int, phase: SessionPhase | None
 ) -> None:
-    settings = SessionSettings(
-        namespace="sk", root=PurePosixPath("/r"), image="i", max_per_user=per_user, max_per_namespace=per_namespace
-    )
+    settings = SessionSettings(image="i", max_per_user=per_user, max_per_namespace=per_namespace)
     live = tuple(live_session(f"s{i}", user, ns) for i, (user, ns) in enumerate(owners))
     live += (live_session("self"),)  # the session itself, as a fresh list shows it once admitted: never counted
     s = session(**({"phase": phase} if phase else {}))
@@ -239,9 +261,7 @@ def test_the_caps_count_only_other_live_sessions_and_never_stop_an_admitted_one(
 
 
 def test_an_image_not_allowed_is_refused_and_the_default_always_is() -> None:
-    allowed = SessionSettings(
-        namespace="sk", root=PurePosixPath("/r"), image="sandkeep:test", allowed_images=("busybox:1.36",)
-    )
+    allowed = SessionSettings(image="sandkeep:test", allowed_images=("busybox:1.36",))
     evil = session()
     evil["spec"]["image"] = "evil/miner:latest"
     p = plan(evil, sandbox(), settings=allowed)
@@ -254,7 +274,7 @@ def test_an_image_not_allowed_is_refused_and_the_default_always_is() -> None:
     assert plan(ok, sandbox()).status["reason"] == Reason.IMAGE_NOT_ALLOWED  # not allowed by SETTINGS
 
 
-GUARDED = SessionSettings(namespace="sk", root=PurePosixPath("/r"), image="i", admission_binding="rel-sessions")
+GUARDED = SessionSettings(image="i", admission_binding="rel-sessions")
 
 
 def vap_binding(policy: str = "rel-sessions", actions: list[str] | None = None) -> dict[str, Any]:
@@ -297,9 +317,8 @@ def test_the_guard_holds_exactly_when_its_binding_denies(actions: list[str]) -> 
 
 
 def test_a_running_session_ends_when_its_guard_is_weakened() -> None:
-    verified = sandbox(sessions=[{"pod": "x/session-u-1", "podUID": "pod-1", "mount": MountCheck.VERIFIED}])
-    p = plan(session(phase=SessionPhase.RUNNING), verified, pod(), guard="binding b has validationActions ['Audit']")
-    assert (p.status["phase"], p.status["reason"], p.grant) == (SessionPhase.ENDED, Reason.SESSIONS_UNGUARDED, False)
+    p = plan(session(phase=SessionPhase.RUNNING), sandbox(), pod(), guard="binding b has validationActions ['Audit']")
+    assert (p.status["phase"], p.status["reason"], p.teardown) == (SessionPhase.ENDED, Reason.SESSIONS_UNGUARDED, True)
 
 
 ids = st.one_of(st.integers(-(2**40), 2**40), st.booleans(), st.none(), st.text(max_size=3), st.floats())
@@ -307,7 +326,7 @@ ids = st.one_of(st.integers(-(2**40), 2**40), st.booleans(), st.none(), st.text(
 
 @given(ids, ids, st.integers(1, 70000))
 def test_a_session_never_runs_as_root_or_a_system_id_read_from_disk(uid: Any, gid: Any, min_id: int) -> None:
-    settings = SessionSettings(namespace="sk", root=PurePosixPath("/r"), image="i", min_owner_id=min_id)
+    settings = SessionSettings(image="i", min_owner_id=min_id)
     run_uid, run_gid = run_as({"uid": uid, "gid": gid}, settings)
     for read, ran in ((uid, run_uid), (gid, run_gid)):
         assert ran != 0 and type(ran) is int
@@ -364,9 +383,7 @@ def test_a_session_tolerates_only_its_nodes_noexecute_taints_that_the_agent_tole
 
 
 def test_the_pod_tolerates_no_blanket_and_has_bounded_resources() -> None:
-    blanket = SessionSettings(
-        namespace="sk", root=PurePosixPath("/r"), image="i", tolerations=({"operator": "Exists"},)
-    )
+    blanket = SessionSettings(image="i", tolerations=({"operator": "Exists"},))
     taints = [
         {"key": "dedicated", "value": "ci", "effect": "NoSchedule"},
         {"key": "dedicated", "value": "ci", "effect": "NoExecute"},
@@ -378,21 +395,6 @@ def test_the_pod_tolerates_no_blanket_and_has_bounded_resources() -> None:
     assert resources == DEFAULT_RESOURCES
     for kind in ("requests", "limits"):
         assert set(resources[kind]) == {"cpu", "memory", "ephemeral-storage"}
-
-
-def test_a_session_over_its_sandboxs_verification_slots_is_refused_saying_what_to_do_never_left_waiting() -> None:
-    args = {"expired": False, "guard": None, "settings": SETTINGS, "now": NOW}
-    assert decide(session(), sandbox(), None, others=c.SESSION_VERIFY_SLOTS - 1, **args).create_pod
-    full = decide(session(), sandbox(), None, others=c.SESSION_VERIFY_SLOTS, **args)
-    assert (full.status["phase"], full.status["reason"]) == (SessionPhase.REFUSED, Reason.VERIFY_LIMIT)
-    assert not full.create_pod and full.teardown
-    assert full.status["message"] == (
-        f"{c.SESSION_VERIFY_SLOTS} other sessions of team/run-1 are being verified or run on node node-a "
-        f"(at most {c.SESSION_VERIFY_SLOTS}); end one and ask again"
-    )
-    # A session whose Pod already runs holds its slot: others starting later never end it.
-    started = decide(session(), sandbox(), pod(), others=c.SESSION_VERIFY_SLOTS + 3, **args)
-    assert started.status["phase"] == SessionPhase.PENDING and started.verify == "pod-1"
 
 
 def test_the_agent_verifies_the_oldest_session_pods_of_a_sandbox_first(tmp_path: Path) -> None:
@@ -412,24 +414,22 @@ def test_the_agent_verifies_the_oldest_session_pods_of_a_sandbox_first(tmp_path:
 def sbed(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Bed]:
     install_crds(cluster)
     release = f"ss{secrets.token_hex(3)}"
-    sessions_ns = f"{namespace}-s"[:63]
     docs = render_templates(
         release,
         namespace,
         ("sessions.yaml",),
         only_in(namespace),
         "--set=sessions.enabled=true",
-        f"--set=sessions.namespace={sessions_ns}",
         "--set=sessions.maxLifetime=1h",
     )
     cluster.apply(docs)
-    b = Bed(cluster, namespace, sessions_ns, release, tmp_path)
+    b = Bed(cluster, namespace, release, tmp_path)
     # A new admission policy takes effect a moment after it is created: wait until a forged user is refused.
     wait_for("the session policy in force", lambda: b.open("x", "someone-else", dry_run=True).returncode or None)
     yield b
     b.stop()
     # No kubelet here finishes a Pod's graceful deletion: remove them outright, then the namespace can go.
-    cluster.kubectl("delete", "pods", "--all", "-n", sessions_ns, "--grace-period=0", "--force", check=False)
+    cluster.kubectl("delete", "pods", "--all", "-n", namespace, "--grace-period=0", "--force", check=False)
     cluster_wide = ("Namespace", "ClusterRole", "ClusterRoleBinding")
     made = [
         f"{doc['kind']}/{doc['metadata']['name']}"
@@ -440,14 +440,8 @@ def sbed(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Bed]
 
 
 class Bed:
-    def __init__(self, cluster: LocalCluster, namespace: str, sessions_ns: str, release: str, tmp: Path) -> None:
-        self.cluster, self.namespace, self.sessions_ns, self.release, self.tmp = (
-            cluster,
-            namespace,
-            sessions_ns,
-            release,
-            tmp,
-        )
+    def __init__(self, cluster: LocalCluster, namespace: str, release: str, tmp: Path) -> None:
+        self.cluster, self.namespace, self.release, self.tmp = cluster, namespace, release, tmp
         self.kube = kube_for(cluster)
         self.controllers: list[Controller] = []
         self.admin = cluster.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout.strip()
@@ -457,7 +451,7 @@ class Bed:
             self.cluster,
             self.namespace,
             self.tmp / f"controller-{len(self.controllers)}.log",
-            f"--sessions-namespace={self.sessions_ns}",
+            "--sessions",
             "--sessions-image=sandkeep:test",
             "--sessions-max-lifetime=1h",
             f"--sessions-admission-binding={binding or self.release + '-sandkeep-sessions'}",
@@ -510,7 +504,9 @@ class Bed:
         return wait_for(f"session {name} {phase}", probe, timeout)["status"]
 
     def pods(self) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self.cluster.read(f"/api/v1/namespaces/{self.sessions_ns}/pods")["items"]
+        items: list[dict[str, Any]] = self.cluster.kubectl_json(
+            "get", "pods", "-n", self.namespace, "-l", c.LABEL_SESSION_UID
+        )["items"]
         return items
 
     def policy_images(self) -> list[str]:
@@ -521,7 +517,8 @@ class Bed:
         return images
 
     def rbac(self) -> list[str]:
-        out = self.cluster.kubectl("get", "roles,rolebindings", "-n", self.sessions_ns, "-o", "name").stdout.split()
+        """Roles and RoleBindings anywhere named like a session's (none is made any more)."""
+        out = self.cluster.kubectl("get", "roles,rolebindings", "-A", "-o", "name").stdout.split()
         return [n for n in out if "/session-" in n]
 
 
@@ -577,15 +574,16 @@ def test_a_session_runs_its_pod_on_the_sandboxs_node_and_ends_with_its_lifetime(
     (p,) = wait_for("the session's Pod", lambda: sbed.pods() or None)
     assert p["metadata"]["name"] == status["podName"] and p["spec"]["nodeName"] == "node-a"
     assert p["metadata"]["labels"][c.LABEL_SANDBOX_UID] == sb["metadata"]["uid"]
-    hostpath = p["spec"]["volumes"][0]["hostPath"]
-    assert hostpath == {"path": f"/var/lib/sandkeep/{sbed.namespace}/run-1/workspace", "type": "Directory"}
+    assert p["metadata"]["namespace"] == sbed.namespace == status["podNamespace"], "in the sandbox's namespace"
+    csi = p["spec"]["volumes"][0]["csi"]
+    assert csi == {"driver": c.CSI_DRIVER, "readOnly": True, "volumeAttributes": {c.VOLUME_SANDBOX: "run-1"}}
     assert p["spec"]["containers"][0]["volumeMounts"][0]["readOnly"] is True
     assert p["spec"]["containers"][0]["resources"] == DEFAULT_RESOURCES  # as the API server keeps it
     # node-a has no taints: only what the API server's DefaultTolerationSeconds adds to every Pod, no blanket
     tolerated = {(t["key"], t.get("tolerationSeconds")) for t in p["spec"].get("tolerations", [])}
     assert tolerated <= {("node.kubernetes.io/not-ready", 300), ("node.kubernetes.io/unreachable", 300)}
     assert p["spec"]["securityContext"]["runAsGroup"] == c.NOBODY
-    assert sbed.rbac() == [], "no grant before the agent has verified the mount"
+    assert sbed.rbac() == [], "no Role or RoleBinding: exec is the user's own"
     ended = sbed.phase("open-run-1", SessionPhase.ENDED, timeout=30)
     assert ended["reason"] == Reason.LIFETIME_ENDED
     wait_for("the Pod deleted", lambda: all("deletionTimestamp" in q["metadata"] for q in sbed.pods()) or None)
@@ -597,8 +595,79 @@ def test_deleting_a_session_deletes_its_pod(sbed: Bed) -> None:
     assert sbed.open("run-2", readWrite=True).returncode == 0
     (p,) = wait_for("the session's Pod", lambda: sbed.pods() or None)
     assert p["spec"]["containers"][0]["volumeMounts"][0].get("readOnly", False) is False
+    assert p["spec"]["volumes"][0]["csi"]["volumeAttributes"] == {
+        c.VOLUME_SANDBOX: "run-2",
+        c.VOLUME_READ_WRITE: "true",
+    }
     sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "open-run-2", "-n", sbed.namespace)
     wait_for("the Pod deleted", lambda: all("deletionTimestamp" in q["metadata"] for q in sbed.pods()) or None)
+
+
+def test_a_namespace_whose_quota_allows_no_pods_gets_its_session_refused_with_the_quotas_words(sbed: Bed) -> None:
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-pods", "namespace": sbed.namespace},
+        "spec": {"hard": {"pods": "0"}},
+    }
+    sbed.cluster.kubectl("create", "-f", "-", input=json.dumps(quota))
+    wait_for(
+        "the quota observed",
+        lambda: (
+            sbed.cluster.kubectl_json("get", "resourcequota", "no-pods", "-n", sbed.namespace)
+            .get("status", {})
+            .get("hard")
+            or None
+        ),
+    )
+    sbed.controller()
+    sbed.sandbox("run-q")
+    assert sbed.open("run-q").returncode == 0
+    status = sbed.phase("open-run-q", SessionPhase.REFUSED)
+    assert status["reason"] == Reason.POD_REFUSED, status["message"]
+    assert "exceeded quota: no-pods" in status["message"] and "pods=0" in status["message"]
+    assert f"refused its Pod {sbed.namespace}/{status['podName']}" in status["message"]
+    assert sbed.pods() == [] and sbed.rbac() == []
+    time.sleep(2)  # settled: never retried
+    again = sbed.session("open-run-q")
+    assert again is not None and again["status"] == status
+
+
+def test_a_namespace_enforcing_restricted_admits_the_session_pod_which_runs_once_ready(sbed: Bed) -> None:
+    sbed.cluster.kubectl(
+        "label", "namespace", sbed.namespace, "pod-security.kubernetes.io/enforce=restricted", "--overwrite"
+    )
+    sbed.controller()
+    sbed.sandbox("run-r")
+    assert sbed.open("run-r", readWrite=True).returncode == 0
+    (p,) = wait_for("the session's Pod, admitted", lambda: sbed.pods() or None)
+    assert sbed.phase("open-run-r", SessionPhase.PENDING)["reason"] == Reason.SESSION_STARTING
+    # No kubelet here: write what it would once the plugin mounted the sandbox and the container started.
+    container = {
+        "name": c.SESSION_CONTAINER,
+        "ready": True,
+        "state": {"running": {"startedAt": instant()}},
+        "image": p["spec"]["containers"][0]["image"],
+        "imageID": "",
+        "restartCount": 0,
+    }
+    sbed.cluster.kubectl(
+        "patch",
+        "pod",
+        p["metadata"]["name"],
+        "-n",
+        sbed.namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"phase": "Running", "containerStatuses": [container]}}),
+    )
+    running = sbed.phase("open-run-r", SessionPhase.RUNNING, timeout=30)
+    assert running["reason"] == Reason.SESSION_RUNNING
+    assert running["message"] == (
+        f"kubectl exec -it -n {sbed.namespace} {p['metadata']['name']} -c {c.SESSION_CONTAINER} -- sh"
+    )
+    assert sbed.rbac() == []
 
 
 def test_without_the_admission_policy_bound_sessions_are_refused(sbed: Bed) -> None:
@@ -671,56 +740,7 @@ def test_an_image_not_allowed_is_refused_at_create_and_by_the_controller(sbed: B
     assert sbed.pods() == []
 
 
-def test_a_session_over_the_sandboxs_verification_slots_is_refused_and_one_asked_again_later_starts(
-    sbed: Bed,
-) -> None:
-    slots = c.SESSION_VERIFY_SLOTS
-    caps = (c.SESSIONS_MAX_PER_USER, c.SESSIONS_MAX_PER_NAMESPACE)  # above the slots: this is about the slots
-    sbed.controller(*(f"{bound.flag}={2 * slots}" for bound in caps))
-    sbed.sandbox("run-5")
-
-    def create(*names: str) -> None:
-        items = [
-            {
-                "apiVersion": c.API_VERSION,
-                "kind": c.SESSION_KIND,
-                "metadata": {"name": name, "namespace": sbed.namespace},
-                "spec": {"sandbox": "run-5", "user": sbed.admin},
-            }
-            for name in names
-        ]
-        sbed.cluster.kubectl(
-            "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
-        )
-
-    create(*(f"look-{n:02}" for n in range(slots)))
-    wait_for(f"{slots} session Pods", lambda: len(sbed.pods()) == slots or None, timeout=60)
-    create("look-late")
-    refused = sbed.phase("look-late", SessionPhase.REFUSED)
-    assert refused["reason"] == Reason.VERIFY_LIMIT
-    assert refused["message"] == (
-        f"{slots} other sessions of {sbed.namespace}/run-5 are being verified or run on node node-a "
-        f"(at most {slots}); end one and ask again"
-    )
-    assert len(sbed.pods()) == slots, "no Pod for the refused session"
-    first = sbed.session("look-00")
-    assert first is not None and first["status"]["phase"] == SessionPhase.PENDING, "the others keep waiting"
-    sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "look-00", "-n", sbed.namespace)
-    gone = f"session-{first['metadata']['uid']}"
-    wait_for(
-        "its Pod deleted",
-        lambda: (
-            any(p["metadata"]["name"] == gone and "deletionTimestamp" in p["metadata"] for p in sbed.pods()) or None
-        ),
-    )
-    # No kubelet here finishes the graceful deletion: do what it would.
-    sbed.cluster.kubectl("delete", "pod", gone, "-n", sbed.sessions_ns, "--grace-period=0", "--force")
-    create("look-again")
-    assert sbed.phase("look-again", SessionPhase.PENDING)["reason"] == Reason.SESSION_STARTING
-    wait_for("its Pod", lambda: len(sbed.pods()) == slots or None)
-
-
-def test_an_editor_opens_for_themselves_only_and_gets_nothing_in_the_sessions_namespace(sbed: Bed) -> None:
+def test_an_editor_opens_for_themselves_only_and_execs_with_their_own_rbac(sbed: Bed) -> None:
     alice = f"alice-{secrets.token_hex(2)}"
     sbed.cluster.kubectl(
         "create", "rolebinding", "alice-edits", "--clusterrole=edit", f"--user={alice}", "-n", sbed.namespace
@@ -745,35 +765,34 @@ def test_an_editor_opens_for_themselves_only_and_gets_nothing_in_the_sessions_na
         return bool(sbed.cluster.kubectl("auth", "can-i", *args, as_user=alice, check=False).stdout.strip() == "yes")
 
     assert can("create", c.SESSION_PLURAL, "-n", sbed.namespace)
-    for verb, what in (
-        ("create", "pods"),
-        ("get", "pods"),
-        ("create", "pods/exec"),
-        ("create", "roles"),
-        ("create", "rolebindings"),
-    ):
-        assert not can(verb, what, "-n", sbed.sessions_ns), f"{alice} may {verb} {what} in the sessions namespace"
+    assert can("create", "pods/exec", "-n", sbed.namespace), "exec is edit's own pods/exec in the namespace"
+    assert not can("create", "pods/exec", "-n", "default"), "and nowhere else"
     assert not can("patch", c.SESSION_PLURAL, "--subresource=status", "-n", sbed.namespace)
-    labels = sbed.cluster.kubectl_json("get", "namespace", sbed.sessions_ns)["metadata"]["labels"]
-    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert sbed.rbac() == []
 
 
-def test_the_controller_may_run_and_grant_session_pods_only_in_the_sessions_namespace(sbed: Bed) -> None:
+def test_the_controller_may_run_session_pods_in_any_namespace_and_grants_nothing(sbed: Bed) -> None:
     sa = f"system:serviceaccount:{sbed.namespace}:{sbed.release}-sandkeep-controller"
 
     def can(*args: str) -> bool:
         return bool(sbed.cluster.kubectl("auth", "can-i", *args, as_user=sa, check=False).stdout.strip() == "yes")
 
-    for verb, what in (
-        ("create", "pods"),
-        ("delete", "pods"),
-        ("create", "pods/exec"),
-        ("create", "roles"),
-        ("create", "rolebindings"),
-        ("delete", "rolebindings"),
-    ):
-        assert can(verb, what, "-n", sbed.sessions_ns), f"the controller cannot {verb} {what}"
-        assert not can(verb, what, "-n", sbed.namespace), f"the controller may {verb} {what} outside"
+    def allowed(verb: str, what: str) -> bool:
+        """RBAC's own answer (a SubjectAccessReview: kubectl's can-i reads a subresource its own way)."""
+        resource, _, sub = what.partition("/")
+        attributes = {"namespace": sbed.namespace, "verb": verb, "resource": resource, "subresource": sub}
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {"user": sa, "groups": ["system:serviceaccounts"], "resourceAttributes": attributes},
+        }
+        out = sbed.cluster.kubectl_json("create", "-f", "-", input=json.dumps(review))
+        return bool(out["status"].get("allowed"))
+
+    for verb in ("create", "delete", "get", "list"):  # never watch: a session looks at its own Pod
+        assert can(verb, "pods", "-n", sbed.namespace) and can(verb, "pods", "-A"), f"the controller cannot {verb} pods"
+    for verb, what in (("create", "pods/exec"), ("create", "roles"), ("create", "rolebindings"), ("bind", "roles")):
+        assert not allowed(verb, what), f"the controller may {verb} {what}"
     assert can("patch", c.SESSION_PLURAL, "--subresource=status", "-A") and not can("create", c.SESSION_PLURAL, "-A")
     for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
         assert can("get", f"{kind}/{sbed.release}-sandkeep-sessions")
@@ -810,9 +829,9 @@ def test_an_unchanged_answer_is_kept_as_it_was_so_a_pending_pod_costs_no_write_p
     assert later == first
 
 
-def test_a_deleted_session_is_torn_down_only_by_the_install_that_started_it() -> None:
-    # Two installs in one cluster, each with its own sessions namespace, both see every session's DELETED:
-    # only the one whose namespace the status names, or that created its Pod itself, tears it down.
+def test_a_deleted_session_is_torn_down_only_when_it_was_given_a_pod() -> None:
+    # Every session's DELETED is seen: only one whose status names a Pod, or whose Pod this process created
+    # (its status not written yet), has anything to tear down.
     import asyncio
 
     from kubernetes import client as k8s
@@ -824,21 +843,16 @@ def test_a_deleted_session_is_torn_down_only_by_the_install_that_started_it() ->
     async def main() -> None:
         ours = Sessions(Kube(k8s.Configuration()), SETTINGS, lambda _o, _t: False, lambda _ns: timedelta(hours=1))
 
-        def session(name: str, started_in: str | None) -> dict[str, Any]:
-            status = {"podNamespace": started_in} if started_in else {}
+        def session(name: str, pod: str | None) -> dict[str, Any]:
+            status = {"podNamespace": "team", "podName": pod} if pod else {}
             meta = {"name": name, "namespace": "team", "uid": f"uid-{name}"}
             return {"metadata": meta, "spec": {"sandbox": "sb"}, "status": status}
 
         ours.started.add(("team", "early"))  # its Pod created here, its status not written yet
-        for name, started_in in (
-            ("mine", SETTINGS.namespace),
-            ("theirs", "other-sessions"),
-            ("early", None),
-            ("refused", None),  # never had a Pod from anyone (or from another install, status unwritten)
-        ):
-            ours.on_session("DELETED", session(name, started_in))
-        assert sorted(ours.gone) == [("team", "early"), ("team", "mine")]
+        for name, pod in (("started", "session-uid-started"), ("early", None), ("refused", None)):
+            ours.on_session("DELETED", session(name, pod))
+        assert sorted(ours.gone) == [("team", "early"), ("team", "started")]
         assert not ours.started
-        assert ours.gone[("team", "mine")] == {object_name(session("mine", None))}
+        assert ours.gone[("team", "started")] == {object_name(session("started", None))}
 
     asyncio.run(main())

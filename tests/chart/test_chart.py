@@ -917,6 +917,20 @@ def test_the_controller_reads_only_its_own_sessions_guard(tools: Path) -> None:
     ]
 
 
+def test_sessions_need_no_namespace_of_their_own_and_the_removed_values_are_still_accepted(tools: Path) -> None:
+    # An upgrade with --reuse-values still carries sessions.namespace and createNamespace: accepted, ignored.
+    old = ("--set=sessions.namespace=sk-sessions", "--set=sessions.createNamespace=true")
+    docs = objects(render(tools, SESSIONS_ON, *old))
+    assert not [d for d in docs if d["kind"] == "Namespace"]
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding") and "sessions" in d["metadata"]["name"]]
+    assert "sk-sessions" not in json.dumps(docs)
+    assert "--sessions" in container_of(find(docs, "Deployment"))["args"]
+    role = find(docs, "ClusterRole", "-controller-sessions")
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "create", "delete"]} in role["rules"]
+    assert not [r for r in role["rules"] if r["apiGroups"] == ["rbac.authorization.k8s.io"]]
+    assert not any("exec" in res for r in role["rules"] for res in r["resources"])
+
+
 # --- values table, image, e2e script ---------------------------------------------------------------------
 def test_values_table_in_the_readme_is_up_to_date() -> None:
     result = subprocess.run(

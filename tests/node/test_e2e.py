@@ -323,13 +323,10 @@ def test_a_session_opens_a_retained_sandbox_read_only_for_its_user_alone(bed: Be
     eventually(lambda: (rsb(bed, "run-9") or {}).get("status", {}).get("owner"), "adoption and the owner read")
     alice = "alice@example.com"
     bed.kubectl("create", "rolebinding", "alice-edits", "--clusterrole=edit", f"--user={alice}", "-n", NS)
-    say(f"{alice} (edit in {NS}) opens run-9: a Pod on {bed.node_name} with its workspace at /sandbox")
+    say(f"{alice} (edit in {NS}) opens run-9: a Pod in {NS} on {bed.node_name}, the sandbox at /sandbox by CSI")
     status = open_session(bed, "run-9", alice, as_user=alice)
     pod, pod_ns = status["podName"], status["podNamespace"]
-    obj = rsb(bed, "run-9")
-    assert obj is not None
-    (check,) = obj["status"]["sessions"]
-    assert check["mount"] == c.MountCheck.VERIFIED and check["pod"] == f"{pod_ns}/{pod}"
+    assert pod_ns == NS, "a session's Pod runs in the sandbox's own namespace"
     as_alice = (f"--as={alice}", "exec", "-n", pod_ns, pod, "-c", c.SESSION_CONTAINER, "--")
     assert bed.kubectl(*as_alice, "cat", "/sandbox/logs/result.txt").stdout == "build ok\n"
     assert bed.kubectl(*as_alice, "id", "-u").stdout == "1234\n", "a session runs as the workspace's owner"
@@ -337,13 +334,12 @@ def test_a_session_opens_a_retained_sandbox_read_only_for_its_user_alone(bed: Be
     assert refused.returncode != 0 and "Read-only file system" in refused.stderr
     assert not bed.exists(path / "workspace" / "new-file")
     bob = ("--as=bob@example.com", "exec", "-n", pod_ns, pod, "-c", c.SESSION_CONTAINER, "--", "true")
-    assert "forbidden" in bed.kubectl(*bob, check=False).stderr, "exec is granted to the session's user alone"
+    assert "forbidden" in bed.kubectl(*bob, check=False).stderr, "exec is the user's own pods/exec: bob has none"
     eventually(lambda: any(pod in h for h in (rsb(bed, "run-9") or {}).get("status", {}).get("heldBy", [])), "the hold")
-    eventually(lambda: phase(bed, "run-9") == c.Phase.OPEN, "run-9's phase Open while the session runs")
-    say("end the session: its Pod and its grant go, and nothing holds run-9 any more")
+    say("end the session: its Pod goes, and nothing holds run-9 any more")
     bed.kubectl("delete", c.SESSION_PLURAL, "look-run-9", "-n", NS)
     eventually(lambda: bed.kubectl("get", "pod", pod, "-n", pod_ns, check=False).returncode != 0, "the Pod gone")
-    assert bed.kubectl("get", "rolebinding", pod, "-n", pod_ns, check=False).returncode != 0
+    assert bed.kubectl("get", "rolebindings", "-n", pod_ns, "-o", "name").stdout.count("/session-") == 0
     eventually(lambda: phase(bed, "run-9") == c.Phase.RETAINED, "run-9 Retained again once the session ended")
     assert bed.exists(path)
     say("a read-write session: the owner's uid writes into the workspace")
@@ -352,34 +348,6 @@ def test_a_session_opens_a_retained_sandbox_read_only_for_its_user_alone(bed: Be
     bed.kubectl(*as_owner, "sh", "-c", "echo notes > /sandbox/notes.txt")
     assert bed.on_node(f"stat -c %u '{path}/workspace/notes.txt'").stdout == "1234\n"
     bed.kubectl("delete", c.SESSION_PLURAL, "look-run-9", "-n", NS)
-
-
-def test_a_session_whose_mount_is_not_the_sandboxs_workspace_ends_without_a_grant(bed: Bed) -> None:
-    path = retain_job(bed, "run-12", "1h")
-    eventually(lambda: rsb(bed, "run-12"), "adoption")
-    work = path / "workspace"
-    say("swap run-12's workspace for a link to another directory: the kubelet follows it, the agent does not")
-    bed.on_node(
-        f"mv '{work}' '{path}/real' && mkdir '{path}/decoy' && echo secret > '{path}/decoy/s' && ln -s decoy '{work}'"
-    )
-    try:
-        create_session(bed, "run-12")
-
-        def ended() -> dict[str, Any] | None:
-            status = bed.get(c.SESSION_PLURAL, "look-run-12", "-n", NS).get("status") or {}
-            assert status.get("phase") != c.SessionPhase.RUNNING, f"a swapped mount was granted: {status}"
-            return status if status.get("phase") in (c.SessionPhase.ENDED, c.SessionPhase.REFUSED) else None
-
-        status = eventually(ended, "the session ended", timeout=120)
-        assert status["reason"] == c.Reason.MOUNT_MISMATCH, status
-        (check,) = rsb(bed, "run-12")["status"]["sessions"]  # type: ignore[index]
-        assert check["mount"] == c.MountCheck.MISMATCH
-        pod, pod_ns = status["podName"], status["podNamespace"]
-        assert bed.kubectl("get", "rolebinding", pod, "-n", pod_ns, check=False).returncode != 0, "no grant"
-        eventually(lambda: bed.kubectl("get", "pod", pod, "-n", pod_ns, check=False).returncode != 0, "the Pod gone")
-    finally:
-        bed.on_node(f"rm -f '{work}' && rm -rf '{path}/decoy' && mv '{path}/real' '{work}'", check=False)
-    bed.kubectl("delete", c.SESSION_PLURAL, "look-run-12", "-n", NS)
 
 
 # Run by the agent's own code in the agent's container (its cgroup, its view of the node's /proc): which

@@ -125,11 +125,6 @@ sandkeep/{{ include "sandkeep.agentSeccompFile" . }}
 {{- toJson (uniq (concat (list (include "sandkeep.sessionsImage" .)) (.Values.sessions.allowedImages | default list))) }}
 {{- end }}
 
-{{/* The namespace session Pods run in. */}}
-{{- define "sandkeep.sessionsNamespace" -}}
-{{- default (printf "%s-sessions" .Release.Namespace | trunc 63 | trimSuffix "-") .Values.sessions.namespace }}
-{{- end }}
-
 {{/* The CSI driver's name (controller/rules/contracts.py CSI_DRIVER): the CSIDriver object, every Pod's `csi.driver`. */}}
 {{- define "sandkeep.csiDriver" -}}
 csi.sandkeep.io

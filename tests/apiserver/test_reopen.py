@@ -16,17 +16,17 @@ from typing import Any
 
 import grpc
 import pytest
-from csikit import node_stub, publish_request, socket_dir
-from test_agent import REPO, Node, adopted, delete, get, make_object, wait_for
-from test_capture import mounts_at, unmount_under
-from test_csi_node import wait_for_socket
 
 from controller.csi.proto import csi_pb2
 from controller.node.capture import Volumes
 from controller.rules import contracts as c
 from controller.rules.contracts import CSI_DRIVER, VOLUME_READ_WRITE, VOLUME_SANDBOX
+from tests.apiserver.test_agent import REPO, Node, adopted, agents, crd, delete, get, make_object, nodes, wait_for
+from tests.bed.csikit import node_stub, publish_request, socket_dir
+from tests.disk.test_capture import mounts_at, unmount_under
+from tests.disk.test_csi_node import wait_for_socket
 
-pytest_plugins = ["test_agent"]  # fixtures: crd, nodes, agents
+__all__ = ["agents", "crd", "nodes"]  # fixtures of test_agent, used here
 
 
 class Plugin:
