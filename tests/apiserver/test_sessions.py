@@ -496,7 +496,7 @@ class Bed:
             return None
         return found
 
-    def phase(self, name: str, phase: SessionPhase, timeout: float = 30) -> dict[str, Any]:
+    def phase(self, name: str, phase: SessionPhase, timeout: float = 90) -> dict[str, Any]:
         def probe() -> dict[str, Any] | None:
             s = self.session(name)
             return s if s is not None and (s.get("status") or {}).get("phase") == phase else None
