@@ -23,7 +23,7 @@ from controller.rules.contracts import CSI_DRIVER
 from tests.bed.csikit import channel, node_stub, publish_request, socket_dir
 from tests.unit.test_volume import UID, VOLUME_ID
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def csi_node(root: Path, endpoint: Path, kubelet: Path, node: str = "node-a") -> subprocess.Popen[str]:

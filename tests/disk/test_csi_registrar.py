@@ -28,7 +28,7 @@ from controller.rules.contracts import CSI_DRIVER
 from tests.apiserver.test_agent import wait_for
 from tests.bed.csikit import REGISTRATION_PATH, RecordingVolumes, channel, socket_dir
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 REG_SOCKET = f"{CSI_DRIVER}-reg.sock"
 SANDKEEP = [sys.executable, "-m", "controller.cli.sandkeep"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from controller.csi import proto
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "hack" / "protos.sh"
 
 
