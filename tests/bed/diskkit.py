@@ -145,6 +145,12 @@ def bind_mount(made: list[Path], source: Path, point: Path) -> None:
     made.append(point)
 
 
+def open_fds() -> set[str]:
+    """This process's open descriptors. Compare as sets: a leak shows as a new one, while another test's
+    objects collected meanwhile may close theirs (a count then hides a leak or fails without one)."""
+    return set(os.listdir("/proc/self/fd"))
+
+
 def listing(path: Path) -> list[str]:
     return sorted(os.listdir(path))
 

@@ -12,7 +12,7 @@ import pytest
 
 from controller.node import fsdelete, treesize
 from controller.rules.contracts import Reason
-from tests.bed.diskkit import User, listing, make_immutable, outside_bait, require_root
+from tests.bed.diskkit import User, listing, make_immutable, open_fds, outside_bait, require_root
 
 pytest_plugins = ["tests.bed.diskkit"]  # fixtures: throwaway_user, shared_tmp, immutable, mounts
 
@@ -128,10 +128,10 @@ def _deep(top: Path, depth: int) -> None:
 @pytest.mark.parametrize("workers", [1, 4])
 def test_a_tree_deeper_than_path_max_and_the_fd_budget_is_deleted(tmp_path: Path, workers: int) -> None:
     _deep(tmp_path / "t", 2500)  # 2500 levels: 5000+ bytes of path, and far more dirs than open fds kept
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_fds()
     result = fsdelete.delete_tree(tmp_path, "t", workers=workers)
     assert result.ok and result.files == 2500 and listing(tmp_path) == []
-    assert len(os.listdir("/proc/self/fd")) == before  # every descriptor closed
+    assert open_fds() - before == set()  # every descriptor closed
 
 
 @pytest.mark.root
@@ -246,7 +246,7 @@ def test_a_directory_that_stays_is_not_entered_again_when_its_parent_is_read_aga
 def test_tree_size_counts_blocks_and_files_of_a_chain_deeper_than_recursion_allows(tmp_path: Path) -> None:
     _deep(tmp_path / "t", 2500)  # os.fwalk (the agent's measure) died with RecursionError at ~1,500 levels
     (tmp_path / "t" / "link").symlink_to("/usr")
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_fds()
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         size = treesize.tree_size(fd, "t")
@@ -255,7 +255,7 @@ def test_tree_size_counts_blocks_and_files_of_a_chain_deeper_than_recursion_allo
         fsdelete.delete_tree(tmp_path, "t")  # pytest's tmp_path cleanup (shutil.rmtree) recurses and dies on it
     assert size.files == 2501  # 2,500 files and the link, counted once each, never followed
     assert size.bytes >= 2500 * 4096
-    assert len(os.listdir("/proc/self/fd")) == before  # every descriptor it opened is closed
+    assert open_fds() - before == set()  # every descriptor it opened is closed
 
 
 @pytest.mark.root

@@ -16,7 +16,7 @@ import pytest
 
 from controller.node import fsdelete
 from controller.rules.contracts import Reason
-from tests.bed.diskkit import User, listing, make_immutable, outside_bait, require_root
+from tests.bed.diskkit import User, listing, make_immutable, open_fds, outside_bait, require_root
 
 pytest_plugins = ["tests.bed.diskkit"]
 
@@ -191,8 +191,8 @@ def test_a_10000_level_chain_with_a_wide_level_on_top_is_deleted_with_every_desc
             fd = child
     finally:
         os.close(fd)
-    before = set(os.listdir("/proc/self/fd"))
+    before = open_fds()
     result = fsdelete.delete_tree(tmp_path, "t", workers=workers)
     assert result.ok and result.files == WIDE + 10_000 and listing(tmp_path) == []
     # None of the delete's descriptors is left open (another test's objects may close theirs meanwhile).
-    assert set(os.listdir("/proc/self/fd")) - before == set()
+    assert open_fds() - before == set()
