@@ -365,6 +365,11 @@ def test_kubectl_sandkeep_open_and_cp_read_a_retained_sandbox(bed: Bed, tmp_path
     assert (opened.returncode, opened.stdout) == (0, "build ok\n"), opened.stderr
     written = kubectl_sandkeep(bed, "open", "run-11", "-n", NS, "--", "touch", "new-file")
     assert written.returncode != 0 and "Read-only file system" in written.stderr
+    say("a root-owned workspace opened by the session's non-root user: the files' modes decide what it reads")
+    bed.on_node(f"umask 077 && echo secret > '{bed.root / NS / 'run-11' / c.WORKSPACE_DIR}/root-only'")
+    denied = kubectl_sandkeep(bed, "open", "run-11", "-n", NS, "--", "cat", "root-only")
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied.stderr
+    assert "owned by root and the session is not root" in denied.stderr
     say("kubectl sandkeep cp run-11:logs DEST")
     copied = kubectl_sandkeep(bed, "cp", "run-11:logs", str(tmp_path / "out"), "-n", NS)
     assert copied.returncode == 0, copied.stderr
