@@ -372,7 +372,13 @@ def as_whom(obj: Obj, *, as_job: bool) -> str:
             f"{obj['metadata']['name']} records no container that mounted its workspace whole (only a workspace "
             "kept through sandkeep's CSI volume does), so it cannot be opened as its job was; open it without --as-job"
         )
-    where = f"at {job['mountPath']} in {job['image']}" if as_job and job else f"at {c.SESSION_MOUNT}"
+    if as_job and job:
+        where = f"at {job['mountPath']} in {job['image']}"
+        if job.get("runAsUser") is not None:
+            ran = job["runAsUser"]
+            return f"{where}; the job ran as uid {ran}, which the session runs as if it is at least sessions.minOwnerId"
+    else:
+        where = f"at {c.SESSION_MOUNT}"
     owner = ((obj.get("status") or {}).get("owner") or {}).get("uid")
     if owner == 0:  # a session never runs as root (Pod Security restricted): the files' modes decide
         where += (

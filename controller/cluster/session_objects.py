@@ -19,16 +19,22 @@ from controller.rules import contracts as c
 from controller.rules.objects import Obj, key_of
 
 
-def run_as(owner: Obj, settings: SessionSettings) -> tuple[int, int]:
-    """The uid and gid a session runs as: the workspace owner's read from disk, each only where it is a
-    person's (at least `min_owner_id`); otherwise `run_as_user`. Never 0 nor a system id from disk."""
-
-    def person(value: object) -> int:
+def person(settings: SessionSettings, *values: object) -> int | None:
+    """The first of `values` that is a person's id (at least `min_owner_id`); None when none is."""
+    for value in values:
         if isinstance(value, int) and not isinstance(value, bool) and settings.min_owner_id <= value <= MAX_ID:
             return value
-        return settings.run_as_user
+    return None
 
-    return person(owner.get("uid")), person(owner.get("gid"))
+
+def run_as(owner: Obj, settings: SessionSettings, job: Obj | None = None) -> tuple[int, int]:
+    """The uid and gid a session runs as: with `asJob`, the job container's recorded ones; else the workspace
+    owner's read from disk; each only where it is a person's (at least `min_owner_id`); otherwise
+    `run_as_user`. Never 0 nor a system id."""
+    job = job or {}
+    uid = person(settings, job.get("runAsUser"), owner.get("uid"))
+    gid = person(settings, job.get("runAsGroup"), owner.get("gid"))
+    return (settings.run_as_user if uid is None else uid), (settings.run_as_user if gid is None else gid)
 
 
 def tolerates(toleration: Obj, taint: Obj) -> bool:
@@ -94,10 +100,11 @@ def pod_body(
     read_write = bool(spec.get("readWrite"))
     attributes = {c.VOLUME_SANDBOX: name, **({c.VOLUME_READ_WRITE: "true"} if read_write else {})}
     seconds = max(1, int((expires - now).total_seconds()))
-    # As the workspace's owner (the agent reads it) where that is a person's id, never root nor a system id.
-    uid, gid = run_as((sandbox.get("status") or {}).get("owner") or {}, settings)
-    # asJob: as the job was, with its recorded image, working directory and the workspace where it mounted it.
+    # asJob: as the job was, with its recorded image, user, working directory and the workspace where it had it.
     job = (job_container(sandbox) if spec.get("asJob") else None) or {}
+    # As the job's user, else the workspace's owner (the agent reads it), where that is a person's id; never root.
+    uid, gid = run_as((sandbox.get("status") or {}).get("owner") or {}, settings, job)
+    fs_group = person(settings, ((sandbox.get("spec") or {}).get("origin") or {}).get("fsGroup")) if job else None
     mount = str(job.get("mountPath") or c.SESSION_MOUNT)
     mounts: list[Obj] = [{"name": "sandbox", "mountPath": mount, "readOnly": not read_write}]
     if mount != "/tmp":  # noqa: S108 (a job's workspace at /tmp replaces the session's own scratch there)
@@ -122,6 +129,7 @@ def pod_body(
             "securityContext": {
                 "runAsUser": uid,
                 "runAsGroup": gid,
+                **({"supplementalGroups": [fs_group]} if fs_group is not None else {}),
                 "runAsNonRoot": True,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },

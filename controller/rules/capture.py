@@ -12,10 +12,10 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from controller.rules.contracts import ORIGIN_CONTAINERS_MAX, ORIGIN_LABELS, Keep, Outcome
-from controller.rules.durations import format_duration
+from controller.rules.durations import format_duration, instant_or_none
 from controller.rules.models import (
     IMAGE_MAX,
     LABEL_VALUE_MAX,
@@ -83,17 +83,46 @@ def exit_codes(pod: Mapping[str, object]) -> dict[str, int] | None:
     return codes or None
 
 
+def _deletion_asked(meta: Mapping[str, object]) -> datetime | None:
+    """When the Pod's deletion was asked for: its deletionTimestamp less its grace period. None: not deleted."""
+    at = meta.get("deletionTimestamp")
+    if not at:
+        return None
+    when = instant_or_none(at) if isinstance(at, str) else None
+    grace = meta.get("deletionGracePeriodSeconds")
+    if when is None:
+        return datetime.max.replace(tzinfo=UTC)  # deleted, when unknown: nothing ended provably before it
+    seconds = grace if isinstance(grace, int) and not isinstance(grace, bool) and 0 <= grace < 2**31 else 0
+    return when - timedelta(seconds=seconds)
+
+
+def _ended_before(pod: Mapping[str, object], asked: datetime) -> bool:
+    """Whether every container had terminated, by its own `finishedAt`, a whole second before `asked` (the
+    API's times are whole seconds: the same second proves nothing)."""
+    statuses = _statuses(pod)
+    names = _container_names(pod) or list(statuses)
+    for name in names:
+        terminated = _map(_map(statuses.get(name, {}).get("state")).get("terminated"))
+        finished = terminated.get("finishedAt")
+        at = instant_or_none(finished) if isinstance(finished, str) else None
+        if at is None or at >= asked - timedelta(seconds=1):
+            return False
+    return bool(names)
+
+
 def outcome_of(pod: object) -> Outcome | None:
     """How the Pod ended: its terminal phase; else, once every container has terminated, Failed when one
-    exited non-zero. A Pod deleted before it ended, or none at all (gone, unreadable), is Unknown.
+    exited non-zero. A Pod whose deletion was asked for before all its containers had ended is Unknown, whatever
+    phase the kubelet then posts (a job stopped by SIGTERM may exit 0); so is none at all (gone, unreadable).
     None: not ended yet (or not reported yet): look again later."""
     if not isinstance(pod, Mapping):
+        return Outcome.UNKNOWN
+    asked = _deletion_asked(_map(pod.get("metadata")))
+    if asked is not None and not _ended_before(pod, asked):
         return Outcome.UNKNOWN
     phase = _map(pod.get("status")).get("phase")
     if isinstance(phase, str) and phase in _TERMINAL:
         return _TERMINAL[phase]
-    if _map(pod.get("metadata")).get("deletionTimestamp"):
-        return Outcome.UNKNOWN
     codes = exit_codes(pod)
     if codes is None:
         return None
@@ -185,6 +214,10 @@ def _mount_path(container: Mapping[str, object], volume: str | None) -> str | No
     return None
 
 
+def _id(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31 else None
+
+
 def origin_of(
     pod: object, outcome: Outcome, *, pod_name: str, pod_uid: str, node: str | None, volume: str | None = None
 ) -> Origin:
@@ -203,6 +236,7 @@ def origin_of(
         None,
     )
     statuses = _statuses(p)
+    pod_sc = _map(spec.get("securityContext"))
     containers = [
         OriginContainer(
             name=name[:LABEL_VALUE_MAX],
@@ -210,6 +244,8 @@ def origin_of(
             exit_code=_exit_code(statuses.get(name, {})),
             working_dir=_path(c.get("workingDir")),
             mount_path=_mount_path(c, volume),
+            run_as_user=_id(_map(c.get("securityContext")).get("runAsUser", pod_sc.get("runAsUser"))),
+            run_as_group=_id(_map(c.get("securityContext")).get("runAsGroup", pod_sc.get("runAsGroup"))),
         )
         for c in _items(spec.get("containers"))[:ORIGIN_CONTAINERS_MAX]
         if isinstance(name := c.get("name"), str)
@@ -223,6 +259,7 @@ def origin_of(
         containers=containers,
         outcome=outcome,
         labels={k: v[:LABEL_VALUE_MAX] for k in ORIGIN_LABELS if isinstance(v := labels.get(k), str)},
+        fs_group=_id(pod_sc.get("fsGroup")),
     )
 
 

@@ -92,6 +92,7 @@ IMAGE_MAX = 512  # an image reference in `origin.containers[].image` (registry/p
 ORIGIN_PATH_MAX = 512  # a container's recorded workingDir or mountPath (longer ones are not recorded)
 _Name = Annotated[str, Field(max_length=NAME_MAX)]
 _Short = Annotated[str, Field(max_length=LABEL_VALUE_MAX)]
+_Id = Annotated[int, Field(ge=0, le=2**31 - 1)]  # a uid or gid as a Pod's securityContext takes it
 
 
 class OriginOwner(BaseModel):
@@ -111,6 +112,9 @@ class OriginContainer(BaseModel):
     # what `kubectl sandkeep open --as-job` opens the workspace as.
     working_dir: Annotated[str, Field(max_length=ORIGIN_PATH_MAX)] | None = Field(None, alias="workingDir")
     mount_path: Annotated[str, Field(max_length=ORIGIN_PATH_MAX)] | None = Field(None, alias="mountPath")
+    # Who it ran as (its securityContext's, else the Pod's; absent: the image's user, unknown here).
+    run_as_user: _Id | None = Field(None, alias="runAsUser")
+    run_as_group: _Id | None = Field(None, alias="runAsGroup")
 
 
 class Origin(BaseModel):
@@ -129,6 +133,7 @@ class Origin(BaseModel):
     containers: list[OriginContainer] = Field(default_factory=list, max_length=ORIGIN_CONTAINERS_MAX)
     outcome: Outcome
     labels: dict[str, _Short] = Field(default_factory=dict)
+    fs_group: _Id | None = Field(None, alias="fsGroup")  # the Pod's fsGroup: the group its workspace was written as
 
     @field_validator("labels")
     @classmethod

@@ -28,7 +28,7 @@ from controller.cluster.session_decide import DEFAULT_RESOURCES, SessionSettings
 from controller.cluster.session_objects import pod_body, run_as, session_tolerations, tolerates
 from controller.cluster.sessions import session_path
 from controller.rules import contracts as c
-from controller.rules.contracts import MountCheck, Reason, SessionPhase
+from controller.rules.contracts import NOBODY, MountCheck, Reason, SessionPhase
 from controller.rules.durations import format_instant
 from hack.localcluster import LocalCluster
 from tests.bed.controller_harness import (
@@ -237,11 +237,25 @@ def test_as_job_runs_the_recorded_image_in_its_working_directory_with_the_worksp
         {"name": "sandbox", "mountPath": "/src", "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    assert body_security(s, sb) == {"runAsUser": NOBODY, "runAsGroup": NOBODY}  # no user recorded, none on disk
+    sb["spec"]["origin"]["fsGroup"] = 2000
+    sb["spec"]["origin"]["containers"][1] |= {"runAsUser": 1000, "runAsGroup": 1000}
+    assert body_security(s, sb) == {"runAsUser": 1000, "runAsGroup": 1000, "supplementalGroups": [2000]}
+    sb["spec"]["origin"]["containers"][1] |= {"runAsUser": 0, "runAsGroup": 10}  # root, a system id: never
+    sb["status"]["owner"] = {"uid": 1234, "gid": 1234}
+    sb["spec"]["origin"]["fsGroup"] = 0
+    assert body_security(s, sb) == {"runAsUser": 1234, "runAsGroup": 1234}
     at_tmp = sandbox()
     s = as_job(at_tmp, {**JOB, "mountPath": "/tmp", "workingDir": None})
     container = pod_body(s, at_tmp, SETTINGS, NOW + timedelta(hours=1), NOW)["spec"]["containers"][0]
     assert container["volumeMounts"] == [{"name": "sandbox", "mountPath": "/tmp", "readOnly": True}]
     assert container["workingDir"] == "/tmp"  # none recorded: the workspace
+
+
+def body_security(s: dict[str, Any], sb: dict[str, Any]) -> dict[str, Any]:
+    """The ids of the session Pod's securityContext."""
+    security = pod_body(s, sb, SETTINGS, NOW + timedelta(hours=1), NOW)["spec"]["securityContext"]
+    return {k: v for k, v in security.items() if k in ("runAsUser", "runAsGroup", "supplementalGroups")}
 
 
 def test_as_job_without_a_recorded_container_or_with_an_image_not_allowed_is_refused() -> None:

@@ -574,16 +574,12 @@ def test_the_kubelet_stopped_and_the_pod_force_deleted_keeps_the_workspace_by_re
 
 
 def test_reopen_refusals_reach_the_pods_events_and_mount_nothing(bed: Bed) -> None:
-    elsewhere = {
-        "apiVersion": c.API_VERSION,
-        "kind": c.SANDBOX_KIND,
-        "metadata": {"name": "elsewhere", "namespace": RESTRICTED},
-        "spec": {"nodeName": "node-gone", "createdAt": "2026-01-01T00:00:00Z"},
-    }
-    bed.kubectl("create", "-f", "-", input=json.dumps(elsewhere))
+    hold = {"metadata": {"finalizers": ["e2e.sandkeep.io/hold"]}}  # keeps the object while it is being deleted
+    bed.kubectl("patch", c.SANDBOX_PLURAL, "outlived-kubelet", "-n", RESTRICTED, "--type=merge", "-p", json.dumps(hold))
+    bed.kubectl("delete", c.SANDBOX_PLURAL, "outlived-kubelet", "-n", RESTRICTED, "--wait=false")
     cases = {
         "reopen-theirs": ("run-11", f"RetainedSandbox {RESTRICTED}/run-11 does not exist"),  # it is in {NS}
-        "reopen-elsewhere": ("elsewhere", f"is on node node-gone, not {bed.node_name}"),
+        "reopen-deleting": ("outlived-kubelet", "is being deleted; a deletion is final"),
     }
     for name, (sandbox, _) in cases.items():
         spec = restricted_spec(bed, "cat /workspace/logs/result.txt; sleep 60", {c.VOLUME_SANDBOX: sandbox})
@@ -605,7 +601,12 @@ def test_reopen_refusals_reach_the_pods_events_and_mount_nothing(bed: Bed) -> No
             assert bed.on_node(f"grep -l '{uid}' '{volumes}'/*/record.json", check=False).stdout == ""
     finally:
         bed.kubectl("delete", "pod", *cases, "-n", RESTRICTED, "--grace-period=0", "--force", check=False)
-        bed.kubectl("delete", c.SANDBOX_PLURAL, "elsewhere", "-n", RESTRICTED, "--wait=false", check=False)
+        obj = bed.get(c.SANDBOX_PLURAL, "outlived-kubelet", "-n", RESTRICTED)
+        left = [f for f in obj["metadata"].get("finalizers", []) if f != "e2e.sandkeep.io/hold"]  # the agent's stay
+        release = {"metadata": {"finalizers": left, "resourceVersion": obj["metadata"]["resourceVersion"]}}
+        bed.kubectl(
+            "patch", c.SANDBOX_PLURAL, "outlived-kubelet", "-n", RESTRICTED, "--type=merge", "-p", json.dumps(release)
+        )
 
 
 def test_open_as_job_reopens_the_failed_workspace_where_and_as_the_job_had_it(bed: Bed) -> None:
@@ -617,7 +618,7 @@ def test_open_as_job_reopens_the_failed_workspace_where_and_as_the_job_had_it(be
     say(f"kubectl sandkeep open {name} -n {RESTRICTED} --as-job -- sh -c '{script}'")
     opened = kubectl_sandkeep(bed, "open", name, "-n", RESTRICTED, "--as-job", "--", "sh", "-c", script)
     assert (opened.returncode, opened.stdout) == (0, "/workspace\ntests failed\n1000\n"), opened.stderr
-    assert f"at /workspace in {bed.image_ref}" in opened.stderr
+    assert f"at /workspace in {bed.image_ref}; the job ran as uid 1000" in opened.stderr
 
 
 def test_a_tenants_pods_0_quota_refuses_its_session_on_the_real_node(bed: Bed) -> None:
@@ -626,6 +627,11 @@ def test_a_tenants_pods_0_quota_refuses_its_session_on_the_real_node(bed: Bed) -
     assert obj is not None
     quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods", "namespace": RESTRICTED}}
     quota["spec"] = {"hard": {"pods": "0"}}
+
+    def session_pods() -> set[str]:
+        return set(bed.kubectl("get", "pods", "-n", RESTRICTED, "-l", c.LABEL_SESSION_UID, "-o", "name").stdout.split())
+
+    before = session_pods()  # an earlier test's session Pod may still be terminating
     bed.kubectl("apply", "-f", "-", input=json.dumps(quota))
     try:
 
@@ -636,7 +642,7 @@ def test_a_tenants_pods_0_quota_refuses_its_session_on_the_real_node(bed: Bed) -
         say(f"ResourceQuota pods: 0 in {RESTRICTED}; kubectl sandkeep open {obj['metadata']['name']}")
         opened = kubectl_sandkeep(bed, "open", obj["metadata"]["name"], "-n", RESTRICTED, "--", "true")
         assert opened.returncode != 0 and "exceeded quota: no-pods" in opened.stderr, opened.stderr
-        assert c.SESSION_CONTAINER not in bed.kubectl("get", "pods", "-n", RESTRICTED, "-o", "name").stdout
+        assert session_pods() <= before, "no session Pod was made"
     finally:
         bed.kubectl("delete", "resourcequota", "no-pods", "-n", RESTRICTED)
 

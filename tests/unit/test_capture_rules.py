@@ -67,6 +67,35 @@ def test_the_outcome_is_the_phase_else_every_containers_exit_code(obj: Any, expe
     assert outcome_of(obj) == expected
 
 
+def ended_at(p: dict[str, Any], finished: str) -> dict[str, Any]:
+    for status in p["status"]["containerStatuses"]:
+        status["state"]["terminated"]["finishedAt"] = finished
+    return p
+
+
+@pytest.mark.parametrize(
+    ("phase", "code", "finished", "expected"),
+    [
+        ("Succeeded", 0, "2026-01-01T00:00:45Z", Outcome.UNKNOWN),  # stopped by the deletion, exited 0 on SIGTERM
+        ("Failed", 143, "2026-01-01T00:00:45Z", Outcome.UNKNOWN),  # killed by it: not how the job would have ended
+        ("Failed", 143, "2026-01-01T00:00:30Z", Outcome.UNKNOWN),  # the same second as the ask proves nothing
+        ("Failed", 3, "2026-01-01T00:00:05Z", Outcome.FAILED),  # it had failed on its own before anyone deleted it
+        ("Succeeded", 0, "2026-01-01T00:00:05Z", Outcome.SUCCEEDED),
+        ("Succeeded", 0, "not a time", Outcome.UNKNOWN),
+    ],
+)
+def test_a_pod_deleted_before_it_ended_is_unknown_whatever_phase_the_kubelet_then_posts(
+    phase: str, code: int, finished: str, expected: Outcome
+) -> None:
+    # Deleted with a 30 s grace: deletionTimestamp is when the grace ends, so it was asked for at 00:00:30.
+    meta = {"deletionTimestamp": "2026-01-01T00:01:00Z", "deletionGracePeriodSeconds": 30}
+    assert outcome_of(ended_at(pod(phase, {"main": code}, **meta), finished)) == expected
+    assert outcome_of(ended_at(pod(phase, {"main": code}), finished)) == _TERMINAL_OF[phase]  # not deleted
+
+
+_TERMINAL_OF = {"Succeeded": Outcome.SUCCEEDED, "Failed": Outcome.FAILED}
+
+
 def test_a_container_without_a_status_is_not_ended() -> None:
     p = pod("Running", {"main": 0})
     p["spec"]["containers"].append({"name": "late"})
@@ -189,6 +218,13 @@ def test_the_origin_records_where_each_container_worked_and_mounted_the_workspac
         "workingDir": "/src/app",
         "mountPath": "/src",
     }
+    p["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000}
+    p["spec"]["containers"][1]["securityContext"] = {"runAsUser": 1001}  # its own wins over the Pod's
+    p["spec"]["containers"][2]["securityContext"] = {"runAsUser": True, "runAsGroup": -1}  # not ids: not recorded
+    ids = origin_of(p, Outcome.FAILED, pod_name="p", pod_uid="u", node=None, volume="workspace")
+    assert [(cn.run_as_user, cn.run_as_group) for cn in ids.containers] == [(1000, 1000), (1001, 1000), (None, None)]
+    assert ids.fs_group == 2000 and ids.body()["fsGroup"] == 2000
+    assert ids.body()["containers"][0]["runAsUser"] == 1000
     unnamed = origin_of(p, Outcome.FAILED, pod_name="p", pod_uid="u", node=None, volume=None)
     assert [cn.mount_path for cn in unnamed.containers] == [None, None, None]
 
