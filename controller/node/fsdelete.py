@@ -22,14 +22,21 @@ d_type spares an lstat per file); links are unlinked like files, never traversed
 or another mount (its mount id differs from the parent's: a bind mount keeps st_dev but not the mount id) is
 refused with CROSS_DEVICE instead of entered, and so is one whose mount id cannot be read: unknown is a mount.
 
-With `workers > 1` the top levels are split into subtrees deleted by `workers` threads, and every level's
-files are unlinked in batches shared out among `HELPERS` more threads (each batch from the level's held fd,
-finished before the walk moves on): on a synced tree an unlink is ~90% kernel time, which threads overlap.
+With `workers > 1` every level a walk holds open is shared: the process's helper threads (`_Helpers`) take
+batches of its entries from its one reader, as the walk itself does, and remove them through the level's fd; a
+subdirectory a helper takes becomes one more walk of the same kind, whose levels are shared in turn. A level's
+fd stays open, and the level is not left, until no helper works on what it took from it. The unlink of a
+synced file waits on the disk (on a `discard` mount, for its blocks' discard), so the disk, not the GIL, sets
+how many overlap: the helpers double while levels wait for them and the process leaves CPU idle, up to
+`MAX_THREADS` in the process, and one a delete at most `workers - 1` (measured in docs/benchmarks.md).
 
 Memory is a constant per open level, whatever the depth, the width or the names: a level is a small frame
 holding its own name, a link to its parent and a lazy directory iterator (never a listing, never a path; paths
-are built from the links only for a message). The walk never recurses and keeps at most `_MAX_OPEN` levels
-open; a parent whose fd was closed is reopened through `..`, checked to be the same inode, and read again.
+are built from the links only for a message), and at most `_BATCH` names in hand per thread. No walk recurses.
+The caller's walk keeps at most `_MAX_OPEN` levels open and a helper's `_HELPER_OPEN` (beyond, the shallowest
+level no helper works on is closed; a thread that waits on a level helps once more, never twice), two
+descriptors each: with the defaults at most 76 per delete in progress and 20 per helper thread. A parent whose
+fd was closed is reopened through `..`, checked to be the same inode, and read again.
 """
 
 from __future__ import annotations
@@ -43,9 +50,9 @@ import os
 import stat
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -54,12 +61,14 @@ from controller.rules.contracts import Reason
 
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # every walk's open: never a link, never a file
 _MAX_OPEN = 32  # levels held open at once (two fds each: the dir and its iterator); deeper ones reopen via `..`
-WORKERS = 4  # subtrees deleted at once (measured in docs/benchmarks.md); 1 = one plain walk
-HELPERS = 4  # threads unlinking one level's files beside the walks, shared by all of them (ditto)
-_SPLIT_DEPTH = 3  # how many top levels may be opened to find enough subtrees for the workers
+MAX_THREADS = 32  # deletion helper threads in the process at most, all deletes together (docs/benchmarks.md)
+WORKERS = 32  # threads one delete may use at once, its caller's included; 1 = one plain walk
+_HELPER_OPEN = 4  # levels a helper's walk holds open (the caller's walk holds _MAX_OPEN)
 _MAX_FAILED_DIRS = 1 << 16  # directories that would not go, remembered to skip on a re-read; beyond: stop
-_BATCH = 64  # non-directories of one level unlinked together, shared out among the helper threads
-_CHUNK = 8  # fewest names worth handing to a helper (a hand-off costs about one unlink's Python overhead)
+_FIRST = 4  # names of non-directories taken from a level at first (a level of fewer is never shared)
+_BATCH = 32  # most names of non-directories taken from a level at once, by its walk or a helper
+_WINDOW = 0.02  # seconds between two looks at whether more helpers would pay
+_IDLE = 10.0  # seconds an idle helper waits for work before it ends
 
 
 @dataclass(frozen=True)
@@ -155,17 +164,46 @@ def unescape_mountinfo(text: str) -> str:
 
 # --- the walk ------------------------------------------------------------------------------------------
 class _Frame:
-    """One open level: its name in its parent, the parent, and a lazy reader of its entries."""
+    """One open level: its name in its parent, the parent, and a reader of its entries.
 
-    __slots__ = ("again", "fd", "ident", "it", "name", "parent")
+    In a delete with helpers, any of its threads takes entries from the reader under `lock`; `users` of them
+    are still working on what they took (through `fd`), so the level is neither closed nor left until none is.
+    """
 
-    def __init__(self, fd: int, name: str, parent: _Frame | None, ident: tuple[int, int]) -> None:
+    __slots__ = (
+        "again",
+        "cond",
+        "delete",
+        "done",
+        "fd",
+        "ident",
+        "it",
+        "lock",
+        "name",
+        "parent",
+        "shared",
+        "stash",
+        "taken",
+        "users",
+    )
+
+    def __init__(
+        self, fd: int, name: str, parent: _Frame | None, ident: tuple[int, int], delete: _Delete | None = None
+    ) -> None:
         self.fd: int | None = fd
         self.name = name
         self.parent = parent
         self.ident = ident  # (st_dev, st_ino) to verify a reopen through `..`
         self.it: Iterator[os.DirEntry[str]] | None = None
         self.again = False  # a batched name turned out to be a directory: read this level again before leaving
+        self.done = False  # read to the end (by whichever thread took its last entry)
+        self.delete = delete  # the delete whose helpers may take from it; None: one thread walks it
+        self.lock = threading.Lock()
+        self.users = 0  # helpers working on entries they took from it
+        self.cond: threading.Condition | None = None  # made when a thread waits for `users` to reach 0
+        self.shared = False  # helpers may take from its reader (it is in `_HELPERS.levels`)
+        self.stash: tuple[str, int] | None = None  # a subdirectory a helper read, left for this level's walk
+        self.taken = 0  # names taken so far: a level that keeps giving is taken from in bigger batches
 
     def close(self) -> None:
         if self.it is not None:
@@ -183,12 +221,14 @@ class _Walker:
     is read again from the start when the walk comes back to it.
     """
 
-    def __init__(self, parent_fd: int, where: str) -> None:
+    budget = _MAX_OPEN
+
+    def __init__(self, parent_fd: int, where: str, place: tuple[int, int | None] | None = None) -> None:
         self.parent_fd = parent_fd
         self.where = where
-        st = os.fstat(parent_fd)
-        self.dev = st.st_dev
-        self.mnt = mount_id(parent_fd)
+        if place is None:
+            place = (os.fstat(parent_fd).st_dev, mount_id(parent_fd))
+        self.dev, self.mnt = place  # the device and mount every directory entered must be on
         self.open: deque[_Frame] = deque()
 
     def path_of(self, frame: _Frame | None, name: str | None = None) -> str:
@@ -213,17 +253,24 @@ class _Walker:
             os.close(fd)
             return None, err, True
         same = st.st_dev == self.dev and self.mnt is not None and mount_id(fd) == self.mnt
-        frame = _Frame(fd, name, parent, (st.st_dev, st.st_ino))
+        frame = _Frame(fd, name, parent, (st.st_dev, st.st_ino), self.shared())
         if not same:
             frame.close()
             return frame, None, False
         self.push(frame)
         return frame, None, True
 
+    def shared(self) -> _Delete | None:
+        return None
+
     def push(self, frame: _Frame) -> None:
         self.open.append(frame)
-        if len(self.open) > _MAX_OPEN:
-            self.open.popleft().close()
+        if len(self.open) > self.budget:
+            self.shed()
+
+    def shed(self) -> None:
+        """Over budget: close the shallowest open level."""
+        self.open.popleft().close()
 
     def next_entry(self, frame: _Frame) -> os.DirEntry[str] | None:
         """The next entry of `frame`, reading it again from the start if its reader was closed."""
@@ -233,7 +280,12 @@ class _Walker:
         return next(frame.it, None)
 
     def back_to_parent(self, frame: _Frame) -> None:
-        """Close `frame`; make sure its parent is open again (through `..`, checked), ready to go on."""
+        """Take `frame` out of the open levels and make sure its parent is open again (through `..`, checked).
+
+        `frame`'s fd stays open: the caller rmdirs it by name first and closes it after, so the directory's
+        last reference goes (and its inode is freed, its blocks discarded) outside the parent's lock. Freed
+        by the rmdir itself, it holds that lock meanwhile: siblings' rmdirs went one at a time, 10x slower.
+        """
         parent = frame.parent
         try:
             if parent is not None and parent.fd is None:
@@ -249,7 +301,6 @@ class _Walker:
         finally:
             if self.open and self.open[-1] is frame:
                 self.open.pop()
-            frame.close()
 
     def close_all(self) -> None:
         while self.open:
@@ -263,30 +314,56 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return False  # unknown: unlinking it tells (EISDIR for a directory)
 
 
-class _Walk(_Walker):
-    """One deletion: counts what went, remembers the first failure, and keeps going around it."""
+class _Delete:
+    """What every thread of one delete shares: where it started, what went, the first failure, the directories
+    that stay, and how many helpers may work on it at once."""
 
-    def __init__(self, parent_fd: int, where: str, helpers: tuple[ThreadPoolExecutor, int] | None = None) -> None:
-        super().__init__(parent_fd, where)
-        self.helpers = helpers  # threads (and how many) that unlink a batch beside this walk; None: one plain walk
+    def __init__(self, parent_fd: int, where: str, helpers: int) -> None:
+        self.parent_fd, self.where = parent_fd, where
+        self.place = (os.fstat(parent_fd).st_dev, mount_id(parent_fd))
+        self.helpers = helpers  # helper threads at once on its levels; 0: its caller walks it alone
+        self.helping = 0  # under the helpers' lock
+        self.lock = threading.Lock()
         self.files = 0
         self.failure: tuple[Reason, int | None, str] | None = None
-        self.failed_dirs: set[int] = set()  # inodes of directories that stay: skipped when a level is re-read
-
-    def fail(self, reason: Reason, code: int | None, frame: _Frame | None, name: str | None = None) -> None:
-        if self.failure is None:
-            self.failure = (reason, code, self.path_of(frame, name))
-
-    def stays(self, ino: int) -> None:
-        self.failed_dirs.add(ino)
-        if len(self.failed_dirs) > _MAX_FAILED_DIRS:
-            raise _Stop(None, None)
+        self.failed_dirs: set[int] = set()  # inodes of directories that stay: skipped when a level is read again
+        self.stopped = False  # a walk met a tree it cannot safely go on in: every thread winds down
 
     def result(self) -> DeleteResult:
         if self.failure is None:
             return DeleteResult(True, Reason.DELETED, files=self.files)
         reason, code, path = self.failure
         return DeleteResult(False, reason, code, path, self.files)
+
+
+class _Walk(_Walker):
+    """One thread's part of a deletion: it removes what it takes, counts what went, records the first failure
+    in the shared `_Delete`, and keeps going around it."""
+
+    def __init__(self, delete: _Delete, budget: int = _MAX_OPEN) -> None:
+        super().__init__(delete.parent_fd, delete.where, delete.place)
+        self.delete = delete
+        self.budget = budget
+        self.files = 0
+
+    def shared(self) -> _Delete | None:
+        return self.delete if self.delete.helpers else None
+
+    def fail(self, reason: Reason, code: int | None, frame: _Frame | None, name: str | None = None) -> None:
+        with self.delete.lock:
+            if self.delete.failure is None:
+                self.delete.failure = (reason, code, self.path_of(frame, name))
+
+    def stays(self, ino: int) -> None:
+        self.delete.failed_dirs.add(ino)
+        if len(self.delete.failed_dirs) > _MAX_FAILED_DIRS:
+            raise _Stop(None, None)
+
+    def count(self) -> None:
+        """Add what this walk removed to the delete's count."""
+        with self.delete.lock:
+            self.delete.files += self.files
+        self.files = 0
 
     # --- entering a directory ----------------------------------------------------------------------
 
@@ -329,6 +406,126 @@ class _Walk(_Walker):
             os.close(fd)
         return True
 
+    # --- reading a level, shared with the helpers --------------------------------------------------
+
+    def take(self, frame: _Frame) -> tuple[list[str], tuple[str, int] | None]:
+        """The next entries of a level this walk holds: up to `_BATCH` names of non-directories, or those read
+        before a subdirectory and the subdirectory (name, inode); ([], None) once it is read out.
+
+        A reader closed by the fd budget is opened again from the start; a new reader is shared with the
+        helpers (`_HELPERS`), which take from it as this walk does.
+        """
+        with frame.lock:
+            if frame.stash is not None:
+                sub, frame.stash = frame.stash, None
+                return [], sub
+            if frame.it is None:
+                if frame.done:
+                    return [], None
+                assert frame.fd is not None
+                try:
+                    frame.it = os.scandir(frame.fd)
+                except OSError as err:
+                    self.fail(Reason.DELETE_FAILED, err.errno, frame)
+                    frame.done = True
+                    return [], None
+            taken = self.read(frame, mine=True)
+            if frame.it is not None and not frame.shared and frame.delete is not None:
+                _HELPERS.share(frame)  # more than one batch: worth sharing
+            return taken
+
+    def read(self, frame: _Frame, mine: bool) -> tuple[list[str], tuple[str, int] | None]:
+        """`take`'s reading, under `frame.lock` with its reader open (`mine`: by the level's own walk).
+
+        Batches start at `_FIRST` names and grow to `_BATCH` as the level keeps giving, so a small level is
+        shared out too. The first subdirectory a helper meets is left to the level's walk (a chain stays with the
+        walk that holds the most levels open); the next ones it takes. The thread that reads the last entry
+        closes the reader and stops sharing it.
+        """
+        assert frame.it is not None
+        names: list[str] = []
+        want = min(_BATCH, max(_FIRST, frame.taken >> 2))
+        sub = None
+        if not self.delete.stopped:
+            try:
+                for entry in frame.it:
+                    if not _is_dir(entry):
+                        names.append(entry.name)
+                        if len(names) < want:
+                            continue
+                        break
+                    if not mine and frame.stash is None:
+                        frame.stash = (entry.name, entry.inode())
+                        continue
+                    sub = (entry.name, entry.inode())
+                    break
+                else:
+                    self.read_out(frame)
+            except OSError as err:
+                self.fail(Reason.DELETE_FAILED, err.errno, frame)
+                self.read_out(frame)
+        else:
+            self.read_out(frame)
+        frame.taken += len(names)
+        return names, sub
+
+    @staticmethod
+    def read_out(frame: _Frame) -> None:
+        """The level's reader reached its end: close it and stop sharing the level (under `frame.lock`)."""
+        if frame.it is not None:
+            frame.it.close()  # type: ignore[attr-defined]
+            frame.it = None
+        frame.done = True
+        _HELPERS.unshare(frame)
+
+    def settle(self, frame: _Frame) -> None:
+        """Stop sharing `frame` and wait until no helper works on what it took from it (its fd stays
+        valid until then: closing it earlier could let a helper unlink in whatever reuses the number).
+
+        Meanwhile this thread helps with the delete's other shared levels, once: what it takes there never
+        has it help again while it waits, so the waits nest at most two deep.
+        """
+        while True:
+            with frame.lock:
+                if frame.it is not None:
+                    frame.it.close()  # type: ignore[attr-defined]
+                    frame.it = None
+                    frame.stash = None
+                    _HELPERS.unshare(frame)
+                if not frame.users:
+                    return
+                other = None if _waiting.helping else _HELPERS.pick(self.delete)
+                if other is None:
+                    if frame.cond is None:
+                        frame.cond = threading.Condition(frame.lock)
+                    while frame.users:
+                        frame.cond.wait()
+                    return
+            _waiting.helping = True
+            try:
+                _help(other)
+            finally:
+                _waiting.helping = False
+
+    def shed(self) -> None:
+        """Over budget: close the shallowest open level no helper works on (the deepest is never closed)."""
+        for frame in itertools.islice(self.open, len(self.open) - 1):
+            with frame.lock:
+                if frame.users:
+                    continue
+                _HELPERS.unshare(frame)
+                frame.close()
+                if not frame.done:
+                    frame.stash = None  # read again from the start, it is met again (read out: it is kept)
+            self.open.remove(frame)
+            return
+
+    def close_all(self) -> None:
+        while self.open:
+            frame = self.open.pop()
+            self.settle(frame)
+            frame.close()
+
     # --- removing ----------------------------------------------------------------------------------
 
     def unlink(self, frame: _Frame | None, name: str, retry: bool = True) -> bool:
@@ -352,32 +549,17 @@ class _Walk(_Walker):
         self.files += 1
         return True
 
-    def unlink_batch(self, frame: _Frame, names: list[str]) -> None:
-        """Unlink names of non-directories in `frame`, shared out among the helpers; back only when all are done.
-
-        On a synced tree an unlink is ~90% kernel time (freeing the inode and its blocks, mostly outside the
-        directory's lock), so helpers unlinking in the same directory overlap it even under the GIL. The
-        helpers use `frame.fd`, held open here until every one of them has returned. A name that fails in a
-        helper goes again through `unlink` here, with its usual handling (a directory now: read the level again).
-        """
-        fd = frame.fd
-        assert fd is not None
-        if self.helpers is None or len(names) < 2 * _CHUNK:
-            results = [_unlink_names(fd, names)]
-        else:
-            pool, count = self.helpers
-            step = max(_CHUNK, -(-len(names) // (count + 1)))
-            chunks = [names[i : i + step] for i in range(0, len(names), step)]
-            futures = [pool.submit(_unlink_names, fd, chunk) for chunk in chunks[1:]]
-            try:
-                results = [_unlink_names(fd, chunks[0]), *(f.result() for f in futures)]
-            finally:
-                wait(futures)  # never return (and let `fd` be closed) while a helper may still use it
-        for done, redo in results:
-            self.files += done
-            for name in redo:
-                if not self.unlink(frame, name):
-                    frame.again = True
+    def unlink_names(self, frame: _Frame, names: list[str]) -> None:
+        """Unlink names of non-directories taken from `frame`; a name that fails goes again through `unlink`,
+        with its usual handling (a directory now: the level is read again before it is left)."""
+        assert frame.fd is not None
+        done, redo = _unlink_names(frame.fd, names)
+        self.files += done
+        for name in redo:
+            if not self.unlink(frame, name):
+                frame.again = True
+        if frame.delete is not None:
+            _HELPERS.pace()
 
     def make_writable(self, frame: _Frame) -> bool:
         """A read-only directory this uid owns (0500...) gets u+rwx so its entries can be removed."""
@@ -393,14 +575,18 @@ class _Walk(_Walker):
         return True
 
     def leave(self, frame: _Frame) -> None:
-        """Close a read-out directory and rmdir it from its parent (reopened through `..` if closed)."""
+        """rmdir a read-out directory from its parent (reopened through `..` if closed), then close it."""
         parent = frame.parent
         try:
             self.back_to_parent(frame)
         except _Stop:
+            frame.close()
             self.fail(Reason.DELETE_FAILED, E.ESTALE, parent)
             raise
-        _rmdir(self, frame)
+        try:
+            _rmdir(self, frame)
+        finally:
+            frame.close()
 
     # --- the walk ----------------------------------------------------------------------------------
 
@@ -410,55 +596,193 @@ class _Walk(_Walker):
             self.drain(top)
 
     def drain(self, top: _Frame) -> None:
-        """Delete everything below `top`, then `top` itself: depth-first, one entry in hand at a time."""
+        """Delete everything below `top`, then `top` itself: depth-first, a batch of names in hand at a time.
+
+        Each level is left only once no helper works on what it took from it; a level read again (a batched
+        name was a directory) is shared again.
+        """
         frame = top
-        batch: list[str] = []  # non-directories of `frame` read but not yet unlinked (flushed before moving)
         try:
             while True:
-                try:
-                    entry = self.next_entry(frame)
-                except OSError as err:
-                    self.fail(Reason.DELETE_FAILED, err.errno, frame)
-                    entry = None
-                if entry is None:
-                    if batch:
-                        self.unlink_batch(frame, batch)
-                        batch = []
-                    if frame.again:  # a batched name was a directory: read the level again to descend into it
-                        frame.again = False
-                        if frame.it is not None:
-                            frame.it.close()  # type: ignore[attr-defined]
-                            frame.it = None
-                        continue
-                    parent = frame.parent
-                    self.leave(frame)
-                    if frame is top or parent is None:
-                        return
-                    frame = parent
+                names, sub = self.take(frame)
+                if names:
+                    self.unlink_names(frame, names)
+                if sub is not None:
+                    name, ino = sub
+                    if ino not in self.delete.failed_dirs:
+                        child = self.enter(frame, name, ino)
+                        if child is not None:
+                            frame = child
                     continue
-                name, is_dir, ino = entry.name, _is_dir(entry), entry.inode()
-                del entry
-                if not is_dir:
-                    if self.helpers is not None:
-                        batch.append(name)
-                        if len(batch) >= _BATCH:
-                            self.unlink_batch(frame, batch)
-                            batch = []
-                        continue
-                    if self.unlink(frame, name):
-                        continue
-                if batch:  # before descending: the budget may close `frame`'s fd below
-                    self.unlink_batch(frame, batch)
-                    batch = []
-                if ino in self.failed_dirs:
+                if names:
                     continue
-                child = self.enter(frame, name, ino)
-                if child is not None:
-                    frame = child
+                self.settle(frame)
+                if frame.again:  # a batched name was a directory: read the level again to descend into it
+                    frame.again = frame.done = False
+                    continue
+                parent = frame.parent
+                self.leave(frame)
+                if frame is top or parent is None:
+                    return
+                frame = parent
         except _Stop:
-            pass
+            self.delete.stopped = True
         finally:
             self.close_all()
+            self.count()
+
+
+def _help(frame: _Frame) -> None:
+    """A helper's turn on a shared level: take a batch of its entries and remove them (a subdirectory as one
+    more walk below it, whose own levels are shared in turn)."""
+    delete = frame.delete
+    assert delete is not None
+    walk = _Walk(delete, _HELPER_OPEN)
+    with frame.lock:
+        if frame.it is None:
+            return
+        names, sub = walk.read(frame, mine=False)
+        if not names and sub is None:
+            return
+        frame.users += 1
+    try:
+        if names:
+            walk.unlink_names(frame, names)
+        if sub is not None and sub[1] not in delete.failed_dirs:
+            child = walk.enter(frame, sub[0], sub[1])
+            if child is not None:
+                walk.drain(child)
+    except _Stop:
+        delete.stopped = True
+    finally:
+        walk.close_all()
+        walk.count()
+        with frame.lock:
+            frame.users -= 1
+            if not frame.users and frame.cond is not None:
+                frame.cond.notify_all()
+
+
+class _Helpers:
+    """The process's deletion helpers: threads that take entries from the levels deletes in progress share,
+    the oldest level first, each delete's own limit kept.
+
+    Their number adapts to the disk: while levels wait for a helper and the process leaves CPU idle (its
+    threads wait on the disk, not on the CPU or the GIL), every `_WINDOW` it doubles, up to `MAX_THREADS`;
+    while the process keeps every core busy one retires each window; an idle helper leaves after `_IDLE`.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.levels: dict[_Frame, None] = {}  # shared levels with a reader open, oldest first
+        self.threads = self.idle = self.retire = 0
+        self.serial = itertools.count()
+        self.cores = len(os.sched_getaffinity(0))
+        self.since, self.cpu = time.monotonic(), time.process_time()
+        self.look_at = 0.0
+
+    def share(self, frame: _Frame) -> None:
+        """Let helpers take from `frame`'s reader (under `frame.lock`)."""
+        frame.shared = True
+        with self.lock:
+            self.levels[frame] = None
+            if self.idle:
+                self.wake.notify()
+            new = [] if self.threads else self.spawn(1)
+        for thread in new:
+            thread.start()
+
+    def unshare(self, frame: _Frame) -> None:
+        """No more (under `frame.lock`): its reader is read out or closed."""
+        if frame.shared:
+            frame.shared = False
+            with self.lock:
+                del self.levels[frame]
+
+    def pace(self) -> None:
+        """Every `_WINDOW`: one more doubling while levels wait for a helper and the CPU is not what limits."""
+        now = time.monotonic()
+        if now < self.look_at:
+            return
+        new: list[threading.Thread] = []
+        with self.lock:
+            if now < self.look_at:
+                return
+            cpu = time.process_time()
+            busy = (cpu - self.cpu) / max(now - self.since, 1e-6)  # cores this process kept busy
+            self.look_at, self.since, self.cpu = now + _WINDOW, now, cpu
+            if busy >= self.cores - 0.25 and self.threads > 1:
+                self.retire += 1
+            elif busy < self.cores - 0.5 and self.levels and not self.idle and self.threads < MAX_THREADS:
+                new = self.spawn(min(max(self.threads, 1), MAX_THREADS - self.threads))
+        for thread in new:
+            thread.start()
+
+    def spawn(self, count: int) -> list[threading.Thread]:
+        """`count` more helpers, counted (under `lock`) and started by the caller once it lets go of it."""
+        self.threads += count
+        return [
+            threading.Thread(target=self.run, name=f"fsdelete_{next(self.serial)}", daemon=True) for _ in range(count)
+        ]
+
+    def next(self) -> _Frame | None:
+        """The oldest shared level whose delete may have one more helper, counted (under `lock`)."""
+        for frame in self.levels:
+            delete = frame.delete
+            assert delete is not None
+            if delete.helping < delete.helpers:
+                delete.helping += 1
+                return frame
+        return None
+
+    def pick(self, delete: _Delete) -> _Frame | None:
+        """The oldest level `delete` shares, for one of its own threads waiting on another level."""
+        with self.lock:
+            return next((frame for frame in self.levels if frame.delete is delete), None)
+
+    def run(self) -> None:
+        while True:
+            with self.lock:
+                frame = self.next()
+                while frame is None:
+                    if self.retire:
+                        self.retire -= 1
+                        self.threads -= 1
+                        return
+                    self.idle += 1
+                    woken = self.wake.wait(_IDLE)
+                    self.idle -= 1
+                    frame = self.next()
+                    if frame is None and not woken:
+                        self.threads -= 1
+                        return
+            try:
+                _help(frame)
+            finally:
+                with self.lock:
+                    assert frame.delete is not None
+                    frame.delete.helping -= 1
+                    if self.idle and self.levels:
+                        self.wake.notify()
+
+
+_HELPERS = _Helpers()
+
+
+class _Waiting(threading.local):
+    helping = False  # this thread is helping with other levels while it waits on one of its own
+
+
+_waiting = _Waiting()
+
+
+def _forget_helpers() -> None:
+    global _HELPERS
+    _HELPERS = _Helpers()
+
+
+os.register_at_fork(after_in_child=_forget_helpers)  # a forked child has none of the parent's threads
 
 
 def delete_tree_at(parent_fd: int, name: str, where: str | None = None, *, workers: int = WORKERS) -> DeleteResult:
@@ -473,120 +797,18 @@ def delete_tree_at(parent_fd: int, name: str, where: str | None = None, *, worke
         return DeleteResult(True, Reason.DELETED)
     except OSError as err:
         return DeleteResult(False, Reason.DELETE_FAILED, err.errno, f"{where.rstrip('/')}/{name}")
-    walk = _Walk(parent_fd, where)
+    delete = _Delete(parent_fd, where, max(workers - 1, 0))
+    walk = _Walk(delete)
     if not stat.S_ISDIR(st.st_mode):
         walk.unlink(None, name)
-        return walk.result()
-    if workers <= 1:
+        walk.count()
+    else:
         walk.run(name)
-        return walk.result()
-    return _parallel(walk, name, workers)
-
-
-def _parallel(walk: _Walk, name: str, workers: int) -> DeleteResult:
-    """Split the top levels into subtrees and delete those in `workers` threads, then the top levels.
-
-    A synced tree deletes at the speed of the disk's metadata I/O, not of Python: several walks in
-    different directories keep several of those I/Os in flight (unlink releases the GIL). Each subtree walk
-    is the same safe walk, from an fd of its parent held open here until every worker is done. Subtrees are
-    handed out as the workers ask, read lazily from the lowest split level, so a wide directory costs no
-    more memory here than in one walk.
-    """
-    with ThreadPoolExecutor(max_workers=HELPERS, thread_name_prefix="fsdelete-unlink") as helpers:
-        walk.helpers = (helpers, HELPERS)
-        return _split_and_delete(walk, name, workers)
-
-
-def _split_and_delete(walk: _Walk, name: str, workers: int) -> DeleteResult:
-    top = walk.enter(None, name)
-    if top is None:
-        return walk.result()
-    walk.open.clear()  # the top levels stay open until the end: the workers delete below their fds
-    uppers, level = [top], [top]
-    want = 4 * workers
-    try:
-        walk.make_writable(top)
-        pending = _split(walk, top, want)
-        for _ in range(_SPLIT_DEPTH):
-            if len(pending) >= want or not pending:
-                break
-            level, expanded = [], list[tuple[_Frame, str]]()
-            for parent, entry in pending:  # fewer than `want`, and their levels are read out
-                frame = walk.enter(parent, entry)
-                walk.open.clear()
-                if frame is not None:
-                    uppers.append(frame)
-                    level.append(frame)
-                    walk.make_writable(frame)  # the workers rmdir in it and cannot chmod a frame they do not own
-                    expanded.extend(_split(walk, frame, want - len(expanded)))
-            pending = expanded
-        work = itertools.chain(pending, _rest(walk, level))
-        lock = threading.Lock()
-
-        def worker() -> list[_Walk]:
-            done: list[_Walk] = []
-            while True:
-                with lock:  # the split levels' readers and `walk` are only touched under the lock
-                    item = next(work, None)
-                if item is None:
-                    return done
-                done.append(_subtree(walk, *item))
-
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fsdelete") as pool:
-            for subs in pool.map(lambda _: worker(), range(workers)):
-                for sub in subs:
-                    walk.files += sub.files
-                    walk.failed_dirs |= sub.failed_dirs
-                    if sub.failure is not None and walk.failure is None:
-                        walk.failure = sub.failure
-        for frame in reversed(uppers):  # deepest first: each drains what is left (what would not go), then goes
-            if frame.it is not None:
-                frame.it.close()  # type: ignore[attr-defined]
-                frame.it = None
-            if frame.fd is not None:
-                walk.drain(frame)
-    except _Stop:
-        pass
-    finally:
-        for frame in uppers:
-            frame.close()
-    return walk.result()
-
-
-def _split(walk: _Walk, frame: _Frame, limit: int) -> list[tuple[_Frame, str]]:
-    """Unlink a level's non-directories and take up to `limit` of its subdirectories (its reader stays open)."""
-    dirs: list[tuple[_Frame, str]] = []
-    batch: list[str] = []
-    while len(dirs) < limit:
-        entry = walk.next_entry(frame)
-        if entry is None:
-            break
-        if _is_dir(entry):
-            dirs.append((frame, entry.name))
-            continue
-        batch.append(entry.name)
-        if len(batch) >= _BATCH:
-            walk.unlink_batch(frame, batch)
-            batch = []
-    if batch:
-        walk.unlink_batch(frame, batch)
-    if frame.again:  # a name was a directory after all: the last drain of this level reads it again
-        frame.again = False
-    return dirs
-
-
-def _rest(walk: _Walk, level: list[_Frame]) -> Iterator[tuple[_Frame, str]]:
-    """The subdirectories the split levels hold beyond the first ones taken, read on demand."""
-    for frame in level:
-        while frame.it is not None or frame.fd is not None:
-            dirs = _split(walk, frame, 1)
-            if not dirs:
-                break
-            yield dirs[0]
+    return delete.result()
 
 
 def _unlink_names(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:
-    """(how many went, the names that failed for any reason but being gone already): a helper's share."""
+    """(how many went, the names that failed for any reason but being gone already): one batch's unlinks."""
     done, redo = 0, []
     for name in names:
         try:
@@ -598,13 +820,6 @@ def _unlink_names(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:
             continue
         done += 1
     return done, redo
-
-
-def _subtree(parent_walk: _Walk, parent: _Frame, name: str) -> _Walk:
-    assert parent.fd is not None
-    walk = _Walk(parent.fd, parent_walk.path_of(parent), parent_walk.helpers)
-    walk.run(name)
-    return walk
 
 
 def _rmdir(walk: _Walk, frame: _Frame) -> None:
@@ -621,7 +836,7 @@ def _rmdir(walk: _Walk, frame: _Frame) -> None:
             with contextlib.suppress(OSError):
                 os.rmdir(frame.name, dir_fd=parent_fd)
                 return
-        if walk.failure is None or err.errno != E.ENOTEMPTY:
+        if walk.delete.failure is None or err.errno != E.ENOTEMPTY:
             walk.fail(Reason.DELETE_FAILED, err.errno, frame)
         walk.stays(frame.ident[1])
 

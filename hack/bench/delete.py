@@ -4,7 +4,7 @@
 
     python hack/bench/delete.py [--files 40000] [--rounds 3] [--shapes repo,wide,deep,flat,tiny,checkout]
                                 [--parallel 4,8,16] [--peers rm,find,rsync,xargs] [--dir PATH]
-                                [--fsdelete FILE] [--drop-caches] [--quick]
+                                [--fsdelete FILE ...] [--drop-caches] [--quick]
 
 Each round builds one tree per tool from the same seed (so every tool deletes the same shape, names and sizes),
 syncs them to disk BEFORE timing (an unsynced tree deletes from the page cache several times faster and the
@@ -30,10 +30,11 @@ and the child reports its peak RSS (`ru_maxrss`) and its peak thread count. The 
   share that gives every process about 8 commands (counted before the clock starts): the strongest plain
   tool on a disk whose unlinks overlap.
 
-`--fsdelete FILE` adds another implementation (e.g. the one before a change:
-`git show <commit>:controller/node/fsdelete.py > /tmp/old.py`) as one more tool in the same rounds; it is reported
-but never counted as a peer. The last line is exactly `ratio_vs_best X.XX`: the best peer's median time over
-sandkeep's, on the shape where that is lowest (>= 1.0 means sandkeep is the fastest on every shape).
+`--fsdelete FILE` (repeatable) adds another implementation (e.g. the one before a change:
+`git show <commit>:controller/node/fsdelete.py > /tmp/old.py`) as one more tool in the same rounds, named after
+its file; it is reported but never counted as a peer. The last line is exactly `ratio_vs_best X.XX`: the best
+peer's median time over sandkeep's, on the shape where that is lowest (>= 1.0: sandkeep is the fastest on every
+shape).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ if sys.argv[2]:
     spec.loader.exec_module(fsdelete)
 else:
     from controller.node import fsdelete
-parent, name, workers = sys.argv[3], sys.argv[4], int(sys.argv[5])
+parent, name = sys.argv[3], sys.argv[4]
+workers = int(sys.argv[5]) if sys.argv[5] else fsdelete.WORKERS  # each implementation's own default
 TICK = 0.005
 
 async def ticking(work):
@@ -232,12 +234,30 @@ SHAPES = {
 
 # --- the tools -----------------------------------------------------------------------------------------------
 @dataclass
+class Child:
+    """What a sandkeep child reported, over every delete of the run."""
+
+    stalls: list[float] = field(default_factory=list)
+    idles: list[float] = field(default_factory=list)
+    rss: list[tuple[int, int]] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)
+
+    def add(self, got: dict[str, object]) -> None:
+        self.stalls.append(float(got["stall"]))  # type: ignore[arg-type]
+        self.idles.append(float(got["idle_stall"]))  # type: ignore[arg-type]
+        self.rss.append((int(got["rss_before_kib"]), int(got["rss_peak_kib"])))  # type: ignore[call-overload]
+        self.threads.append(int(got["threads"]))  # type: ignore[call-overload]
+
+
+@dataclass
 class Tool:
     name: str
     peer: bool
     parallel: int = 0  # N of `xargs -PN rm -rf`; 0: not a parallel peer
     times: dict[str, list[float]] = field(default_factory=dict)
     missing: str = ""  # why it did not run (a command not installed)
+    impl: str = ""  # sandkeep's: the fsdelete.py it runs ("": this tree's)
+    child: Child = field(default_factory=Child)  # sandkeep's own: its loop stall, RSS and threads
 
 
 def _run(cmd: list[str] | str, shell: bool = False) -> float:
@@ -278,9 +298,9 @@ def peer_delete(tool: Tool, tree: Path, empty: Path) -> float:
     raise ValueError(tool.name)
 
 
-def sandkeep_delete(tree: Path, workers: int, impl: str) -> dict[str, object]:
+def sandkeep_delete(tree: Path, workers: int | None, impl: str) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(REPO), impl, str(tree.parent), tree.name, str(workers)],
+        [sys.executable, "-c", CHILD, str(REPO), impl, str(tree.parent), tree.name, str(workers or "")],
         capture_output=True,
         text=True,
         check=False,
@@ -300,8 +320,8 @@ def settle(drop_caches: bool) -> None:
 
 def the_tools(args: argparse.Namespace) -> list[Tool]:
     tools = [Tool("sandkeep", peer=False)]
-    if args.fsdelete:
-        tools.append(Tool("sandkeep (--fsdelete)", peer=False))
+    for impl in args.fsdelete:
+        tools.append(Tool(f"sandkeep ({Path(impl).stem})", peer=False, impl=impl))
     peers = set(args.peers.split(","))
     for key, name, cmd in (
         ("rm", "rm -rf", "rm"),
@@ -318,26 +338,16 @@ def the_tools(args: argparse.Namespace) -> list[Tool]:
     return tools
 
 
-@dataclass
-class Child:
-    """What sandkeep's child reported, over every delete of the run."""
-
-    stalls: list[float] = field(default_factory=list)
-    idles: list[float] = field(default_factory=list)
-    rss: list[tuple[int, int]] = field(default_factory=list)
-    threads: list[int] = field(default_factory=list)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=40_000, help="files per tree (default: the issue's 40,000)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {','.join(SHAPES)}")
-    parser.add_argument("--workers", type=int, default=fsdelete.WORKERS, help="sandkeep's thread cap")
+    parser.add_argument("--workers", type=int, default=None, help="sandkeep's threads at most (default: its own)")
     parser.add_argument("--parallel", default="4,8,16", help="the N of each `xargs -PN rm -rf` peer")
     parser.add_argument("--peers", default="rm,find,rsync,xargs", help="which peers run, of rm,find,rsync,xargs")
     parser.add_argument("--dir", type=Path, default=None, help="where to build the trees (default: a temp dir)")
-    parser.add_argument("--fsdelete", default="", help="also time this fsdelete.py (reported, not a peer)")
+    parser.add_argument("--fsdelete", action="append", default=[], help="also time this fsdelete.py (not a peer)")
     parser.add_argument("--drop-caches", action="store_true", help="as root: drop caches after each sync")
     parser.add_argument("--quick", action="store_true", help="tiny trees, one round: checks the benchmark runs")
     args = parser.parse_args()
@@ -349,9 +359,9 @@ def main() -> int:
         parser.error(f"unknown shapes {unknown}")
     tools = the_tools(args)
     running = [t for t in tools if not t.missing]
-    child = Child()
     print(f"uid {os.geteuid()}, drop caches: {'yes' if args.drop_caches and os.geteuid() == 0 else 'no (sync only)'}")
-    print(f"sandkeep's thread cap {args.workers}, files per tree {args.files}, rounds {args.rounds}, seed {SEED}")
+    cap = args.workers or fsdelete.WORKERS
+    print(f"sandkeep's threads at most {cap}, files per tree {args.files}, rounds {args.rounds}, seed {SEED}")
     base = Path(tempfile.mkdtemp(prefix="sandkeep-bench-", dir=args.dir))
     empty = base / "empty"
     empty.mkdir()
@@ -371,17 +381,12 @@ def main() -> int:
                     if tool.peer:
                         seconds = peer_delete(tool, tree, empty)
                     else:
-                        impl = args.fsdelete if tool.name != "sandkeep" else ""
-                        got = sandkeep_delete(tree, args.workers, impl)
+                        got = sandkeep_delete(tree, args.workers, tool.impl)
                         if not got["ok"] or got["files"] != n:
                             print(f"{tool.name} delete failed: {got['describe']}", file=sys.stderr)
                             return 1
                         seconds = float(got["seconds"])  # type: ignore[arg-type]
-                        if tool.name == "sandkeep":
-                            child.stalls.append(float(got["stall"]))  # type: ignore[arg-type]
-                            child.idles.append(float(got["idle_stall"]))  # type: ignore[arg-type]
-                            child.rss.append((int(got["rss_before_kib"]), int(got["rss_peak_kib"])))  # type: ignore[call-overload]
-                            child.threads.append(int(got["threads"]))  # type: ignore[call-overload]
+                        tool.child.add(got)
                     if tree.exists():
                         print(f"{tool.name} left {tree} behind", file=sys.stderr)
                         return 1
@@ -390,10 +395,10 @@ def main() -> int:
                 print(f"round {r + 1} {shape}: " + ", ".join(line) + f"  (load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return report(tools, shapes, args.files, child)
+    return report(tools, shapes, args.files)
 
 
-def report(tools: list[Tool], shapes: list[str], files: int, child: Child) -> int:
+def report(tools: list[Tool], shapes: list[str], files: int) -> int:
     """The table of medians (seconds, files/s, sandkeep's speed-up over each), then the summary lines."""
     sk = tools[0]
     print()
@@ -415,11 +420,17 @@ def report(tools: list[Tool], shapes: list[str], files: int, child: Child) -> in
         ratio = best / statistics.median(sk.times[s])
         worst = min(worst, ratio)
         print(f"{s}: best peer {who} {best:.2f}s, sandkeep {statistics.median(sk.times[s]):.2f}s, ratio {ratio:.2f}")
-    before, peak = max(child.rss, key=lambda p: p[1])
-    print(f"sandkeep peak RSS: {peak / 1024:.1f} MiB (interpreter before the delete {before / 1024:.1f} MiB)")
-    print(f"sandkeep peak threads: {max(child.threads)} (the event loop's and the executor's included)")
-    stall, idle = max(child.stalls) * 1000, max(child.idles) * 1000
-    print(f"longest event-loop stall: {stall:.1f} ms (ticker alone, same child: {idle:.1f} ms)")
+    for tool in tools:
+        child = tool.child
+        if tool.peer or not child.rss:
+            continue
+        who = "" if tool is sk else f" [{tool.name}]"
+        before, peak = max(child.rss, key=lambda p: p[1])
+        print(f"sandkeep peak RSS: {peak / 1024:.1f} MiB (interpreter before the delete {before / 1024:.1f} MiB){who}")
+        print(f"sandkeep peak threads: {max(child.threads)} (the event loop's and the executor's included){who}")
+        stall, idle = max(child.stalls) * 1000, max(child.idles) * 1000
+        median = statistics.median(child.stalls) * 1000
+        print(f"longest event-loop stall: {stall:.1f} ms (median {median:.1f}, ticker alone {idle:.1f} ms){who}")
     print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"ratio_vs_best {worst:.2f}")
     return 0
