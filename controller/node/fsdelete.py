@@ -663,6 +663,20 @@ def _help(frame: _Frame) -> None:
                 frame.cond.notify_all()
 
 
+def helpers_wanted(threads: int, busy: float, cores: int, waiting: bool, idle: int) -> int:
+    """How many helpers to start (> 0) or end (-1) after a window in which the process kept `busy` of its
+    `cores` busy, `waiting` levels had entries no helper took and `idle` helpers had nothing to do.
+
+    A disk that makes unlinks wait leaves the CPU idle while levels wait: double, up to MAX_THREADS. A
+    process that keeps every core busy gains nothing from one more thread: one ends. Between, keep.
+    """
+    if busy >= cores - 0.25 and threads > 1:
+        return -1
+    if busy < cores - 0.5 and waiting and not idle and threads < MAX_THREADS:
+        return min(max(threads, 1), MAX_THREADS - threads)
+    return 0
+
+
 class _Helpers:
     """The process's deletion helpers: threads that take entries from the levels deletes in progress share,
     the oldest level first, each delete's own limit kept.
@@ -712,10 +726,11 @@ class _Helpers:
             cpu = time.process_time()
             busy = (cpu - self.cpu) / max(now - self.since, 1e-6)  # cores this process kept busy
             self.look_at, self.since, self.cpu = now + _WINDOW, now, cpu
-            if busy >= self.cores - 0.25 and self.threads > 1:
-                self.retire += 1
-            elif busy < self.cores - 0.5 and self.levels and not self.idle and self.threads < MAX_THREADS:
-                new = self.spawn(min(max(self.threads, 1), MAX_THREADS - self.threads))
+            change = helpers_wanted(self.threads - self.retire, busy, self.cores, bool(self.levels), self.idle)
+            if change < 0:
+                self.retire += 1  # the next helper between two batches ends
+            elif change > 0:
+                new = self.spawn(change)
         for thread in new:
             thread.start()
 
@@ -744,7 +759,7 @@ class _Helpers:
     def run(self) -> None:
         while True:
             with self.lock:
-                frame = self.next()
+                frame = None if self.retire else self.next()
                 while frame is None:
                     if self.retire:
                         self.retire -= 1

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import re
 import resource
 import ssl
 import sys
@@ -57,7 +56,7 @@ from controller.rules.models import label_value  # noqa: E402
 from controller.rules.objects import Obj, condition  # noqa: E402
 from controller.rules.policy import Policy  # noqa: E402
 from controller.rules.sizes import human_size  # noqa: E402
-from hack.localcluster import LocalCluster  # noqa: E402
+from hack.localcluster import LocalCluster, requests_by  # noqa: E402
 
 ROOT = "/var/lib/sandkeep"
 SIZE_BASE = 10_000_000_000  # sizeBytes of a watched update: SIZE_BASE + its sequence number
@@ -97,18 +96,6 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line:
             total += float(line.rpartition(" ")[2])
     return total
-
-
-def requests_by(text: str) -> dict[str, float]:
-    """kube-apiserver's `apiserver_request_total` as "VERB resource" -> count."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("apiserver_request_total{"):
-            head, _, value = line.rpartition(" ")
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
-            key = f"{labels.get('verb')} {labels.get('resource')}"
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
 
 
 class Plane:

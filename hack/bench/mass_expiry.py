@@ -87,19 +87,6 @@ def scans(metrics_url: str) -> float:
     return 0.0
 
 
-def requests_by(metrics_text: str) -> dict[str, float]:
-    """kube-apiserver's `apiserver_request_total` as "VERB resource[/subresource]" -> count."""
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("apiserver_request_total{"):
-            head, _, value = line.rpartition(" ")
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
-            sub = labels.get("subresource")
-            key = f"{labels.get('verb')} {labels.get('resource')}{'/' + sub if sub else ''}"
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
 # What each request of a wave is for; anything else is printed as "other".
 PURPOSE = {
     "DELETE retainedsandboxes": "controller: the DELETE, preconditioned on uid + resourceVersion",
@@ -132,7 +119,7 @@ def main() -> int:
     parser.add_argument("--pins", type=int, default=10, help="sandboxes pinned by a person during the wave")
     args = parser.parse_args()
     from controller.api.kube import Kube, load_config
-    from hack.localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
+    from hack.localcluster import CLUSTER_TOOLS, LocalCluster, requests_by, tools_bin
 
     load = os.getloadavg()
     print(f"load average: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
@@ -223,7 +210,8 @@ def main() -> int:
             time.sleep(1)
         print(f"controller's deadlines written for {planned()} of {args.sandboxes} before T ({margin:.0f}s after)")
         time.sleep(max(0.0, due.timestamp() - 1 - time.time()))
-        before, scans0 = requests_by(cluster.metrics_text()), scans(url)  # a second early: none of the wave's missed
+        # a second early, so none of the wave's requests is missed
+        before, scans0 = requests_by(cluster.metrics_text(), subresource=True), scans(url)
         time.sleep(max(0.0, due.timestamp() - time.time()))
         t0 = time.monotonic()
 
@@ -256,7 +244,7 @@ def main() -> int:
         wait("the finalizers' removal", released, 600, agent, log, every=1)
         finished = time.monotonic() - t0
         time.sleep(1)
-        after = requests_by(cluster.metrics_text())
+        after = requests_by(cluster.metrics_text(), subresource=True)
         passes = scans(url) - scans0
         delta = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
         delta["PATCH retainedsandboxes"] = delta.get("PATCH retainedsandboxes", 0) - pins
