@@ -772,11 +772,13 @@ class _Helpers:
                     if frame is None and not woken:
                         self.threads -= 1
                         return
+            assert frame.delete is not None
             try:
                 _help(frame)
+            except Exception as err:  # a helper is never lost: the delete says what went wrong, as a failure
+                _Walk(frame.delete).fail(Reason.DELETE_FAILED, getattr(err, "errno", None), frame)
             finally:
                 with self.lock:
-                    assert frame.delete is not None
                     frame.delete.helping -= 1
                     if self.idle and self.levels:
                         self.wake.notify()

@@ -211,3 +211,24 @@ def test_a_10000_level_chain_with_a_wide_level_on_top_is_deleted_with_every_desc
     assert result.ok and result.files == WIDE + 10_000 and listing(tmp_path) == []
     # None of the delete's descriptors is left open (another test's objects may close theirs meanwhile).
     assert open_fds() - before == set()
+
+
+def test_a_helper_that_fails_unexpectedly_fails_the_delete_and_the_next_one_finishes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wide(tmp_path / "t", subdirs=0)
+    real, raised, done = fsdelete._unlink_names, list[str](), threading.Event()
+
+    def boom(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:
+        after_a_helper(done)
+        if in_helper() and not raised:
+            raised.append(names[0])
+            done.set()
+            raise RuntimeError("a bug")
+        return real(dir_fd, names)
+
+    monkeypatch.setattr(fsdelete, "_unlink_names", boom)
+    result = fsdelete.delete_tree(tmp_path, "t", workers=4)
+    assert raised and not result.ok and result.reason is Reason.DELETE_FAILED, result
+    monkeypatch.setattr(fsdelete, "_unlink_names", real)
+    assert fsdelete.delete_tree(tmp_path, "t", workers=4).ok and listing(tmp_path) == []
