@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.node import fsdelete
+from controller.node import fsdelete, walker
 from controller.rules.contracts import Reason
 from tests.bed.diskkit import User, listing, make_immutable, open_fds, outside_bait, require_root
 
@@ -115,9 +115,9 @@ def test_a_directory_swapped_for_a_link_inside_a_worker_is_unlinked_never_follow
         (top / f"s{d}" / "inner").mkdir(parents=True)
         for i in range(40):
             (top / f"s{d}" / "inner" / f"f{i}").write_text("x")
-    real, moved, lock, done = fsdelete._Walker.open_dir, list[Path](), threading.Lock(), threading.Event()
+    real, moved, lock, done = walker.Walker.open_dir, list[Path](), threading.Lock(), threading.Event()
 
-    def swap_then_open(self: fsdelete._Walker, parent: fsdelete._Frame | None, name: str):  # type: ignore[no-untyped-def]
+    def swap_then_open(self: walker.Walker, parent: walker.Frame | None, name: str):  # type: ignore[no-untyped-def]
         if name == "inner":
             after_a_helper(done)
         with lock:  # helpers run at once: exactly one of them swaps
@@ -130,7 +130,7 @@ def test_a_directory_swapped_for_a_link_inside_a_worker_is_unlinked_never_follow
                 done.set()
         return real(self, parent, name)
 
-    monkeypatch.setattr(fsdelete._Walker, "open_dir", swap_then_open)
+    monkeypatch.setattr(walker.Walker, "open_dir", swap_then_open)
     result = fsdelete.delete_tree(tmp_path, "t", workers=4)
     assert moved and result.ok and not top.exists(), result
     assert listing(bait_dir) == ["keep.txt"] and bait_file.read_text() == "must survive too\n"
