@@ -138,6 +138,20 @@ def writes_by_resource(metrics_text: str) -> dict[str, float]:
     return totals
 
 
+def requests_by(metrics_text: str, *, subresource: bool = False) -> dict[str, float]:
+    """Every request kube-apiserver has served, from its `apiserver_request_total`, as "VERB resource"
+    (with `subresource`: "VERB resource/subresource" where there is one) -> count."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("apiserver_request_total{"):
+            head, _, value = line.rpartition(" ")
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
+            sub = labels.get("subresource") if subresource else None
+            key = f"{labels.get('verb')} {labels.get('resource')}{'/' + sub if sub else ''}"
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
 def settled_writes(
     metrics_text: Callable[[], str], resources: Collection[str], *, still_for: float = 1.0, timeout: float = 30.0
 ) -> dict[str, float] | None:

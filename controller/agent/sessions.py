@@ -22,7 +22,7 @@ from pathlib import Path
 
 from controller.agent import cgroups
 from controller.agent.cgroups import Container
-from controller.node.fsdelete import open_no_symlinks
+from controller.node.nofollow import open_no_symlinks
 from controller.rules import contracts as c
 from controller.rules.contracts import MountCheck, Reason
 from controller.rules.durations import format_instant

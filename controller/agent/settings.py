@@ -15,6 +15,7 @@ from controller.rules.pressure import Watermarks
 HEARTBEAT_EVERY = 15.0  # seconds between heartbeat renewals (the Lease says 60 s)
 PARALLEL = 8  # API requests (and reaps) in flight at once during a pass
 BATCH = 1000  # queued objects taken together between passes (their deletions share one /proc pass)
+DELETING_AFTER = 2.0  # seconds a delete runs before its Deleting status is worth a request
 
 # Test seams: make the agent SIGKILL itself right after the rename, or N seconds into a tombstone delete.
 SEAM_KILL_AFTER_RENAME = "SANDKEEP_TEST_KILL_AFTER_RENAME"

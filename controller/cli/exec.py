@@ -31,7 +31,7 @@ from typing import Any
 
 from controller.cli.standalone import SweepSettings
 from controller.cli.sweep import utcnow
-from controller.node.fsdelete import OPEN_DIR
+from controller.node.nofollow import OPEN_DIR
 from controller.node.opener import Opening, refusal
 from controller.node.orphan_records import Mark, Recorder, boot_id, is_alive, open_commands_dir, proc_stat
 from controller.node.orphans import Kill, held_message, reap_orphans, send

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from controller.node.fsdelete import unescape_mountinfo
+from controller.node.nofollow import unescape_mountinfo
 from controller.rules.contracts import Reason
 
 K = TypeVar("K")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.node.fsdelete import OPEN_DIR
+from controller.node.nofollow import OPEN_DIR
 from controller.observe import logs
 from controller.rules.contracts import COMMANDS_DIR, Reason
 

@@ -6,7 +6,7 @@
 - `disk_usage(parent_fd, name)` is its byte count.
 
 Every directory is opened as `fsdelete` opens one (O_DIRECTORY|O_NOFOLLOW, relative to its parent's fd) and
-checked to be on the walk's mount (`fsdelete.identify`); a link is counted, never followed, and another
+checked to be on the walk's mount (`nofollow.identify`); a link is counted, never followed, and another
 mount is not entered. Memory and descriptors are bounded (`SIZE_OPEN`, `SIZE_NAMES`, `SIZE_HELD`).
 """
 
@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from controller.node.fsdelete import OPEN_DIR, Ident, identify
+from controller.node.nofollow import OPEN_DIR, Ident, identify
 from controller.rules.contracts import Reason
 
 

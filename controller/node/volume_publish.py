@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from controller.node import fsdelete
+from controller.node import nofollow
 from controller.node.store import (
     Present,
     StoreError,
@@ -138,7 +138,7 @@ class VolumePublisher(VolumeDir):
         """An O_PATH fd of the sandbox's workspace/, reached with no link followed, its manifest naming it."""
         ref = f"RetainedSandbox {namespace}/{name}"
         try:
-            sandbox_fd = fsdelete.open_no_symlinks(self.root.path / namespace / name)
+            sandbox_fd = nofollow.open_no_symlinks(self.root.path / namespace / name)
         except FileNotFoundError as err:
             raise VolumeError("NOT_FOUND", f"{ref}: its directory is not on this node's root") from err
         except OSError as err:

@@ -56,8 +56,8 @@ from localcluster import CLUSTER_TOOLS, LocalCluster, spawn, tools_bin  # noqa: 
 from controller.csi import server as csi_server  # noqa: E402
 from controller.csi.proto import csi_pb2, csi_pb2_grpc  # noqa: E402
 from controller.node.capture import Kept, State, Volumes, entry_name  # noqa: E402
-from controller.node.fsdelete import unescape_mountinfo  # noqa: E402
 from controller.node.inuse import uninspectable_pids  # noqa: E402
+from controller.node.nofollow import unescape_mountinfo  # noqa: E402
 from controller.node.store import Root, write_atomic  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.contracts import Outcome  # noqa: E402

@@ -1,8 +1,10 @@
-"""Deletion benchmark: sandkeep's safe delete against `rm -rf`, `find -delete`, `rsync --delete` and a parallel
-`rm -rf`, on identical synced trees, interleaved round by round (issue 15, item 3).
+"""Deletion benchmark: sandkeep's safe delete against `rm -rf`, `find -delete`, `rsync --delete` and parallel
+`rm -rf` at several parallelisms, on identical synced trees of several shapes, interleaved round by round
+(issue 15, item 3; issue 31, item 2).
 
-    python hack/bench/delete.py [--files 40000] [--rounds 3] [--shapes repo,wide,deep] [--dir PATH]
-                                [--fsdelete FILE] [--drop-caches] [--quick]
+    python hack/bench/delete.py [--files 40000] [--rounds 3] [--shapes repo,wide,deep,flat,tiny,checkout]
+                                [--parallel 4,8,16] [--peers rm,find,rsync,xargs] [--dir PATH]
+                                [--fsdelete FILE ...] [--drop-caches] [--quick]
 
 Each round builds one tree per tool from the same seed (so every tool deletes the same shape, names and sizes),
 syncs them to disk BEFORE timing (an unsynced tree deletes from the page cache several times faster and the
@@ -12,20 +14,27 @@ then deletes them in an order rotated every round. Shapes:
 - `repo`: the issue's 40,000-file repository (30% in a `.git/objects/xx/` fan-out, the rest 25 per directory
   three levels deep);
 - `wide`: one directory holding most of the files, beside a few small subdirectories;
-- `deep`: a chain 1,000 levels deep with files at every level.
+- `deep`: a chain 1,000 levels deep with files at every level;
+- `flat`: every file in one directory;
+- `tiny`: one directory of `files / 2` directories holding 2 files each;
+- `checkout`: a git checkout: `.git/objects/xx/` loose objects, two large packs, refs and hooks, a source tree
+  20 files per directory, and a few large build artifacts (about 2 KiB per file in all, at most 128 MiB).
 
 sandkeep's delete runs in a child process the way the agent runs it: `delete_tree_async` (an executor thread)
 beside an asyncio loop whose ticking coroutine records the longest gap between ticks (the event-loop stall),
-and the child reports its peak RSS (`ru_maxrss`). The peers run as subprocesses:
+and the child reports its peak RSS (`ru_maxrss`) and its peak thread count. The peers run as subprocesses:
 
 - `rm -rf T`; `find T -delete`; `rsync -a --delete empty/ T/` then `rmdir T`;
-- `parallel rm -rf`: `find T -mindepth 2 -maxdepth 2 -print0 | xargs -0 -n 1 -P N rm -rf` then `rm -rf T`, at
-  sandkeep's parallelism N (`fsdelete.WORKERS`): the strongest peer.
+- `xargs -PN rm -rf` for each N of `--parallel`: `find T -mindepth D -maxdepth D -print0 | xargs -0 -r -n K -P N
+  rm -rf` then `rm -rf T`, D the top level (the second when the top holds fewer than N entries) and K a
+  share that gives every process about 8 commands (counted before the clock starts): the strongest plain
+  tool on a disk whose unlinks overlap.
 
-`--fsdelete FILE` adds another implementation (e.g. the one before a change:
-`git show <commit>:controller/node/fsdelete.py > /tmp/old.py`) as one more tool in the same rounds; it is reported
-but never counted as a peer. The last line is exactly `ratio_vs_best X.XX`: the best peer's median time over
-sandkeep's, on the shape where that is lowest (>= 1.0 means sandkeep is the fastest on every shape).
+`--fsdelete FILE` (repeatable) adds another implementation (e.g. the one before a change:
+`git show <commit>:controller/node/fsdelete.py > /tmp/old.py`) as one more tool in the same rounds, named after
+its file; it is reported but never counted as a peer. The last line is exactly `ratio_vs_best X.XX`: the best
+peer's median time over sandkeep's, on the shape where that is lowest (>= 1.0: sandkeep is the fastest on every
+shape).
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ SEED = 15
 
 # The child that runs sandkeep's delete as the agent does: in an executor thread beside a ticking event loop.
 CHILD = r"""
-import asyncio, importlib.util, json, resource, sys, time
+import asyncio, importlib.util, json, resource, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2]:
     spec = importlib.util.spec_from_file_location("fsdelete_under_test", sys.argv[2])
@@ -61,18 +70,20 @@ if sys.argv[2]:
     spec.loader.exec_module(fsdelete)
 else:
     from controller.node import fsdelete
-parent, name, workers = sys.argv[3], sys.argv[4], int(sys.argv[5])
+parent, name = sys.argv[3], sys.argv[4]
+workers = int(sys.argv[5]) if sys.argv[5] else fsdelete.WORKERS  # each implementation's own default
 TICK = 0.005
 
 async def ticking(work):
-    stall, done = 0.0, asyncio.Event()
+    stall, threads, done = 0.0, 0, asyncio.Event()
     async def ticker():
-        nonlocal stall
+        nonlocal stall, threads
         last = time.perf_counter()
         while not done.is_set():
             await asyncio.sleep(TICK)
             now = time.perf_counter()
             stall = max(stall, now - last - TICK)
+            threads = max(threads, threading.active_count())
             last = now
     tick = asyncio.create_task(ticker())
     await asyncio.sleep(0)
@@ -81,15 +92,15 @@ async def ticking(work):
     seconds = time.perf_counter() - start
     done.set()
     await tick
-    return seconds, stall, result
+    return seconds, stall, threads, result
 
 async def main():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    seconds, stall, result = await ticking(fsdelete.delete_tree_async(parent, name, workers=workers))
+    seconds, stall, threads, result = await ticking(fsdelete.delete_tree_async(parent, name, workers=workers))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    _, idle, _ = await ticking(asyncio.sleep(min(seconds, 2.0)))
+    _, idle, _, _ = await ticking(asyncio.sleep(min(seconds, 10.0)))  # as long: a fair maximum
     return {"seconds": seconds, "stall": stall, "idle_stall": idle, "rss_before_kib": before, "rss_peak_kib": peak,
-            "ok": result.ok, "files": result.files, "describe": result.describe()}
+            "threads": threads, "ok": result.ok, "files": result.files, "describe": result.describe()}
 
 print(json.dumps(asyncio.run(main())))
 """
@@ -98,7 +109,8 @@ print(json.dumps(asyncio.run(main())))
 # --- the trees ---------------------------------------------------------------------------------------------
 def _write(path: Path, size: int) -> None:
     with open(path, "wb") as f:
-        f.write(b"x" * size)
+        for at in range(0, size, 1 << 20):  # a large file a MiB at a time: the children's RSS starts from ours
+            f.write(b"x" * min(size - at, 1 << 20))
 
 
 def build_repo(top: Path, files: int, rng: random.Random) -> int:
@@ -155,16 +167,98 @@ def build_deep(top: Path, files: int, rng: random.Random) -> int:
     return made
 
 
-SHAPES = {"repo": build_repo, "wide": build_wide, "deep": build_deep}
+def build_flat(top: Path, files: int, rng: random.Random) -> int:
+    """Every file in one directory."""
+    top.mkdir(parents=True)
+    for i in range(files):
+        _write(top / f"{i:08d}-{rng.getrandbits(32):08x}.tmp", rng.randint(0, 256))
+    return files
+
+
+def build_tiny(top: Path, files: int, rng: random.Random) -> int:
+    """`files / 2` directories of 2 small files each, all in one directory."""
+    top.mkdir(parents=True)
+    for i in range(files // 2):
+        d = top / f"task-{i:07d}"
+        d.mkdir()
+        _write(d / "stdout", rng.randint(0, 256))
+        _write(d / "exit-code", 2)
+    return files // 2 * 2
+
+
+def build_checkout(top: Path, files: int, rng: random.Random) -> int:
+    """A git checkout: loose objects in a `.git/objects/xx/` fan-out, two large packs, refs and hooks, a source
+    tree of 20 files per directory three levels deep, and four large build artifacts."""
+    big = min(files * 2048, 128 << 20)  # bytes in the large files together
+    git = top / ".git"
+    for d in ("objects/pack", "refs/heads", "refs/tags", "hooks", "info"):
+        (git / d).mkdir(parents=True)
+    made = 0
+    for name, size in (("pack/pack-a.pack", big * 3 // 8), ("pack/pack-b.pack", big // 8)):
+        _write(git / "objects" / name, size)
+        _write(git / "objects" / name.replace(".pack", ".idx"), max(1024, size // 64))
+        made += 2
+    for name in ("HEAD", "config", "description", "index", "packed-refs", "info/exclude", "refs/heads/main"):
+        _write(git / name, rng.randint(40, 4096))
+        made += 1
+    for i in range(12):
+        _write(git / "hooks" / f"hook-{i}.sample", rng.randint(400, 4000))
+        made += 1
+    loose = (files - made) // 4
+    for i in range(loose):
+        d = git / "objects" / f"{i % 256:02x}"
+        if i < 256:
+            d.mkdir()
+        _write(d / f"{rng.getrandbits(152):038x}", rng.randint(64, 2048))
+        made += 1
+    (top / "build").mkdir()
+    for i in range(4):
+        _write(top / "build" / f"artifact-{i}.bin", big // 8)
+        made += 1
+    for i in range(files - made):
+        d = top / "src" / f"pkg{i // 2000}" / f"mod{(i // 200) % 10}" / f"part{(i // 20) % 10}"
+        if i % 20 == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        _write(d / f"file{i}.go", rng.randint(100, 8000))
+    return files
+
+
+SHAPES = {
+    "repo": build_repo,
+    "wide": build_wide,
+    "deep": build_deep,
+    "flat": build_flat,
+    "tiny": build_tiny,
+    "checkout": build_checkout,
+}
 
 
 # --- the tools -----------------------------------------------------------------------------------------------
 @dataclass
+class Child:
+    """What a sandkeep child reported, over every delete of the run."""
+
+    stalls: list[float] = field(default_factory=list)
+    idles: list[float] = field(default_factory=list)
+    rss: list[tuple[int, int]] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)
+
+    def add(self, got: dict[str, object]) -> None:
+        self.stalls.append(float(got["stall"]))  # type: ignore[arg-type]
+        self.idles.append(float(got["idle_stall"]))  # type: ignore[arg-type]
+        self.rss.append((int(got["rss_before_kib"]), int(got["rss_peak_kib"])))  # type: ignore[call-overload]
+        self.threads.append(int(got["threads"]))  # type: ignore[call-overload]
+
+
+@dataclass
 class Tool:
     name: str
     peer: bool
+    parallel: int = 0  # N of `xargs -PN rm -rf`; 0: not a parallel peer
     times: dict[str, list[float]] = field(default_factory=dict)
     missing: str = ""  # why it did not run (a command not installed)
+    impl: str = ""  # sandkeep's: the fsdelete.py it runs ("": this tree's)
+    child: Child = field(default_factory=Child)  # sandkeep's own: its loop stall, RSS and threads
 
 
 def _run(cmd: list[str] | str, shell: bool = False) -> float:
@@ -173,27 +267,41 @@ def _run(cmd: list[str] | str, shell: bool = False) -> float:
     return time.perf_counter() - start
 
 
-def peer_delete(tool: str, tree: Path, workers: int, empty: Path) -> float:
+def xargs_plan(tree: Path, parallel: int) -> tuple[int, int]:
+    """(depth, names per `rm`) for `xargs -P parallel`: the top level, or the second when the top has fewer
+    entries than processes; about 8 commands per process. Counted before the clock starts."""
+    top = list(tree.iterdir())
+    if len(top) >= parallel:
+        return 1, max(1, len(top) // (8 * parallel))
+    second = sum(len(list(p.iterdir())) for p in top if p.is_dir() and not p.is_symlink())
+    return 2, max(1, second // (8 * parallel))
+
+
+def peer_delete(tool: Tool, tree: Path, empty: Path) -> float:
     """Delete `tree` with one of the peers; its wall time in seconds."""
-    if tool == "rm -rf":
+    if tool.name == "rm -rf":
         return _run(["rm", "-rf", str(tree)])
-    if tool == "find -delete":
+    if tool.name == "find -delete":
         return _run(["find", str(tree), "-delete"])
-    if tool == "rsync --delete":
+    if tool.name == "rsync --delete":
         start = time.perf_counter()
         subprocess.run(["rsync", "-a", "--delete", f"{empty}/", f"{tree}/"], check=True)
         tree.rmdir()
         return time.perf_counter() - start
-    if tool == "parallel rm -rf":
+    if tool.parallel:
+        depth, share = xargs_plan(tree, tool.parallel)
         q = f"'{tree}'"
-        script = f"find {q} -mindepth 2 -maxdepth 2 -print0 | xargs -0 -r -n 1 -P {workers} rm -rf && rm -rf {q}"
+        script = (
+            f"find {q} -mindepth {depth} -maxdepth {depth} -print0 | xargs -0 -r -n {share} -P {tool.parallel} rm -rf"
+            f" && rm -rf {q}"
+        )
         return _run(script, shell=True)
-    raise ValueError(tool)
+    raise ValueError(tool.name)
 
 
-def sandkeep_delete(tree: Path, workers: int, impl: str) -> dict[str, object]:
+def sandkeep_delete(tree: Path, workers: int | None, impl: str) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(REPO), impl, str(tree.parent), tree.name, str(workers)],
+        [sys.executable, "-c", CHILD, str(REPO), impl, str(tree.parent), tree.name, str(workers or "")],
         capture_output=True,
         text=True,
         check=False,
@@ -211,14 +319,36 @@ def settle(drop_caches: bool) -> None:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def the_tools(args: argparse.Namespace) -> list[Tool]:
+    tools = [Tool("sandkeep", peer=False)]
+    for impl in args.fsdelete:
+        tools.append(Tool(f"sandkeep ({Path(impl).stem})", peer=False, impl=impl))
+    peers = set(args.peers.split(","))
+    for key, name, cmd in (
+        ("rm", "rm -rf", "rm"),
+        ("find", "find -delete", "find"),
+        ("rsync", "rsync --delete", "rsync"),
+    ):
+        if key in peers:
+            tools.append(Tool(name, peer=True, missing="" if shutil.which(cmd) else f"{cmd} not installed"))
+    if "xargs" in peers:
+        for n in (int(x) for x in args.parallel.split(",") if x):
+            tools.append(
+                Tool(f"xargs -P{n} rm -rf", True, n, missing="" if shutil.which("xargs") else "xargs not installed")
+            )
+    return tools
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=40_000, help="files per tree (default: the issue's 40,000)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--shapes", default="repo,wide,deep", help=f"comma-separated, of {','.join(SHAPES)}")
-    parser.add_argument("--workers", type=int, default=fsdelete.WORKERS, help="sandkeep's (and the peer's) N")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {','.join(SHAPES)}")
+    parser.add_argument("--workers", type=int, default=None, help="sandkeep's threads at most (default: its own)")
+    parser.add_argument("--parallel", default="4,8,16", help="the N of each `xargs -PN rm -rf` peer")
+    parser.add_argument("--peers", default="rm,find,rsync,xargs", help="which peers run, of rm,find,rsync,xargs")
     parser.add_argument("--dir", type=Path, default=None, help="where to build the trees (default: a temp dir)")
-    parser.add_argument("--fsdelete", default="", help="also time this fsdelete.py (reported, not a peer)")
+    parser.add_argument("--fsdelete", action="append", default=[], help="also time this fsdelete.py (not a peer)")
     parser.add_argument("--drop-caches", action="store_true", help="as root: drop caches after each sync")
     parser.add_argument("--quick", action="store_true", help="tiny trees, one round: checks the benchmark runs")
     args = parser.parse_args()
@@ -228,18 +358,11 @@ def main() -> int:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}")
-    tools = [Tool("sandkeep", peer=False)]
-    if args.fsdelete:
-        tools.append(Tool("sandkeep (--fsdelete)", peer=False))
-    for name, cmd in (("rm -rf", "rm"), ("find -delete", "find"), ("rsync --delete", "rsync")):
-        tools.append(Tool(name, peer=True, missing="" if shutil.which(cmd) else f"{cmd} not installed"))
-    tools.append(Tool("parallel rm -rf", peer=True, missing="" if shutil.which("xargs") else "xargs not installed"))
+    tools = the_tools(args)
     running = [t for t in tools if not t.missing]
-    stalls: list[float] = []
-    idles: list[float] = []
-    rss: list[tuple[int, int]] = []
     print(f"uid {os.geteuid()}, drop caches: {'yes' if args.drop_caches and os.geteuid() == 0 else 'no (sync only)'}")
-    print(f"workers {args.workers}, files per tree {args.files}, rounds {args.rounds}, seed {SEED}")
+    cap = args.workers or fsdelete.WORKERS
+    print(f"sandkeep's threads at most {cap}, files per tree {args.files}, rounds {args.rounds}, seed {SEED}")
     base = Path(tempfile.mkdtemp(prefix="sandkeep-bench-", dir=args.dir))
     empty = base / "empty"
     empty.mkdir()
@@ -257,18 +380,14 @@ def main() -> int:
                 for tool in order:
                     tree = trees[tool.name]
                     if tool.peer:
-                        seconds = peer_delete(tool.name, tree, args.workers, empty)
+                        seconds = peer_delete(tool, tree, empty)
                     else:
-                        impl = args.fsdelete if tool.name != "sandkeep" else ""
-                        got = sandkeep_delete(tree, args.workers, impl)
+                        got = sandkeep_delete(tree, args.workers, tool.impl)
                         if not got["ok"] or got["files"] != n:
                             print(f"{tool.name} delete failed: {got['describe']}", file=sys.stderr)
                             return 1
                         seconds = float(got["seconds"])  # type: ignore[arg-type]
-                        if tool.name == "sandkeep":
-                            stalls.append(float(got["stall"]))  # type: ignore[arg-type]
-                            idles.append(float(got["idle_stall"]))  # type: ignore[arg-type]
-                            rss.append((int(got["rss_before_kib"]), int(got["rss_peak_kib"])))  # type: ignore[call-overload]
+                        tool.child.add(got)
                     if tree.exists():
                         print(f"{tool.name} left {tree} behind", file=sys.stderr)
                         return 1
@@ -277,17 +396,10 @@ def main() -> int:
                 print(f"round {r + 1} {shape}: " + ", ".join(line) + f"  (load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return report(tools, shapes, args.files, stalls, idles, rss)
+    return report(tools, shapes, args.files)
 
 
-def report(
-    tools: list[Tool],
-    shapes: list[str],
-    files: int,
-    stalls: list[float],
-    idles: list[float],
-    rss: list[tuple[int, int]],
-) -> int:
+def report(tools: list[Tool], shapes: list[str], files: int) -> int:
     """The table of medians (seconds, files/s, sandkeep's speed-up over each), then the summary lines."""
     sk = tools[0]
     print()
@@ -309,10 +421,17 @@ def report(
         ratio = best / statistics.median(sk.times[s])
         worst = min(worst, ratio)
         print(f"{s}: best peer {who} {best:.2f}s, sandkeep {statistics.median(sk.times[s]):.2f}s, ratio {ratio:.2f}")
-    before, peak = max(rss, key=lambda p: p[1])
-    print(f"sandkeep peak RSS: {peak / 1024:.1f} MiB (interpreter before the delete {before / 1024:.1f} MiB)")
-    stall, idle = max(stalls) * 1000, max(idles) * 1000
-    print(f"longest event-loop stall: {stall:.1f} ms (ticker alone, same child: {idle:.1f} ms)")
+    for tool in tools:
+        child = tool.child
+        if tool.peer or not child.rss:
+            continue
+        who = "" if tool is sk else f" [{tool.name}]"
+        before, peak = max(child.rss, key=lambda p: p[1])
+        print(f"sandkeep peak RSS: {peak / 1024:.1f} MiB (interpreter before the delete {before / 1024:.1f} MiB){who}")
+        print(f"sandkeep peak threads: {max(child.threads)} (the event loop's and the executor's included){who}")
+        stall, idle = max(child.stalls) * 1000, max(child.idles) * 1000
+        median = statistics.median(child.stalls) * 1000
+        print(f"longest event-loop stall: {stall:.1f} ms (median {median:.1f}, ticker alone {idle:.1f} ms){who}")
     print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"ratio_vs_best {worst:.2f}")
     return 0

@@ -16,9 +16,10 @@ Four sections, each line with the machine's load average beside it (nothing is a
   server's CPU time per update (utime+stime from /proc, idle rate subtracted), its RSS per watch and the
   delivery latency (write sent -> event read on its node's watch).
 - expiry: K expiries made of exactly sandkeep's requests for one (the controller's DELETE with uid +
-  resourceVersion preconditions on its view's version, no GET, and two Events; the agent's Deleting
-  status apply and its guarded finalizer removal; one Pod list per node for the wave), counted from
-  `apiserver_request_total`, with the QPS the local API server sustained and its and etcd's CPU per request.
+  resourceVersion preconditions on its view's version, no GET, and one DeleteRequested Event; the agent's
+  guarded finalizer removal, its Deleting status only for a delete still running after 2 s; one Pod list
+  per node for the wave), counted from `apiserver_request_total`, with the QPS the local API server
+  sustained and its and etcd's CPU per request.
 - events: the bytes etcd stores per Event (the expiry's own).
 """
 
@@ -31,7 +32,6 @@ import json
 import math
 import os
 import random
-import re
 import resource
 import ssl
 import sys
@@ -50,13 +50,13 @@ sys.path.insert(0, str(REPO))
 from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, load_config, now_utc, sandbox_path  # noqa: E402
 from controller.cluster.decide import Context, decide  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
-from controller.rules.contracts import Condition, Phase, Reason  # noqa: E402
+from controller.rules.contracts import Condition, Reason  # noqa: E402
 from controller.rules.durations import format_instant  # noqa: E402
 from controller.rules.models import label_value  # noqa: E402
 from controller.rules.objects import Obj, condition  # noqa: E402
 from controller.rules.policy import Policy  # noqa: E402
 from controller.rules.sizes import human_size  # noqa: E402
-from hack.localcluster import LocalCluster  # noqa: E402
+from hack.localcluster import LocalCluster, requests_by  # noqa: E402
 
 ROOT = "/var/lib/sandkeep"
 SIZE_BASE = 10_000_000_000  # sizeBytes of a watched update: SIZE_BASE + its sequence number
@@ -96,18 +96,6 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line:
             total += float(line.rpartition(" ")[2])
     return total
-
-
-def requests_by(text: str) -> dict[str, float]:
-    """kube-apiserver's `apiserver_request_total` as "VERB resource" -> count."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("apiserver_request_total{"):
-            head, _, value = line.rpartition(" ")
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
-            key = f"{labels.get('verb')} {labels.get('resource')}"
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
 
 
 class Plane:
@@ -517,24 +505,18 @@ async def watch_round(args: argparse.Namespace, plane: Plane, fleet: Fleet, w: i
 # --- a mass expiry: sandkeep's requests for each, counted by the API server ------------------------------------
 def expire_one(fleet: Fleet, i: int, fresh: Obj | None) -> None:
     """One expiry's requests, in sandkeep's order: the controller's `_delete_guarded` and `_expire` (on the
-    version its view holds, `fresh`: no GET), then the agent's Deleting report (`_before_delete`) and
-    finalizer removal (`_finish`)."""
-    ns, name, node = fleet.key(i)
+    version its view holds, `fresh`: no GET; one DeleteRequested Event), then the agent's finalizer removal
+    (`_finish`). The agent's Deleting status is applied only to a delete still running after 2 s
+    (`DELETING_AFTER`), which a sandbox of this size never is."""
+    ns, name, _node = fleet.key(i)
     kube = fleet.kube
     if fresh is None:
         return
     deleting = kube.delete_sandbox(fresh) or fresh
     ref = "/".join((ns, name))
-    kube.post_event(fresh, Reason.EXPIRED, f"{ref} expired: deadline has passed", "Normal", "sandkeep-controller")
-    kube.post_event(fresh, Reason.DELETE_REQUESTED, f"{ref} delete requested", "Normal", "sandkeep-controller")
-    status = {
-        "phase": str(Phase.DELETING),
-        "inUse": False,
-        "conditions": fleet.agent_status(ns, name, node, 0, 0)["conditions"],
-        "tombstone": f".reap-{fresh['metadata']['uid']}-{int(time.time() * 1000)}",
-    }
-    applied = kube.apply_status(deleting, status, AGENT_MANAGER)
-    kube.remove_finalizer(applied)
+    message = f"{ref} expired: deadline has passed (RetainUntil); delete requested"
+    kube.post_event(fresh, Reason.DELETE_REQUESTED, message, "Normal", "sandkeep-controller")
+    kube.remove_finalizer(deleting)
 
 
 def pod_lists(fleet: Fleet, nodes: Iterable[str]) -> None:

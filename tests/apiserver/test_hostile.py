@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from controller.api.kube import Kube
 from controller.api.leases import agent_heartbeats, heartbeat_name, lease_path, read_lease, renew_heartbeat
-from controller.node import fsdelete, treesize
+from controller.node import fsdelete, nofollow, treesize
 from controller.node.store import Root, StoreError, parse_tombstone
 from controller.rules import contracts as c
 from controller.rules.durations import format_instant
@@ -445,17 +445,17 @@ def test_open_no_symlinks_refuses_a_link_anywhere_with_or_without_openat2(
     tmp_path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if kernel == "per-component":
-        monkeypatch.setattr(fsdelete, "_SYS_OPENAT2", 9999)  # ENOSYS: the O_NOFOLLOW walk
+        monkeypatch.setattr(nofollow, "_SYS_OPENAT2", 9999)  # ENOSYS: the O_NOFOLLOW walk
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "a")
-    fd = fsdelete.open_no_symlinks(tmp_path / "a" / "b")
+    fd = nofollow.open_no_symlinks(tmp_path / "a" / "b")
     try:
         assert os.path.samestat(os.fstat(fd), os.stat(tmp_path / "a" / "b"))
     finally:
         os.close(fd)
     for bad in (tmp_path / "link" / "b", tmp_path / "link"):
         with pytest.raises(OSError) as caught:
-            fsdelete.open_no_symlinks(bad)
+            nofollow.open_no_symlinks(bad)
         assert caught.value.errno in (errno.ELOOP, errno.ENOTDIR)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.node import fsdelete, treesize
+from controller.node import fsdelete, nofollow, treesize, walker
 from controller.rules.contracts import Reason
 from tests.bed.diskkit import User, listing, make_immutable, open_fds, outside_bait, require_root
 
@@ -286,7 +286,7 @@ def test_a_bind_mount_is_found_by_its_mount_id_without_reading_mountinfo(
     # the mount id of each directory opened is compared with its parent's, from statx or /proc/self/fdinfo.
     require_root()
     if source == "fdinfo":
-        monkeypatch.setattr(fsdelete, "_statx", None)
+        monkeypatch.setattr(nofollow, "_statx", None)
     monkeypatch.setattr(fsdelete, "_mount_points_under", lambda *_: frozenset(), raising=False)
     _, bait_dir = outside_bait(tmp_path)
     top = tmp_path / "t"
@@ -306,7 +306,8 @@ def test_a_directory_whose_mount_cannot_be_known_is_treated_as_a_mount(
 ) -> None:
     # issue 12, item 6: EMFILE while reading mountinfo turned "in use (mount)" into "not in use". Unknown is a mount.
     tree(tmp_path / "t")
-    monkeypatch.setattr(fsdelete, "mount_id", lambda fd: None)
+    monkeypatch.setattr(fsdelete, "mount_id", lambda fd: None)  # the delete's top
+    monkeypatch.setattr(walker, "mount_id", lambda fd: None)  # every level it enters
     result = fsdelete.delete_tree(tmp_path, "t", workers=workers)
     assert not result.ok and result.reason is Reason.CROSS_DEVICE and result.path == str(tmp_path / "t")
     assert listing(tmp_path / "t") == sorted(["top.txt", *(f"d{d}" for d in range(6))])
@@ -316,9 +317,9 @@ def test_a_directory_whose_mount_cannot_be_known_is_treated_as_a_mount(
 def test_mount_id_reads_the_same_from_statx_and_fdinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        from_statx = fsdelete.mount_id(fd)
-        monkeypatch.setattr(fsdelete, "_statx", None)
-        assert from_statx is not None and fsdelete.mount_id(fd) == from_statx
-        assert fsdelete.mount_id(99999) is None  # not an open descriptor: unknown, never a guess
+        from_statx = nofollow.mount_id(fd)
+        monkeypatch.setattr(nofollow, "_statx", None)
+        assert from_statx is not None and nofollow.mount_id(fd) == from_statx
+        assert nofollow.mount_id(99999) is None  # not an open descriptor: unknown, never a guess
     finally:
         os.close(fd)

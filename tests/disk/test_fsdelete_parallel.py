@@ -1,7 +1,8 @@
-"""The parallel delete's helpers (issue 15, item 3): a level's files unlinked by several threads at once.
+"""The parallel delete's helpers (issue 15, item 3; issue 31): a level's entries taken by several threads at once.
 
-The hostile cases of tests/disk/test_fsdelete.py again, each arranged to happen where the new path runs: inside a
-subtree worker or a helper thread, in a directory wide enough to be shared out.
+The hostile cases of tests/disk/test_fsdelete.py again, each arranged to happen where the parallel path runs: in a
+helper thread, on a subtree it took or a batch of names it took from a level wide enough to be shared. The
+caller's own walk waits for a helper to get there first, so the case happens in one whatever the machine's load.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.node import fsdelete
+from controller.node import fsdelete, walker
 from controller.rules.contracts import Reason
 from tests.bed.diskkit import User, listing, make_immutable, open_fds, outside_bait, require_root
 
@@ -38,8 +39,14 @@ def wide(top: Path, files: int = WIDE, subdirs: int = 6) -> int:
     return n
 
 
-def in_pool_thread(prefix: str) -> bool:
-    return threading.current_thread().name.startswith(prefix)
+def in_helper() -> bool:
+    return threading.current_thread().name.startswith("fsdelete_")
+
+
+def after_a_helper(done: threading.Event) -> None:
+    """In the caller's walk, wait (10 s at most) until a helper has done what the test arranges."""
+    if not in_helper():
+        done.wait(10)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4])
@@ -53,15 +60,18 @@ def test_a_wide_tree_is_deleted_and_every_file_counted_once(tmp_path: Path, work
 def test_helpers_really_unlink_beside_the_walk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     n = wide(tmp_path / "t")
     seen: set[str] = set()
-    real = fsdelete._unlink_names
+    real, helped = fsdelete._unlink_names, threading.Event()
 
     def spy(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:
         seen.add(threading.current_thread().name.rsplit("_", 1)[0])
+        if in_helper():
+            helped.set()
+        after_a_helper(helped)
         return real(dir_fd, names)
 
     monkeypatch.setattr(fsdelete, "_unlink_names", spy)
     assert fsdelete.delete_tree(tmp_path, "t", workers=4).files == n
-    assert "fsdelete-unlink" in seen  # the shared-out path ran, not only the walk's own share
+    assert "fsdelete" in seen  # the shared path ran, not only the walk's own batches
 
 
 def test_a_file_swapped_for_a_directory_while_a_helper_unlinks_it_is_descended_into(
@@ -71,11 +81,12 @@ def test_a_file_swapped_for_a_directory_while_a_helper_unlinks_it_is_descended_i
     # helper, again through `unlink` in the walk, and the level is read again so the directory is deleted too.
     bait_file, bait_dir = outside_bait(tmp_path)
     n = wide(tmp_path / "t", subdirs=0)
-    real, swapped, lock = fsdelete._unlink_names, list[str](), threading.Lock()
+    real, swapped, lock, done = fsdelete._unlink_names, list[str](), threading.Lock(), threading.Event()
 
     def swap_then_unlink(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:
+        after_a_helper(done)
         with lock:  # helpers run at once: exactly one of them swaps
-            first = not swapped and in_pool_thread("fsdelete-unlink")
+            first = not swapped and in_helper()
             if first:
                 swapped.append(names[-1])
         if first:
@@ -84,6 +95,7 @@ def test_a_file_swapped_for_a_directory_while_a_helper_unlinks_it_is_descended_i
             os.mkdir(name, dir_fd=dir_fd)
             os.symlink(bait_dir, f"/proc/self/fd/{dir_fd}/{name}/to-bait")
             Path(f"/proc/self/fd/{dir_fd}/{name}/inner").write_text("x")
+            done.set()
         return real(dir_fd, names)
 
     monkeypatch.setattr(fsdelete, "_unlink_names", swap_then_unlink)
@@ -99,23 +111,26 @@ def test_a_directory_swapped_for_a_link_inside_a_worker_is_unlinked_never_follow
     bait_file, bait_dir = outside_bait(tmp_path)
     top = tmp_path / "t"
     wide(top, files=40, subdirs=0)
-    for d in range(24):  # enough subtrees that the workers, not the split, take them
+    for d in range(24):  # enough subtrees that helpers take some
         (top / f"s{d}" / "inner").mkdir(parents=True)
         for i in range(40):
             (top / f"s{d}" / "inner" / f"f{i}").write_text("x")
-    real, moved, lock = fsdelete._Walker.open_dir, list[Path](), threading.Lock()
+    real, moved, lock, done = walker.Walker.open_dir, list[Path](), threading.Lock(), threading.Event()
 
-    def swap_then_open(self: fsdelete._Walker, parent: fsdelete._Frame | None, name: str):  # type: ignore[no-untyped-def]
-        with lock:  # workers run at once: exactly one of them swaps
-            if name == "inner" and not moved and in_pool_thread("fsdelete_") and parent is not None:
+    def swap_then_open(self: walker.Walker, parent: walker.Frame | None, name: str):  # type: ignore[no-untyped-def]
+        if name == "inner":
+            after_a_helper(done)
+        with lock:  # helpers run at once: exactly one of them swaps
+            if name == "inner" and not moved and in_helper() and parent is not None:
                 assert parent.fd is not None
                 away = tmp_path / "moved-away"
                 os.rename(f"/proc/self/fd/{parent.fd}/inner", away)
                 os.symlink(bait_dir, f"/proc/self/fd/{parent.fd}/inner")
                 moved.append(away)
+                done.set()
         return real(self, parent, name)
 
-    monkeypatch.setattr(fsdelete._Walker, "open_dir", swap_then_open)
+    monkeypatch.setattr(walker.Walker, "open_dir", swap_then_open)
     result = fsdelete.delete_tree(tmp_path, "t", workers=4)
     assert moved and result.ok and not top.exists(), result
     assert listing(bait_dir) == ["keep.txt"] and bait_file.read_text() == "must survive too\n"
@@ -127,7 +142,7 @@ def test_an_immutable_file_a_helper_cannot_unlink_fails_with_its_errno_and_path(
     tmp_path: Path, immutable: list[Path]
 ) -> None:
     n = wide(tmp_path / "t", subdirs=2)
-    stuck = tmp_path / "t" / "d1" / "f00100"
+    stuck = tmp_path / "t" / "d1" / f"f{WIDE // 2:05d}"
     make_immutable(immutable, stuck)
     result = fsdelete.delete_tree(tmp_path, "t", workers=4)
     assert not result.ok and result.reason is Reason.DELETE_FAILED
@@ -196,3 +211,24 @@ def test_a_10000_level_chain_with_a_wide_level_on_top_is_deleted_with_every_desc
     assert result.ok and result.files == WIDE + 10_000 and listing(tmp_path) == []
     # None of the delete's descriptors is left open (another test's objects may close theirs meanwhile).
     assert open_fds() - before == set()
+
+
+def test_a_helper_that_fails_unexpectedly_fails_the_delete_and_the_next_one_finishes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wide(tmp_path / "t", subdirs=0)
+    real, raised, done = fsdelete._unlink_names, list[str](), threading.Event()
+
+    def boom(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:
+        after_a_helper(done)
+        if in_helper() and not raised:
+            raised.append(names[0])
+            done.set()
+            raise RuntimeError("a bug")
+        return real(dir_fd, names)
+
+    monkeypatch.setattr(fsdelete, "_unlink_names", boom)
+    result = fsdelete.delete_tree(tmp_path, "t", workers=4)
+    assert raised and not result.ok and result.reason is Reason.DELETE_FAILED, result
+    monkeypatch.setattr(fsdelete, "_unlink_names", real)
+    assert fsdelete.delete_tree(tmp_path, "t", workers=4).ok and listing(tmp_path) == []
