@@ -41,6 +41,7 @@ from controller.agent.settings import (
 from controller.agent.sizer import Sizer
 from controller.agent.state import AgentState, Shared
 from controller.api import kube, leases
+from controller.api.cache import vanished
 from controller.api.kube import Kube, KubeError
 from controller.api.workqueue import WorkQueue
 from controller.node import orphans
@@ -123,10 +124,9 @@ class Agent(Deletion, Heartbeat, SessionStatus):
     def _listed(self, seen: set[Key]) -> None:
         """A listing of this node's objects is complete, so a pass may adopt: what the cache holds beyond
         it was deleted while the watch was down (a relist after 410 Gone) and is forgotten."""
-        for key, obj in list(self.state.objects.items()):
-            if key not in seen:
-                self.state.forget(obj)
-                self.queue.drop(key)
+        for key in vanished(list(self.state.objects), seen):
+            self.state.forget(self.state.objects[key])
+            self.queue.drop(key)
         self.state.synced = True
 
     def _on_watch(self, event_type: str | None, obj: Obj) -> None:
