@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -406,6 +407,31 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         if result.returncode != 0:
             raise ClusterError(f"ctr images import {archive} failed: {result.stderr.strip()}")
         return result.stdout
+
+    def stop_kubelet(self, timeout: float = 60.0) -> None:
+        """Stop the kubelet as an operator would (`systemctl stop kubelet`): the node, containerd and the running
+        containers stay. It starts again with `start_kubelet`."""
+        (self._dir("kubelet.paused")).touch()
+        pid = self._dir("kubelet.pid").read_text().strip()  # in the node's PID namespace: signalled from inside
+        self.in_node("kill", "-TERM", pid, check=False)
+        gone = lambda: self.in_node("kill", "-0", pid, check=False).returncode != 0  # noqa: E731
+        self._wait(gone, "the kubelet to stop", time.monotonic() + timeout)
+
+    def start_kubelet(self, timeout: float = 120.0) -> None:
+        """Start the stopped kubelet again (the node's init restarts it); return once it renewed the node's
+        Lease (the Node may still read Ready from before: a short stop is within the node monitor's grace)."""
+        stopped = self._dir("kubelet.pid").read_text().strip()
+        since = datetime.now(UTC)
+        self._dir("kubelet.paused").unlink(missing_ok=True)
+        deadline = time.monotonic() + timeout
+        self._wait(lambda: self._dir("kubelet.pid").read_text().strip() != stopped, "the kubelet to start", deadline)
+
+        def renewed() -> bool:
+            lease = self.cluster.kubectl_json("get", "lease", "-n", "kube-node-lease", self.name)
+            return datetime.fromisoformat(lease["spec"]["renewTime"]) > since
+
+        self._wait(renewed, f"the kubelet of {self.name} to renew its Lease", deadline)
+        self._wait(self._ready, f"Node {self.name} to be Ready", deadline)
 
     def in_node(self, *command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run a command in the node's namespaces (as a process of the node, outside any container)."""

@@ -21,7 +21,7 @@ from controller.agent.state import Part, Shared
 from controller.node.capture import Busy, Kept, Lost, Record, State, Volume, Volumes
 from controller.node.fsdelete import DeleteResult
 from controller.observe import logs
-from controller.rules.capture import Decision, decide, origin_of
+from controller.rules.capture import Decision, decide, origin_of, pod_volume
 from controller.rules.contracts import Reason
 from controller.rules.objects import Obj
 
@@ -125,7 +125,12 @@ class Capture(Part):
             return
         if decision.keep:
             origin = origin_of(
-                pod, decision.outcome, pod_name=record.pod_name, pod_uid=record.pod_uid, node=self.s.node
+                pod,
+                decision.outcome,
+                pod_name=record.pod_name,
+                pod_uid=record.pod_uid,
+                node=self.s.node,
+                volume=pod_volume(record.target_path),
             )
             result = await asyncio.to_thread(self.volumes.keep, volume.entry, origin, decision.why)
             await self._said(record, decision.why, result)

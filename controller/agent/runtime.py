@@ -104,6 +104,7 @@ class Agent(Deletion, Heartbeat, SessionStatus):
             orphan_timeout=settings.orphan_timeout,
             kill=kill,
             hooks=Hooks(after_rename=self._after_rename, before_delete=self._before_delete),
+            guard=self.volumes,  # a reopen csi-node records up to the rename holds the sandbox
         )
         self.quarantine = Quarantine(
             shared,

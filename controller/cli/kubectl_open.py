@@ -18,6 +18,7 @@ from pathlib import Path
 
 from controller.api.kube import Kube, KubeError
 from controller.cli.kubectl_target import SESSION_RESOURCE, Refused, Target, get_sandbox, say, signals_deferred
+from controller.cluster.session_decide import job_container
 from controller.cluster.sessions import session_path
 from controller.node import untar
 from controller.rules import contracts as c
@@ -51,11 +52,15 @@ def refuse_closed(obj: Obj) -> None:
         raise Refused(refusal[1])
 
 
-def session_body(sandbox: str, user: str, *, read_write: bool, lifetime: str, image: str | None) -> Obj:
+def session_body(
+    sandbox: str, user: str, *, read_write: bool, lifetime: str, image: str | None, as_job: bool = False
+) -> Obj:
     prefix = sandbox[: NAME_MAX - GENERATED_SUFFIX - 1].rstrip("-.")
     spec: Obj = {"sandbox": sandbox, "user": user, "readWrite": read_write, "lifetime": lifetime}
     if image:
         spec["image"] = image
+    if as_job:
+        spec["asJob"] = True
     return {
         "apiVersion": c.API_VERSION,
         "kind": c.SESSION_KIND,
@@ -134,20 +139,49 @@ def exec_in_session(target: Target, session: Session, command: Sequence[str]) ->
     return subprocess.run(argv, check=False).returncode
 
 
+def as_whom(obj: Obj, *, as_job: bool) -> str:
+    """Where and as whom the session sees the workspace, said before it starts; refuses `as_job` (here, before
+    anything is created) for a sandbox that records no job container, as the controller would."""
+    job = job_container(obj)
+    if as_job and job is None:
+        raise Refused(
+            f"{obj['metadata']['name']} records no container that mounted its workspace whole (only a workspace "
+            "kept through sandkeep's CSI volume does), so it cannot be opened as its job was; open it without --as-job"
+        )
+    where = f"at {job['mountPath']} in {job['image']}" if as_job and job else f"at {c.SESSION_MOUNT}"
+    owner = ((obj.get("status") or {}).get("owner") or {}).get("uid")
+    if owner == 0:  # a session never runs as root (Pod Security restricted): the files' modes decide
+        where += (
+            "; the workspace is owned by root and the session is not root: it reads what the files' modes let "
+            "other users read, and a file only root may read says Permission denied"
+        )
+    return where
+
+
 @contextlib.contextmanager
 def opened(
-    target: Target, sandbox: str, *, read_write: bool, lifetime: str, image: str | None, keep: bool, timeout: timedelta
+    target: Target,
+    sandbox: str,
+    *,
+    read_write: bool,
+    lifetime: str,
+    image: str | None,
+    keep: bool,
+    timeout: timedelta,
+    as_job: bool = False,
 ) -> Iterator[Session]:
     """A running session on `sandbox`: checked here first (nothing is created for a sandbox that cannot be
     opened), created for the caller, waited for, and deleted on the way out unless `keep`, also on Ctrl-C."""
     lifetime = check_lifetime(lifetime)
-    refuse_closed(get_sandbox(target, sandbox))
+    obj = get_sandbox(target, sandbox)
+    refuse_closed(obj)
+    where = as_whom(obj, as_job=as_job)
     user = whoami(target.client)
-    body = session_body(sandbox, user, read_write=read_write, lifetime=lifetime, image=image)
+    body = session_body(sandbox, user, read_write=read_write, lifetime=lifetime, image=image, as_job=as_job)
     created = target.client.request("POST", session_path(target.namespace), body=body)
     session = Session(target.namespace, created["metadata"]["name"])
     mode = "read-write" if read_write else "read-only"
-    say(f"{SESSION_RESOURCE}/{session.name} created ({mode}, lifetime {lifetime}, for {user})")
+    say(f"{SESSION_RESOURCE}/{session.name} created ({mode}, lifetime {lifetime}, for {user}; {where})")
     try:
         yield wait_running(target.client, session, timeout, say)
     finally:
@@ -184,6 +218,7 @@ def cmd_open(target: Target, args: argparse.Namespace) -> int:
         image=args.image,
         keep=args.keep,
         timeout=_timeout(args),
+        as_job=args.as_job,
     ) as session:
         return exec_in_session(target, session, command)
 

@@ -254,6 +254,11 @@ def parser() -> argparse.ArgumentParser:
     op.add_argument(
         "--lifetime", default=DEFAULT_LIFETIME, help=f"how long the session may run (default {DEFAULT_LIFETIME})"
     )
+    op.add_argument(
+        "--as-job",
+        action="store_true",
+        help="as the job was: its recorded image and working directory, the workspace at its mount path",
+    )
     op.add_argument("--keep", action="store_true", help="do not end the session on exit (it ends after its lifetime)")
     op.add_argument("--timeout", default="5m", help="how long to wait for the session to run (default 5m)")
 

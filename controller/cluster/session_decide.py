@@ -70,6 +70,25 @@ class Plan:
     wake_at: datetime | None = None
 
 
+def job_container(sandbox: Obj | None) -> Obj | None:
+    """The container that mounted the workspace when it was kept (the first, as `spec.origin` recorded it):
+    what a session with `asJob` runs as. None: not recorded (kept by `sandkeep retain`, or mounted by subPath)."""
+    origin = ((sandbox or {}).get("spec") or {}).get("origin") or {}
+    return next((cn for cn in origin.get("containers") or [] if cn.get("mountPath") and cn.get("image")), None)
+
+
+def session_image(spec: Obj, sandbox: Obj | None, settings: SessionSettings) -> str:
+    """The image a session runs: its own `image`; else, `asJob`, the job's recorded one; else the chart's."""
+    job = job_container(sandbox) if spec.get("asJob") else None
+    return str(spec.get("image") or (job or {}).get("image") or settings.image)
+
+
+def image_allowed(image: str, spec: Obj, sandbox: Obj | None, settings: SessionSettings) -> bool:
+    """The chart's images, and with `asJob` the job's recorded image: it already ran in this namespace."""
+    job = job_container(sandbox) if spec.get("asJob") else None
+    return settings.image_allowed(image) or (job is not None and image == job.get("image"))
+
+
 def object_name(session: Obj) -> str:
     """The Pod's name: the session's uid, unique and stable across restarts."""
     return f"session-{session['metadata']['uid']}"
@@ -216,8 +235,8 @@ def decide(
     base["expiresAt"] = format_instant(expires)
     if now >= expires:
         return stop(Reason.LIFETIME_ENDED, f"the session's lifetime ({format_duration(lifetime)}) is over")
-    image = str(spec.get("image") or settings.image)
-    if not settings.image_allowed(image):
+    image = session_image(spec, sandbox, settings)
+    if not image_allowed(image, spec, sandbox, settings):
         allowed = ", ".join(dict.fromkeys((settings.image, *settings.allowed_images)))
         return stop(
             Reason.IMAGE_NOT_ALLOWED,
@@ -229,6 +248,13 @@ def decide(
     # deleted, lost or gone ends it at once.
     if refusal is not None and (not started or refusal[0] is not Reason.EXPIRED):
         return stop(*refusal)
+    if spec.get("asJob") and job_container(sandbox) is None:
+        return stop(
+            Reason.BAD_SESSION,
+            f"sandbox {name} records no container that mounted its workspace whole, so it cannot be opened as its "
+            "job was (only a workspace kept through sandkeep's CSI volume records one); open it without asJob "
+            "(kubectl sandkeep open without --as-job)",
+        )
     if not started and status.get("phase") not in LIVE and (limit := limit_refusal(session, live, settings)):
         return stop(*limit)
     assert sandbox is not None
@@ -245,7 +271,7 @@ def decide(
         return stop(Reason.POD_ENDED, f"its Pod {namespace}/{base['podName']} ended ({pod_phase})")
     waiting = _waiting(pod)
     if waiting.get("reason") in PULL_FAILURES:
-        image = spec.get("image") or settings.image
+        image = session_image(spec, sandbox, settings)
         detail = str(waiting.get("message") or waiting.get("reason"))[:500]
         return stop(
             Reason.IMAGE_PULL_FAILED,

@@ -14,7 +14,7 @@ import copy
 from collections.abc import Sequence
 from datetime import datetime
 
-from controller.cluster.session_decide import MAX_ID, SessionSettings, object_name
+from controller.cluster.session_decide import MAX_ID, SessionSettings, job_container, object_name, session_image
 from controller.rules import contracts as c
 from controller.rules.objects import Obj, key_of
 
@@ -87,7 +87,8 @@ def pod_body(
     taints: Sequence[Obj] = (),
 ) -> Obj:
     """The session's Pod: in the sandbox's namespace, on its node (`taints` are that node's), the sandbox at
-    /sandbox through the CSI driver, `restricted`-compatible, with bounded resources."""
+    /sandbox through the CSI driver (with `asJob`, where and as the job mounted it), `restricted`-compatible,
+    with bounded resources."""
     spec = session.get("spec") or {}
     namespace, name = key_of(sandbox)
     read_write = bool(spec.get("readWrite"))
@@ -95,6 +96,12 @@ def pod_body(
     seconds = max(1, int((expires - now).total_seconds()))
     # As the workspace's owner (the agent reads it) where that is a person's id, never root nor a system id.
     uid, gid = run_as((sandbox.get("status") or {}).get("owner") or {}, settings)
+    # asJob: as the job was, with its recorded image, working directory and the workspace where it mounted it.
+    job = (job_container(sandbox) if spec.get("asJob") else None) or {}
+    mount = str(job.get("mountPath") or c.SESSION_MOUNT)
+    mounts: list[Obj] = [{"name": "sandbox", "mountPath": mount, "readOnly": not read_write}]
+    if mount != "/tmp":  # noqa: S108 (a job's workspace at /tmp replaces the session's own scratch there)
+        mounts.append({"name": "tmp", "mountPath": "/tmp"})  # noqa: S108 (an emptyDir of its own)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -121,20 +128,17 @@ def pod_body(
             "containers": [
                 {
                     "name": c.SESSION_CONTAINER,
-                    "image": spec.get("image") or settings.image,
+                    "image": session_image(spec, sandbox, settings),
                     "imagePullPolicy": "IfNotPresent",
                     "command": ["sleep", str(seconds)],
-                    "workingDir": c.SESSION_MOUNT,
+                    "workingDir": str(job.get("workingDir") or mount),
                     "securityContext": {
                         "allowPrivilegeEscalation": False,
                         "readOnlyRootFilesystem": True,
                         "capabilities": {"drop": ["ALL"]},
                     },
                     "resources": copy.deepcopy(settings.resources),
-                    "volumeMounts": [
-                        {"name": "sandbox", "mountPath": c.SESSION_MOUNT, "readOnly": not read_write},
-                        {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (an emptyDir of its own)
-                    ],
+                    "volumeMounts": mounts,
                 }
             ],
             "volumes": [

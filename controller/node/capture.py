@@ -177,6 +177,13 @@ def _locks_of(path: Path) -> tuple[threading.Lock, ...]:
         return _ALL_LOCKS.setdefault(path, tuple(threading.Lock() for _ in range(_STRIPES)))
 
 
+# A sandbox's reopen mark: 8 bytes of the lock file per slot (a hash of its namespace/name), after the stripes'
+# bytes. csi-node adds one to it, under the slot's lock, for each reopen it records; the agent reads it before
+# its in-use look and again, under the lock, at the rename (`seen`, `unchanged`). A shared slot only holds more.
+_SLOTS = 4096
+_SLOT_BASE = 4096
+_MARK = 8
+
 _LOCK_FDS: dict[Path, int] = {}  # one open lock file per volumes directory for the process's life: fcntl locks
 # are the process's and closing any fd of the file drops them all, so it is never closed
 
@@ -282,6 +289,38 @@ class Volumes:
             if fd is not None:
                 os.close(fd)
 
+    @contextlib.contextmanager
+    def _slot(self, key: tuple[str, str], op: int) -> Iterator[int]:
+        """The lock file, with the sandbox's slot locked (`op`: LOCK_SH or LOCK_EX); yields the slot's offset."""
+        digest = hashlib.sha256("/".join(key).encode(errors="surrogateescape")).digest()
+        offset = _SLOT_BASE + int.from_bytes(digest[:4]) % _SLOTS * _MARK
+        with self._volumes(create=True):
+            fd = _lock_fd(self.path)
+            fcntl.lockf(fd, op, _MARK, offset)
+            try:
+                yield offset
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN, _MARK, offset)
+
+    def _mark(self, offset: int) -> int:
+        return int.from_bytes(os.pread(_lock_fd(self.path), _MARK, offset).ljust(_MARK, b"\0"))
+
+    def seen(self, keys: Collection[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """Each sandbox's reopen mark now (the agent reads it before its in-use look)."""
+        out = {}
+        for key in keys:
+            with self._slot(key, fcntl.LOCK_SH) as offset:
+                out[key] = self._mark(offset)
+        return out
+
+    @contextlib.contextmanager
+    def unchanged(self, key: tuple[str, str], seen: int) -> Iterator[bool]:
+        """Held across the agent's rename of the sandbox: whether no reopen was recorded since `seen` was read.
+        csi-node records a reopen under the same lock, so it lands before (and shows here) or after (and finds
+        the sandbox renamed away)."""
+        with self._slot(key, fcntl.LOCK_EX) as offset:
+            yield self._mark(offset) == seen
+
     # --- the node service's two calls -------------------------------------------------------------------
 
     def publish(self, req: VolumeRequest) -> None:
@@ -340,7 +379,11 @@ class Volumes:
         """Mount the workspace of the sandbox <Pod's namespace>/<sandbox> at the target (idempotent): opened with
         no link followed in any component, its manifest naming it; the record first, then the mount."""
         ns = req.pod_namespace
-        with self._volumes(create=True) as vols_fd, self._reopened(ns, sandbox, req.volume_id) as ws:
+        with (
+            self._slot((ns, sandbox), fcntl.LOCK_EX) as mark,
+            self._volumes(create=True) as vols_fd,
+            self._reopened(ns, sandbox, req.volume_id) as ws,
+        ):
             assert vols_fd is not None
             volume = self._read(vols_fd, entry)
             record = volume.record if volume is not None else None
@@ -359,6 +402,8 @@ class Volumes:
                     if record is None:
                         record = self._record(req, _ident(os.fstat(ws)))
                         self._write(entry_fd, record)
+                        # Under the slot's lock, before the mount: an agent about to rename it holds it instead.
+                        os.pwrite(_lock_fd(self.path), ((self._mark(mark) + 1) % 2**64).to_bytes(_MARK), mark)
                     self._mount(record, ws)
             except BaseException:
                 if volume is None:  # a first publish that failed leaves nothing: no mount, no hold

@@ -22,6 +22,7 @@ never on its event loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
+from typing import Protocol
 
 from controller.node import orphan_records, orphans
 from controller.node.inuse import Usage, pid_alive
@@ -307,6 +309,17 @@ def next_step(found: Mapping[Look, Stop | None]) -> Look | Stop | Go:
 # --- the pipeline ------------------------------------------------------------------------------------
 
 
+class RenameGuard(Protocol):
+    """What another process may do to a sandbox between the in-use look and its rename: publish a Pod's reopen
+    volume of it (`sandkeep csi-node`). `seen` is read before the look; `unchanged` is held across the rename
+    and says whether anything happened since (the other process does it under the same lock, so it either
+    lands before, and is seen, or after, and finds the sandbox gone)."""
+
+    def seen(self, keys: Sequence[Key]) -> dict[Key, int]: ...
+
+    def unchanged(self, key: Key, seen: int) -> contextlib.AbstractContextManager[bool]: ...
+
+
 @dataclass
 class Reaper:
     """The deletion steps of one root. Thread-safe: the agent runs several reaps at once (distinct keys)."""
@@ -322,6 +335,7 @@ class Reaper:
     alive: Callable[[int], bool] = pid_alive
     clock: Clock = utcnow
     hooks: Hooks = field(default_factory=Hooks)
+    guard: RenameGuard | None = None  # another process that may take a sandbox up to its rename
     stuck: dict[str, StuckInfo] = field(default_factory=dict)  # tombstone name -> its failure
     _tried: set[str] = field(default_factory=set)  # tombstones deleted (or tried) this pass
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -378,6 +392,7 @@ class Reaper:
                     found[i][look] = self._look(look, target, paths[i])
         pending = [i for i in range(len(targets)) if not stopped(i)]
         while pending:
+            seen = self._seen([targets[i].key for i in pending])  # before the look: what happens after, shows
             asked = time.monotonic()
             usage = self._check_in_use({i: paths[i] for i in pending})
             left = []
@@ -391,15 +406,40 @@ class Reaper:
                 found[i][Look.RUN_AGAIN] = self._look(Look.RUN_AGAIN, targets[i], paths[i])
                 if not stopped(i):
                     assert next_step(found[i]) is RENAME
-                    out[i] = self._rename(targets[i])
+                    out[i] = self._rename(targets[i], seen)
             pending = left
         done = [step for step in out if step is not None]
         assert len(done) == len(targets)  # every target stopped or renamed: one outcome each, in order
         return done
 
-    def _rename(self, target: Target) -> Renamed | Held:
+    def _seen(self, keys: Sequence[Key]) -> dict[Key, int] | None:
+        """The guard's marks before the in-use look; None when they cannot be read (every rename then holds)."""
+        if self.guard is None:
+            return {}
+        try:
+            return self.guard.seen(keys)
+        except OSError as err:
+            logs.say(log, "rename_guard_unread", reason=Reason.IN_USE_UNKNOWN, errno=err.errno)
+            return None
+
+    def _rename(self, target: Target, seen: dict[Key, int] | None = None) -> Renamed | Held:
         key = target.key
         self._hook(self.hooks.before_rename, key, None)
+        if self.guard is None:
+            return self._tombstone(target)
+        if seen is None or key not in seen:
+            return Held(Reason.IN_USE_UNKNOWN, error="whether a reopen volume holds it could not be read")
+        with contextlib.ExitStack() as held:
+            try:
+                unchanged = held.enter_context(self.guard.unchanged(key, seen[key]))
+            except OSError as err:
+                return Held(Reason.IN_USE_UNKNOWN, errno=err.errno, error=str(err)[:300])
+            if not unchanged:
+                return Held(Reason.IN_USE, error="a Pod's reopen volume of it was published since the in-use look")
+            return self._tombstone(target)
+
+    def _tombstone(self, target: Target) -> Renamed | Held:
+        key = target.key
         try:
             tomb = self.root.tombstone(*key, id=target.id, now=self.clock())
         except StoreError as err:

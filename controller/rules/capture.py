@@ -20,6 +20,7 @@ from controller.rules.models import (
     IMAGE_MAX,
     LABEL_VALUE_MAX,
     NAME_MAX,
+    ORIGIN_PATH_MAX,
     Origin,
     OriginContainer,
     OriginOwner,
@@ -161,10 +162,36 @@ def kept_names(chosen: str | None, pod_name: str, pod_uid: str, volume_id: str) 
     return list(dict.fromkeys(names))
 
 
-def origin_of(pod: object, outcome: Outcome, *, pod_name: str, pod_uid: str, node: str | None) -> Origin:
+def pod_volume(target_path: str) -> str | None:
+    """The name the Pod's spec gives the volume published at `target_path`: the kubelet publishes an inline
+    CSI volume at <kubelet dir>/pods/<pod uid>/volumes/kubernetes.io~csi/<name>/mount. None for another layout.
+    """
+    parts = target_path.rstrip("/").split("/")
+    if len(parts) >= 6 and parts[-1] == "mount" and parts[-3] == "kubernetes.io~csi" and parts[-4] == "volumes":
+        return parts[-2] or None
+    return None
+
+
+def _path(value: object) -> str | None:
+    """A recorded path: only a whole one (one too long to record is left out, never cut)."""
+    return value if isinstance(value, str) and 0 < len(value) <= ORIGIN_PATH_MAX else None
+
+
+def _mount_path(container: Mapping[str, object], volume: str | None) -> str | None:
+    """Where the container mounted the volume named `volume` whole (a subPath mount shows only part of it)."""
+    for mount in _items(container.get("volumeMounts")):
+        if volume is not None and mount.get("name") == volume and not mount.get("subPath"):
+            return _path(mount.get("mountPath"))
+    return None
+
+
+def origin_of(
+    pod: object, outcome: Outcome, *, pod_name: str, pod_uid: str, node: str | None, volume: str | None = None
+) -> Origin:
     """Where a workspace came from, for its manifest and `spec.origin`: the Pod (the kubelet's name and uid,
-    which stay true when the Pod is gone), its controlling owner, node, containers with their images and
-    exit codes, the outcome, and the pipeline labels of ORIGIN_LABELS. Every string and list is cut to fit."""
+    which stay true when the Pod is gone), its controlling owner, node, containers with their images, exit
+    codes, working directories and where each mounted the workspace (its volume's name in the Pod's spec is
+    `volume`), the outcome, and the pipeline labels of ORIGIN_LABELS. Every string and list is cut to fit."""
     p = _map(pod)
     meta, spec = _map(p.get("metadata")), _map(p.get("spec"))
     owner = next(
@@ -181,6 +208,8 @@ def origin_of(pod: object, outcome: Outcome, *, pod_name: str, pod_uid: str, nod
             name=name[:LABEL_VALUE_MAX],
             image=_text(c.get("image"), IMAGE_MAX),
             exit_code=_exit_code(statuses.get(name, {})),
+            working_dir=_path(c.get("workingDir")),
+            mount_path=_mount_path(c, volume),
         )
         for c in _items(spec.get("containers"))[:ORIGIN_CONTAINERS_MAX]
         if isinstance(name := c.get("name"), str)

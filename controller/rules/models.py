@@ -89,6 +89,7 @@ ObjectName = Annotated[str, AfterValidator(_object_name)]  # ... an object's nam
 
 MANIFEST_SCHEMA_VERSION = 1
 IMAGE_MAX = 512  # an image reference in `origin.containers[].image` (registry/path:tag@sha256:... fits)
+ORIGIN_PATH_MAX = 512  # a container's recorded workingDir or mountPath (longer ones are not recorded)
 _Name = Annotated[str, Field(max_length=NAME_MAX)]
 _Short = Annotated[str, Field(max_length=LABEL_VALUE_MAX)]
 
@@ -106,6 +107,10 @@ class OriginContainer(BaseModel):
     name: _Short
     image: Annotated[str, Field(max_length=IMAGE_MAX)] = ""
     exit_code: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = Field(None, alias="exitCode")
+    # Where it worked, and where it mounted the captured volume (absent: the image's default, or not mounted):
+    # what `kubectl sandkeep open --as-job` opens the workspace as.
+    working_dir: Annotated[str, Field(max_length=ORIGIN_PATH_MAX)] | None = Field(None, alias="workingDir")
+    mount_path: Annotated[str, Field(max_length=ORIGIN_PATH_MAX)] | None = Field(None, alias="mountPath")
 
 
 class Origin(BaseModel):

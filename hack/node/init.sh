@@ -34,12 +34,11 @@ ip route add default via "$gateway"
 # Pods reach the API server (and the host reaches Pods) through this namespace.
 sysctl -qw net.ipv4.ip_forward=1
 
-pids=()
+containerd_pid='' kubelet_pid=''
 stop() {
 	log "stopping"
 	local pid
-	for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-		pid=${pids[i]}
+	for pid in $kubelet_pid $containerd_pid; do
 		kill -TERM "$pid" 2>/dev/null || true
 		for _ in $(seq 150); do
 			kill -0 "$pid" 2>/dev/null || break
@@ -52,7 +51,7 @@ trap stop TERM INT
 
 log "starting containerd"
 containerd --config "$dir/containerd.toml" >"$dir/containerd.log" 2>&1 &
-pids+=($!)
+containerd_pid=$!
 for _ in $(seq 300); do
 	[[ -S $sockets/containerd.sock ]] && break
 	sleep 0.1
@@ -68,16 +67,28 @@ for _ in $(seq 600); do
 	sleep 0.1
 done
 
-log "starting the kubelet"
+# The kubelet's pid in this namespace is in kubelet.pid. A test stops it as an operator would (the node
+# stays up, its containers keep running): it creates kubelet.paused, then signals the kubelet; the
+# kubelet starts again, with the same flags, once kubelet.paused is removed.
 mapfile -t kubelet <"$dir/kubelet.cmd"
-"${kubelet[@]}" >"$dir/kubelet.log" 2>&1 &
-pids+=($!)
+start_kubelet() {
+	log "starting the kubelet"
+	"${kubelet[@]}" >>"$dir/kubelet.log" 2>&1 &
+	kubelet_pid=$!
+	echo "$kubelet_pid" >"$dir/kubelet.pid"
+}
+start_kubelet
 
 # pid 1 must reap orphans: `wait` returns whenever any child exits, and the node stops when one of
-# its own components does.
+# its own components does (the kubelet only when it was not stopped on request).
 while true; do
 	wait -n || true
-	for pid in "${pids[@]}"; do
+	if ! kill -0 "$kubelet_pid" 2>/dev/null && [[ -e $dir/kubelet.paused ]]; then
+		log "the kubelet stopped on request; it starts again once kubelet.paused is removed"
+		while [[ -e $dir/kubelet.paused ]]; do sleep 0.2; done
+		start_kubelet
+	fi
+	for pid in $containerd_pid $kubelet_pid; do
 		if ! kill -0 "$pid" 2>/dev/null; then
 			log "component $pid exited; stopping the node"
 			stop

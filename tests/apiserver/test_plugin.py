@@ -67,8 +67,16 @@ def start_plugin(cluster: Any, *args: str, kubeconfig: Path | None = None, env: 
     )
 
 
-def make(client: Kube, namespace: str, name: str, node: str = "node-a", status: dict[str, Any] | None = None) -> Any:
-    body = {"metadata": {"name": name}, "spec": {"nodeName": node, "createdAt": "2026-01-01T00:00:00Z"}}
+def make(
+    client: Kube,
+    namespace: str,
+    name: str,
+    node: str = "node-a",
+    status: dict[str, Any] | None = None,
+    origin: dict[str, Any] | None = None,
+) -> Any:
+    spec = {"nodeName": node, "createdAt": "2026-01-01T00:00:00Z", **({"origin": origin} if origin else {})}
+    body = {"metadata": {"name": name}, "spec": spec}
     obj = client.create_sandbox(namespace, body)
     return obj if status is None else client.apply_status(obj, status, CONTROLLER_MANAGER)
 
@@ -281,6 +289,7 @@ def test_doctor_is_sandkeep_doctors_report_and_exits_non_zero_on_a_stuck_sandbox
         ("orphans", ["open", "run-42"], "has commands that survived their reaping: pid 7"),
         ("fine", ["open", "run-42", "--lifetime", "soon"], "--lifetime 'soon': not a duration"),
         ("fine", ["open", "run-42", "--lifetime", "0"], "--lifetime 0"),
+        ("fine", ["open", "run-42", "--as-job"], "records no container that mounted its workspace whole"),
         ("fine", ["cp", "run-42:/etc/passwd", "out"], "is not a path inside the workspace"),
         ("fine", ["cp", "run-42:logs/../../x", "out"], "leaves the workspace"),
         ("fine", ["cp", "run-42", "out"], "NAME:PATH"),
@@ -419,6 +428,19 @@ def test_open_execs_in_the_sessions_pod_returns_its_exit_code_and_ends_the_sessi
         "-la",
     ]
     assert sessions(client, namespace) == []
+
+
+def test_open_as_job_asks_for_the_jobs_container_and_says_where_and_as_whom(cluster, namespace, client, tmp_path):
+    job = {"name": "build", "image": "registry.example/build:7", "workingDir": "/src/app", "mountPath": "/src"}
+    origin = {"pod": "build-x", "outcome": "Failed", "containers": [job]}
+    make(client, namespace, "run-42", status={"phase": "Retained", "owner": {"uid": 0, "gid": 0}}, origin=origin)
+    session, code, _out, err = run_until_running(
+        cluster, client, namespace, ["open", "run-42", "--as-job", "--", "pwd"], fake_kubectl(tmp_path)
+    )
+    assert code == 0, err
+    assert session["spec"]["asJob"] is True and "image" not in session["spec"]
+    assert "at /src in registry.example/build:7" in err
+    assert "owned by root and the session is not root" in err and "Permission denied" in err
 
 
 def test_open_keep_leaves_the_session(cluster, namespace, client, tmp_path):

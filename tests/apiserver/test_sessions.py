@@ -215,6 +215,52 @@ def test_the_pod_mounts_the_sandbox_through_the_csi_driver_in_its_own_namespace_
     assert rw_body["spec"]["containers"][0]["volumeMounts"][0]["readOnly"] is False
 
 
+JOB = {"name": "build", "image": "registry.example/build:7", "workingDir": "/src/app", "mountPath": "/src"}
+
+
+def as_job(sb: dict[str, Any], *containers: dict[str, Any], image: str | None = None) -> dict[str, Any]:
+    """A session with asJob on `sb`, whose spec.origin records `containers`."""
+    sb["spec"]["origin"] = {"pod": "build-x", "outcome": "Failed", "containers": list(containers)}
+    s = session()
+    s["spec"] |= {"asJob": True, **({"image": image} if image else {})}
+    return s
+
+
+def test_as_job_runs_the_recorded_image_in_its_working_directory_with_the_workspace_at_its_mount_path() -> None:
+    sb = sandbox()
+    s = as_job(sb, {"name": "init", "image": "busybox"}, JOB)  # the first that mounted it whole is the job's
+    p = plan(s, sb)
+    assert p.create_pod, p.status  # the recorded image is allowed: it already ran in this namespace
+    container = pod_body(s, sb, SETTINGS, NOW + timedelta(hours=1), NOW)["spec"]["containers"][0]
+    assert (container["image"], container["workingDir"]) == ("registry.example/build:7", "/src/app")
+    assert container["volumeMounts"] == [
+        {"name": "sandbox", "mountPath": "/src", "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    at_tmp = sandbox()
+    s = as_job(at_tmp, {**JOB, "mountPath": "/tmp", "workingDir": None})
+    container = pod_body(s, at_tmp, SETTINGS, NOW + timedelta(hours=1), NOW)["spec"]["containers"][0]
+    assert container["volumeMounts"] == [{"name": "sandbox", "mountPath": "/tmp", "readOnly": True}]
+    assert container["workingDir"] == "/tmp"  # none recorded: the workspace
+
+
+def test_as_job_without_a_recorded_container_or_with_an_image_not_allowed_is_refused() -> None:
+    for sb in (sandbox(), sandbox()):
+        unrecorded = as_job(sb, {"name": "build", "image": "i"})  # mounted by subPath, or kept by sandkeep retain
+        p = plan(unrecorded, sb)
+        assert (p.status["phase"], p.status["reason"]) == (SessionPhase.REFUSED, Reason.BAD_SESSION)
+        assert "cannot be opened as its job was" in p.status["message"] and not p.create_pod
+        sb["spec"].pop("origin")
+        assert plan(unrecorded, sb).status["reason"] == Reason.BAD_SESSION
+    sb = sandbox()
+    other = as_job(sb, JOB, image="evil/miner:latest")  # an image of its own is checked as always
+    assert plan(other, sb).status["reason"] == Reason.IMAGE_NOT_ALLOWED
+    recorded = session()
+    recorded["spec"]["image"] = JOB["image"]  # without asJob the recorded image is not allowed by that alone
+    sb["spec"]["origin"] = {"pod": "p", "outcome": "Failed", "containers": [JOB]}
+    assert plan(recorded, sb).status["reason"] == Reason.IMAGE_NOT_ALLOWED
+
+
 # --- bounds (issue 25): caps, images, the guard, ids from disk, tolerations, resources -------------------------
 def live_session(name: str, user: str = "alice", namespace: str = "team") -> dict[str, Any]:
     meta = {"namespace": namespace, "name": name, "uid": f"uid-{name}"}
@@ -466,12 +512,14 @@ class Bed:
             ctl.stop()
             print(f"----- {ctl.log_path.name}\n" + "\n".join(ctl.log().splitlines()[-60:]))
 
-    def sandbox(self, name: str, created: timedelta = timedelta(0), finalizer: bool = False) -> dict[str, Any]:
+    def sandbox(
+        self, name: str, created: timedelta = timedelta(0), finalizer: bool = False, origin: Any = None
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "apiVersion": c.API_VERSION,
             "kind": c.SANDBOX_KIND,
             "metadata": {"name": name, "namespace": self.namespace},
-            "spec": {"nodeName": "node-a", "createdAt": instant(-created)},
+            "spec": {"nodeName": "node-a", "createdAt": instant(-created), **({"origin": origin} if origin else {})},
         }
         if finalizer:
             body["metadata"]["finalizers"] = ["sandkeep.io/test-hold"]
@@ -668,6 +716,24 @@ def test_a_namespace_enforcing_restricted_admits_the_session_pod_which_runs_once
         f"kubectl exec -it -n {sbed.namespace} {p['metadata']['name']} -c {c.SESSION_CONTAINER} -- sh"
     )
     assert sbed.rbac() == []
+
+
+def test_as_job_creates_the_jobs_pod_in_a_restricted_namespace_from_the_recorded_origin(sbed: Bed) -> None:
+    sbed.cluster.kubectl(
+        "label", "namespace", sbed.namespace, "pod-security.kubernetes.io/enforce=restricted", "--overwrite"
+    )
+    sbed.controller()
+    sbed.sandbox("run-job", origin={"pod": "build-x", "outcome": "Failed", "containers": [JOB]})
+    sbed.sandbox("run-plain")
+    assert sbed.open("run-job", asJob=True).returncode == 0
+    (p,) = wait_for("the session's Pod, admitted under restricted", lambda: sbed.pods() or None)
+    container = p["spec"]["containers"][0]
+    assert (container["image"], container["workingDir"]) == (JOB["image"], JOB["workingDir"])
+    assert container["volumeMounts"][0]["mountPath"] == JOB["mountPath"]
+    assert sbed.open("run-plain", asJob=True).returncode == 0
+    refused = sbed.phase("open-run-plain", SessionPhase.REFUSED)
+    assert refused["reason"] == Reason.BAD_SESSION and "cannot be opened as its job was" in refused["message"]
+    assert len(sbed.pods()) == 1
 
 
 def test_without_the_admission_policy_bound_sessions_are_refused(sbed: Bed) -> None:

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
@@ -34,6 +35,8 @@ from controller.node.capture import (
     mount_points,
 )
 from controller.node.fsdelete import DeleteResult
+from controller.node.inuse import Usage
+from controller.node.reaper import Claim, Held, Hooks, Reaper, Renamed, Target
 from controller.node.store import Present, Root, StoreError
 from controller.rules.capture import origin_of
 from controller.rules.contracts import MANIFEST_NAME, VOLUMES_DIR, WORKSPACE_DIR, Keep, Outcome, Reason
@@ -561,3 +564,74 @@ def test_a_reopen_whose_unpublish_never_came_is_forgotten_only_once_unmounted_an
     volumes.publish(capture)
     unmount_under(Path(capture.target_path))
     assert volumes.forget(entry_name(capture.volume_id)) is False  # a capture's entry is never a reopen's to drop
+
+
+# --- a reopen recorded between the agent's in-use look and its rename (the per-sandbox mark and lock) --------
+def not_in_use(paths: Any) -> dict[Any, Usage]:
+    return {i: Usage(False) for i in paths}
+
+
+def test_a_reopen_published_after_the_in_use_look_holds_the_rename_and_without_the_guard_would_not(
+    volumes: Volumes, tmp_path: Path
+) -> None:
+    workspace = retained(volumes, tmp_path)
+    target = Target("team", "run-42", "uid-1", Claim(created_at=None), Reason.DELETED)
+    req = request(tmp_path, sandbox="run-42")
+    published = Hooks(after_check=lambda key, tomb: volumes.publish(req))  # after the look, before the rename
+    held = Reaper(volumes.root, in_use_many=not_in_use, hooks=published, guard=volumes).reap(target)
+    assert isinstance(held, Held) and held.reason == Reason.IN_USE and "reopen volume" in (held.error or "")
+    assert (workspace / "logs" / "build.log").exists() and (Path(req.target_path) / "logs").is_dir()
+    volumes.unpublish(req.volume_id, req.target_path)
+    # The same sequence without the guard renames the sandbox while the Pod has it mounted: what it prevents.
+    again = request(tmp_path, sandbox="run-42", pod_uid="1a2b3c4d-0000-4000-8000-000000000001")
+    unguarded = Hooks(after_check=lambda key, tomb: volumes.publish(again))
+    step = Reaper(volumes.root, in_use_many=not_in_use, hooks=unguarded).prepare([target])[0]
+    assert isinstance(step, Renamed) and not workspace.exists()
+    assert (Path(again.target_path) / "logs" / "build.log").exists()  # a tombstone's workspace, still mounted
+    volumes.unpublish(again.volume_id, again.target_path)
+
+
+def test_the_rename_waits_while_another_process_records_a_reopen_of_the_same_sandbox(
+    volumes: Volumes, tmp_path: Path
+) -> None:
+    retained(volumes, tmp_path)
+    key = ("team", "run-42")
+    seen = volumes.seen([key])[key]
+    code = textwrap.dedent(
+        f"""
+        import fcntl, os, sys
+        from pathlib import Path
+        from controller.node import capture
+        from controller.node.capture import Volumes
+        from controller.node.store import Root
+        v = Volumes(Root(Path({str(volumes.root.path)!r})))
+        with v._slot({key!r}, fcntl.LOCK_EX) as mark:  # as csi-node holds it while it records a reopen
+            print("locked", flush=True)
+            sys.stdin.readline()
+            os.pwrite(capture._lock_fd(v.path), (v._mark(mark) + 1).to_bytes(8), mark)  # its reopen recorded
+        """
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert other.stdout is not None and other.stdin is not None
+        assert other.stdout.readline() == "locked\n"
+        answer: list[bool] = []
+        renaming = threading.Thread(target=lambda: answer.extend(_unchanged(volumes, key, seen)))
+        renaming.start()
+        renaming.join(0.5)
+        assert renaming.is_alive() and answer == [], "the rename waits for the other process's record"
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        renaming.join(30)
+        assert answer == [False], "and then sees it, so the sandbox is held"
+    finally:
+        other.kill()
+        other.wait()
+    assert volumes.seen([key])[key] == seen + 1
+
+
+def _unchanged(volumes: Volumes, key: tuple[str, str], seen: int) -> list[bool]:
+    with volumes.unchanged(key, seen) as unchanged:
+        return [unchanged]

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from controller.rules import contracts as c
-from tests.bed.e2e_bed import SYSTEM_NS, UNPULLABLE_IMAGE, Bed, eventually, make_bed, say
+from tests.bed.e2e_bed import SYSTEM_NS, UNPULLABLE_IMAGE, Bed, LocalBed, eventually, make_bed, say
 
 # The first test also pays for the bed: on a fresh machine that includes the image's cold build (a Debian
 # base made with mmdebstrap, then the pip install), minutes more than the suite's default timeout.
@@ -365,6 +365,11 @@ def test_kubectl_sandkeep_open_and_cp_read_a_retained_sandbox(bed: Bed, tmp_path
     assert (opened.returncode, opened.stdout) == (0, "build ok\n"), opened.stderr
     written = kubectl_sandkeep(bed, "open", "run-11", "-n", NS, "--", "touch", "new-file")
     assert written.returncode != 0 and "Read-only file system" in written.stderr
+    say("a root-owned workspace opened by the session's non-root user: the files' modes decide what it reads")
+    bed.on_node(f"umask 077 && echo secret > '{bed.root / NS / 'run-11' / c.WORKSPACE_DIR}/root-only'")
+    denied = kubectl_sandkeep(bed, "open", "run-11", "-n", NS, "--", "cat", "root-only")
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied.stderr
+    assert "owned by root and the session is not root" in denied.stderr
     say("kubectl sandkeep cp run-11:logs DEST")
     copied = kubectl_sandkeep(bed, "cp", "run-11:logs", str(tmp_path / "out"), "-n", NS)
     assert copied.returncode == 0, copied.stderr
@@ -388,9 +393,9 @@ def test_a_session_with_an_image_that_cannot_be_pulled_ends_saying_so(bed: Bed) 
 RESTRICTED = "e2e-restricted"  # a tenant namespace enforcing Pod Security `restricted`: no hostPath, no root
 
 
-def capture_job(bed: Bed, name: str, script: str, keep: str, *, delete_after: bool = False) -> dict[str, Any]:
-    """A Job of the restricted namespace, non-root with an fsGroup, whose workspace is a csi volume of sandkeep's
-    driver with `keep`; waits for it to end and returns its Pod (as the API last served it)."""
+def restricted_spec(bed: Bed, script: str, attributes: dict[str, str]) -> dict[str, Any]:
+    """A Pod spec of the restricted namespace (which it creates once): non-root with an fsGroup, running `script`
+    in /workspace, a csi volume of sandkeep's driver with `attributes`."""
     if bed.kubectl("get", "namespace", RESTRICTED, check=False).returncode != 0:
         bed.kubectl("create", "namespace", RESTRICTED)
         bed.kubectl("label", "namespace", RESTRICTED, "pod-security.kubernetes.io/enforce=restricted")
@@ -402,27 +407,42 @@ def capture_job(bed: Bed, name: str, script: str, keep: str, *, delete_after: bo
         "volumeMounts": [{"name": "workspace", "mountPath": "/workspace"}],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
-    volume = {"name": "workspace", "csi": {"driver": c.CSI_DRIVER, "volumeAttributes": {c.VOLUME_KEEP: keep}}}
+    volume = {"name": "workspace", "csi": {"driver": c.CSI_DRIVER, "volumeAttributes": attributes}}
     pod_security = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000}
-    spec = {
+    return {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": 1,
+        "nodeName": bed.node_name,
         "securityContext": pod_security | {"seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": [volume],
     }
+
+
+def start_capture_job(bed: Bed, name: str, script: str, keep: str) -> None:
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": name, "namespace": RESTRICTED},
-        "spec": {"backoffLimit": 0, "template": {"spec": spec}},
+        "spec": {"backoffLimit": 0, "template": {"spec": restricted_spec(bed, script, {c.VOLUME_KEEP: keep})}},
     }
     say(f"Job {name} in {RESTRICTED} (Pod Security restricted, uid 1000): a csi volume with keep: {keep}")
     bed.kubectl("apply", "-f", "-", input=json.dumps(job))
 
+
+def job_pod(bed: Bed, name: str) -> dict[str, Any] | None:
+    pods = bed.get("pods", "-n", RESTRICTED, "-l", f"job-name={name}")["items"]
+    return pods[0] if pods else None
+
+
+def capture_job(bed: Bed, name: str, script: str, keep: str) -> dict[str, Any]:
+    """A Job of the restricted namespace whose workspace is a csi volume with `keep`; waits for it to end and
+    returns its Pod (as the API last served it)."""
+    start_capture_job(bed, name, script, keep)
+
     def ended() -> dict[str, Any] | None:
-        pods = bed.get("pods", "-n", RESTRICTED, "-l", f"job-name={name}")["items"]
-        return pods[0] if pods and pods[0]["status"].get("phase") in ("Succeeded", "Failed") else None
+        pod = job_pod(bed, name)
+        return pod if pod and pod["status"].get("phase") in ("Succeeded", "Failed") else None
 
     return eventually(ended, f"{name}'s Pod ended", timeout=180)
 
@@ -491,6 +511,134 @@ def test_a_pod_deleted_mid_run_keeps_its_workspace_as_unknown(bed: Bed) -> None:
     assert obj["metadata"]["name"] == "interrupted" and obj["spec"]["origin"]["outcome"] == c.Outcome.UNKNOWN
     work = bed.root / RESTRICTED / "interrupted" / c.WORKSPACE_DIR
     assert bed.on_node(f"cat '{work}/half.txt'").stdout == "half\n"
+
+
+def kept_once(bed: Bed, pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The one RetainedSandbox kept from this Pod's workspace, once its entry is gone; None until then.
+    Fails if there are two: a workspace is kept exactly once."""
+    uid = pod["metadata"]["uid"]
+    kept = [
+        o
+        for o in bed.get(c.SANDBOX_PLURAL, "-n", RESTRICTED)["items"]
+        if o["spec"].get("origin", {}).get("podUID") == uid
+    ]
+    assert len(kept) <= 1, [o["metadata"]["name"] for o in kept]
+    entries = bed.on_node(f"grep -l '{uid}' '{bed.root / c.VOLUMES_DIR}'/*/record.json", check=False).stdout.split()
+    return kept[0] if kept and not entries else None
+
+
+def agent_pod(bed: Bed) -> str:
+    (pod,) = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"]
+    return str(pod["metadata"]["name"])
+
+
+def test_the_agent_pod_killed_as_a_jobs_volume_is_unpublished_keeps_the_workspace_exactly_once(bed: Bed) -> None:
+    start_capture_job(bed, "build-killed", "echo partial > out.txt && sleep 3 && exit 1", "OnFailure")
+
+    def container_ended() -> dict[str, Any] | None:
+        pod = job_pod(bed, "build-killed")
+        statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or []
+        return pod if statuses and "terminated" in statuses[0]["state"] else None
+
+    pod = eventually(container_ended, "the job's container ended (its volume is being unpublished)", 120, every=0.1)
+    agent = agent_pod(bed)
+    say(f"kubectl delete pod {agent} --grace-period=0 --force, as the kubelet unpublishes build-killed's volume")
+    bed.kubectl("delete", "pod", agent, "-n", SYSTEM_NS, "--grace-period=0", "--force", "--wait=false")
+    obj = eventually(lambda: kept_once(bed, pod), "the workspace kept once, by the next agent", timeout=300)
+    assert obj["spec"]["origin"]["outcome"] == c.Outcome.FAILED
+    work = bed.root / RESTRICTED / obj["metadata"]["name"] / c.WORKSPACE_DIR
+    assert bed.on_node(f"cat '{work}/out.txt'").stdout == "partial\n"
+    assert agent_pod(bed) != agent
+
+
+def test_the_kubelet_stopped_and_the_pod_force_deleted_keeps_the_workspace_by_recovery(bed: Bed) -> None:
+    if not isinstance(bed, LocalBed):
+        pytest.skip("stopping the kubelet needs the local node (hack/localnode.py); kind's is not ours to stop")
+    assert bed.node is not None
+    attributes = {c.VOLUME_KEEP: "OnFailure", c.VOLUME_NAME: "outlived-kubelet"}
+    spec = restricted_spec(bed, "echo before > before.txt && sleep 600", attributes)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "outlives", "namespace": RESTRICTED}, "spec": spec}
+    bed.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    bed.kubectl("wait", "-n", RESTRICTED, "pod/outlives", "--for=condition=Ready", "--timeout=120s", timeout=130)
+    live = bed.get("pod", "outlives", "-n", RESTRICTED)
+    say("stop the kubelet (its containers keep running), force-delete the Pod, start the kubelet again")
+    bed.node.stop_kubelet()
+    try:
+        bed.kubectl("delete", "pod", "outlives", "-n", RESTRICTED, "--grace-period=0", "--force")
+    finally:
+        bed.node.start_kubelet()
+    obj = eventually(lambda: kept_once(bed, live), "the workspace kept once its Pod was found gone", timeout=300)
+    assert obj["metadata"]["name"] == "outlived-kubelet" and obj["spec"]["origin"]["outcome"] == c.Outcome.UNKNOWN
+    work = bed.root / RESTRICTED / "outlived-kubelet" / c.WORKSPACE_DIR
+    assert bed.on_node(f"cat '{work}/before.txt'").stdout == "before\n"
+
+
+def test_reopen_refusals_reach_the_pods_events_and_mount_nothing(bed: Bed) -> None:
+    elsewhere = {
+        "apiVersion": c.API_VERSION,
+        "kind": c.SANDBOX_KIND,
+        "metadata": {"name": "elsewhere", "namespace": RESTRICTED},
+        "spec": {"nodeName": "node-gone", "createdAt": "2026-01-01T00:00:00Z"},
+    }
+    bed.kubectl("create", "-f", "-", input=json.dumps(elsewhere))
+    cases = {
+        "reopen-theirs": ("run-11", f"RetainedSandbox {RESTRICTED}/run-11 does not exist"),  # it is in {NS}
+        "reopen-elsewhere": ("elsewhere", f"is on node node-gone, not {bed.node_name}"),
+    }
+    for name, (sandbox, _) in cases.items():
+        spec = restricted_spec(bed, "cat /workspace/logs/result.txt; sleep 60", {c.VOLUME_SANDBOX: sandbox})
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": RESTRICTED}, "spec": spec}
+        say(f"Pod {RESTRICTED}/{name} mounts sandbox {sandbox} through the CSI driver")
+        bed.kubectl("apply", "-f", "-", input=json.dumps(body))
+    try:
+        for name, (_, said) in cases.items():
+            pod = bed.get("pod", name, "-n", RESTRICTED)
+
+            def refused(pod: dict[str, Any] = pod, said: str = said) -> str | None:
+                texts = [e["message"] for e in pod_events(bed, pod) if e["reason"] == "FailedMount"]
+                return next((t for t in texts if said in t), None)
+
+            say(f"{name}'s Event: {eventually(refused, f'{name} refused in its Events', timeout=120)}")
+            assert bed.get("pod", name, "-n", RESTRICTED)["status"].get("phase") == "Pending"
+            uid = pod["metadata"]["uid"]
+            volumes = bed.root / c.VOLUMES_DIR
+            assert bed.on_node(f"grep -l '{uid}' '{volumes}'/*/record.json", check=False).stdout == ""
+    finally:
+        bed.kubectl("delete", "pod", *cases, "-n", RESTRICTED, "--grace-period=0", "--force", check=False)
+        bed.kubectl("delete", c.SANDBOX_PLURAL, "elsewhere", "-n", RESTRICTED, "--wait=false", check=False)
+
+
+def test_open_as_job_reopens_the_failed_workspace_where_and_as_the_job_had_it(bed: Bed) -> None:
+    pod = job_pod(bed, "build-fails")
+    assert pod is not None
+    obj = kept_sandbox(bed, pod)
+    assert obj is not None
+    name, script = obj["metadata"]["name"], "pwd; cat logs/result.txt; id -u"
+    say(f"kubectl sandkeep open {name} -n {RESTRICTED} --as-job -- sh -c '{script}'")
+    opened = kubectl_sandkeep(bed, "open", name, "-n", RESTRICTED, "--as-job", "--", "sh", "-c", script)
+    assert (opened.returncode, opened.stdout) == (0, "/workspace\ntests failed\n1000\n"), opened.stderr
+    assert f"at /workspace in {bed.image_ref}" in opened.stderr
+
+
+def test_a_tenants_pods_0_quota_refuses_its_session_on_the_real_node(bed: Bed) -> None:
+    pod = job_pod(bed, "build-fails")
+    obj = kept_sandbox(bed, pod or {"metadata": {"uid": ""}})
+    assert obj is not None
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods", "namespace": RESTRICTED}}
+    quota["spec"] = {"hard": {"pods": "0"}}
+    bed.kubectl("apply", "-f", "-", input=json.dumps(quota))
+    try:
+
+        def counted() -> object:
+            return (bed.get("resourcequota", "no-pods", "-n", RESTRICTED).get("status") or {}).get("hard")
+
+        eventually(counted, "the quota counted by the resource quota controller")
+        say(f"ResourceQuota pods: 0 in {RESTRICTED}; kubectl sandkeep open {obj['metadata']['name']}")
+        opened = kubectl_sandkeep(bed, "open", obj["metadata"]["name"], "-n", RESTRICTED, "--", "true")
+        assert opened.returncode != 0 and "exceeded quota: no-pods" in opened.stderr, opened.stderr
+        assert c.SESSION_CONTAINER not in bed.kubectl("get", "pods", "-n", RESTRICTED, "-o", "name").stdout
+    finally:
+        bed.kubectl("delete", "resourcequota", "no-pods", "-n", RESTRICTED)
 
 
 def test_helm_uninstall_stops_the_agents_and_strands_nothing(bed: Bed) -> None:

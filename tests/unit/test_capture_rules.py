@@ -20,6 +20,7 @@ from controller.rules.capture import (
     kept_names,
     origin_of,
     outcome_of,
+    pod_volume,
     should_keep,
 )
 from controller.rules.contracts import ORIGIN_CONTAINERS_MAX, ORIGIN_LABELS, Keep, Outcome
@@ -163,6 +164,49 @@ def test_the_origin_names_the_pod_owner_node_containers_outcome_and_pipeline_lab
     assert job_id_of(origin) == "Job/build-42"
 
 
+def test_the_origin_records_where_each_container_worked_and_mounted_the_workspace_whole() -> None:
+    p = pod("Failed", {"build": 1, "side": 0, "sub": 0})
+    mounts = {
+        "build": [{"name": "cache", "mountPath": "/cache"}, {"name": "workspace", "mountPath": "/src"}],
+        "side": [{"name": "workspace", "mountPath": "/w", "subPath": "logs"}],  # a part of it: not "as the job was"
+        "sub": [{"name": "workspace", "mountPath": "/" + "x" * 600}],  # too long to record whole: left out
+    }
+    p["spec"]["containers"] = [
+        {"name": n, "image": f"img/{n}:1", "volumeMounts": m, **({"workingDir": "/src/app"} if n == "build" else {})}
+        for n, m in mounts.items()
+    ]
+    target = "/var/lib/kubelet/pods/0f1e-22/volumes/kubernetes.io~csi/workspace/mount"
+    origin = origin_of(p, Outcome.FAILED, pod_name="p", pod_uid="u", node=None, volume=pod_volume(target))
+    assert [(cn.working_dir, cn.mount_path) for cn in origin.containers] == [
+        ("/src/app", "/src"),
+        (None, None),
+        (None, None),
+    ]
+    assert origin.body()["containers"][0] == {
+        "name": "build",
+        "image": "img/build:1",
+        "exitCode": 1,
+        "workingDir": "/src/app",
+        "mountPath": "/src",
+    }
+    unnamed = origin_of(p, Outcome.FAILED, pod_name="p", pod_uid="u", node=None, volume=None)
+    assert [cn.mount_path for cn in unnamed.containers] == [None, None, None]
+
+
+@pytest.mark.parametrize(
+    ("target", "name"),
+    [
+        ("/var/lib/kubelet/pods/0f1e/volumes/kubernetes.io~csi/workspace/mount", "workspace"),
+        ("/k/pods/u/volumes/kubernetes.io~csi/ws/mount/", "ws"),
+        ("/var/lib/kubelet/pods/0f1e/volumes/kubernetes.io~empty-dir/workspace/mount", None),
+        ("/elsewhere/mount", None),
+        ("/k/pods/u/volumes/kubernetes.io~csi//mount", None),
+    ],
+)
+def test_the_pods_name_for_its_volume_is_read_from_the_kubelets_target_path(target: str, name: str | None) -> None:
+    assert pod_volume(target) == name
+
+
 def test_the_origin_of_a_pod_that_is_gone_is_what_the_kubelet_said() -> None:
     origin = origin_of(None, Outcome.UNKNOWN, pod_name="p", pod_uid="u", node="node-b")
     assert origin.body() == {
@@ -213,7 +257,11 @@ def test_the_origin_is_bounded_whatever_the_pod(
             "containerStatuses": [{"name": n, "state": {"terminated": {"exitCode": x}}} for n, _, x in containers]
         },
     }
-    origin = origin_of(p, Outcome.FAILED, pod_name=name, pod_uid=name, node=name)
+    for container in p["spec"]["containers"]:
+        container |= {"workingDir": name, "volumeMounts": [{"name": "w", "mountPath": name}]}
+    origin = origin_of(p, Outcome.FAILED, pod_name=name, pod_uid=name, node=name, volume="w")
+    assert Origin.model_validate(origin.body()) == origin
+    assert all(cn.mount_path in (None, name) and len(cn.mount_path or "") <= 512 for cn in origin.containers)
     assert len(origin.containers) <= ORIGIN_CONTAINERS_MAX
     assert all(len(cn.name) <= 63 and len(cn.image) <= IMAGE_MAX for cn in origin.containers)
     assert set(origin.labels) <= set(ORIGIN_LABELS) and all(len(v) <= 63 for v in origin.labels.values())
