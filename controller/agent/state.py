@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller.agent.settings import AgentSettings
+from controller.api.cache import Gone, supersedes
 from controller.api.kube import Kube
 from controller.node.inuse import Usage
 from controller.node.store import Root
@@ -14,7 +15,6 @@ from controller.observe.metrics import AgentMetrics
 from controller.rules.objects import Obj, key_of
 
 Key = tuple[str, str]
-GONE_REMEMBERED = 4096  # uids of objects seen deleted, kept so a late answer cannot bring one back
 
 
 def slim(obj: Obj) -> Obj:
@@ -32,33 +32,26 @@ class AgentState:
     said: dict[str, tuple[float, str]] = field(default_factory=dict)  # rate-limited lines: subject -> (when, what)
     events: dict[tuple[str, str], str] = field(default_factory=dict)  # (uid, reason) -> message posted
     synced: bool = False
-    gone: dict[str, None] = field(default_factory=dict)  # uids seen deleted, oldest first (bounded)
+    gone: Gone = field(default_factory=Gone)  # uids seen deleted, oldest first (bounded)
 
     def remember(self, obj: Obj) -> None:
         """Keep the newest version of an object (a watch event can arrive after our own write's answer).
 
         An object already seen deleted is never kept again: the answer of a write sent before the deletion
         can arrive after the watch's DELETED, and a ghost in the cache would stop its directory from ever
-        being adopted again (a new run retained under the same name)."""
+        being adopted again (a new run retained under the same name). Which version is kept is the rule of both
+        components' caches, `controller.api.cache.supersedes`."""
         slim(obj)
-        if obj["metadata"].get("uid") in self.gone:
-            return
         key = key_of(obj)
-        old = self.objects.get(key)
-        new_rv = int(obj["metadata"].get("resourceVersion") or 0)
-        same_object = old is not None and old["metadata"].get("uid") == obj["metadata"].get("uid")
-        if same_object and old is not None and int(old["metadata"].get("resourceVersion") or 0) > new_rv:
-            return
-        self.objects[key] = obj
+        if supersedes(obj, self.objects.get(key), self.gone):
+            self.objects[key] = obj
 
     def forget(self, obj: Obj) -> None:
         """Drop an object that is gone (deleted, or answered 404); a newer one of the same name stays."""
         key = key_of(obj)
         uid = obj["metadata"].get("uid")
         if uid:
-            self.gone[uid] = None
-            while len(self.gone) > GONE_REMEMBERED:
-                del self.gone[next(iter(self.gone))]
+            self.gone.add(uid)
         cached = self.objects.get(key)
         if cached is not None and cached["metadata"].get("uid") == uid:
             del self.objects[key]

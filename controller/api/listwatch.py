@@ -6,7 +6,8 @@ as it is decoded; each agent's carries the field selector `spec.nodeName=<node>`
 the API server sends it only its own node's objects. kopf gives every object of a listing and of each
 event its own worker task and queue, holding the whole object until handled: at 100,000 sandboxes that,
 not the view, was the controller's peak memory (docs/benchmarks-controller.md); and it says neither when
-a listing is complete nor what vanished while a watch was down, both of which ListWatch does.
+a listing is complete nor what vanished while a watch was down, both of which ListWatch does. Which version
+of an object each component's cache keeps, and what a relisting says vanished, is one rule: `cache.py`.
 
 The controller's other watches, SandboxPolicies, Nodes and SandboxSessions, are kopf's, with low-level
 `on.event` handlers only, no peering (sandkeep's own Leases elect), no kopf-posted Events and no

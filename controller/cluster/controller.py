@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import kopf
 
 from controller.api import listwatch
+from controller.api.cache import vanished
 from controller.api.kube import Kube, KubeError, now_utc, sandbox_path
 from controller.api.workqueue import WorkQueue
 from controller.cluster.decide import decide
@@ -92,8 +93,8 @@ class Controller:
     def on_listed(self, namespace: str | None, seen: set[Key]) -> None:
         """A listing (of `namespace`, or of all) is complete: what the view holds beyond it is gone."""
         keys = self.view.in_namespace(namespace) if namespace is not None else list(self.view.sandboxes)
-        for key in keys:
-            if key not in seen and (obj := self.view.sandboxes.get(key)) is not None:
+        for key in vanished(keys, seen):
+            if (obj := self.view.sandboxes.get(key)) is not None:
                 self.on_sandbox("DELETED", obj)
 
     def remember(self, obj: Obj) -> None:

@@ -4,7 +4,7 @@ decision allows.
 Each sandbox is kept slim (`slim`: only what a decision reads, a condition's message as its digest),
 its strings interned and the whole packed as one `marshal` string (`Packed`); measured at 10,000 and
 100,000 objects in docs/benchmarks-controller.md. Only `View.remember` replaces what it holds, and only
-with a version at least as new.
+with a version at least as new (`controller.api.cache.supersedes`, the agent's cache's rule too).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from controller.api.cache import supersedes
 from controller.cluster.decide import OWNED_CONDITIONS, OWNED_FIELDS
 from controller.rules import contracts as c
 from controller.rules.objects import Obj, key_of, message_digest
@@ -91,8 +92,7 @@ class View:
         """Keep the newest version seen (a watch event may arrive after our own write's answer); True when
         `obj` is now what the view holds."""
         key = key_of(obj)
-        known = self.sandboxes.get(key)
-        if known is None or known["metadata"].get("uid") != obj["metadata"].get("uid") or _rv(obj) >= _rv(known):
+        if supersedes(obj, self.sandboxes.get(key)):
             self.put(key, _slim(obj))
             return True
         return False
@@ -106,13 +106,6 @@ class View:
             and known["metadata"].get("uid") == meta.get("uid")
             and known["metadata"].get("resourceVersion") == meta.get("resourceVersion")
         )
-
-
-def _rv(obj: Obj) -> int:
-    try:
-        return int(obj["metadata"]["resourceVersion"])
-    except (KeyError, ValueError, TypeError):
-        return -1
 
 
 def _compact(value: Any) -> Any:
