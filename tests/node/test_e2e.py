@@ -545,6 +545,7 @@ def test_the_agent_pod_killed_as_a_jobs_volume_is_unpublished_keeps_the_workspac
     say(f"kubectl delete pod {agent} --grace-period=0 --force, as the kubelet unpublishes build-killed's volume")
     bed.kubectl("delete", "pod", agent, "-n", SYSTEM_NS, "--grace-period=0", "--force", "--wait=false")
     obj = eventually(lambda: kept_once(bed, pod), "the workspace kept once, by the next agent", timeout=300)
+    say(f"kept as {RESTRICTED}/{obj['metadata']['name']}: outcome {obj['spec']['origin']['outcome']}, exactly once")
     assert obj["spec"]["origin"]["outcome"] == c.Outcome.FAILED
     work = bed.root / RESTRICTED / obj["metadata"]["name"] / c.WORKSPACE_DIR
     assert bed.on_node(f"cat '{work}/out.txt'").stdout == "partial\n"
@@ -568,6 +569,7 @@ def test_the_kubelet_stopped_and_the_pod_force_deleted_keeps_the_workspace_by_re
     finally:
         bed.node.start_kubelet()
     obj = eventually(lambda: kept_once(bed, live), "the workspace kept once its Pod was found gone", timeout=300)
+    say(f"kept as {RESTRICTED}/{obj['metadata']['name']}: outcome {obj['spec']['origin']['outcome']}")
     assert obj["metadata"]["name"] == "outlived-kubelet" and obj["spec"]["origin"]["outcome"] == c.Outcome.UNKNOWN
     work = bed.root / RESTRICTED / "outlived-kubelet" / c.WORKSPACE_DIR
     assert bed.on_node(f"cat '{work}/before.txt'").stdout == "before\n"
@@ -618,6 +620,7 @@ def test_open_as_job_reopens_the_failed_workspace_where_and_as_the_job_had_it(be
     say(f"kubectl sandkeep open {name} -n {RESTRICTED} --as-job -- sh -c '{script}'")
     opened = kubectl_sandkeep(bed, "open", name, "-n", RESTRICTED, "--as-job", "--", "sh", "-c", script)
     assert (opened.returncode, opened.stdout) == (0, "/workspace\ntests failed\n1000\n"), opened.stderr
+    say(f"it printed {opened.stdout!r}: the job's directory, its file, its uid")
     assert f"at /workspace in {bed.image_ref}; the job ran as uid 1000" in opened.stderr
 
 
@@ -642,6 +645,7 @@ def test_a_tenants_pods_0_quota_refuses_its_session_on_the_real_node(bed: Bed) -
         say(f"ResourceQuota pods: 0 in {RESTRICTED}; kubectl sandkeep open {obj['metadata']['name']}")
         opened = kubectl_sandkeep(bed, "open", obj["metadata"]["name"], "-n", RESTRICTED, "--", "true")
         assert opened.returncode != 0 and "exceeded quota: no-pods" in opened.stderr, opened.stderr
+        say(f"refused: {opened.stderr.strip().splitlines()[-1][:200]}")
         assert session_pods() <= before, "no session Pod was made"
     finally:
         bed.kubectl("delete", "resourcequota", "no-pods", "-n", RESTRICTED)
