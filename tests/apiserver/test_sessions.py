@@ -551,6 +551,19 @@ class Bed:
         dry = ["--dry-run=server"] if dry_run else []
         return self.cluster.kubectl("create", *dry, "-f", "-", input=json.dumps(body), as_user=as_user, check=False)
 
+    def editor(self, name: str) -> str:
+        """A user of its own (`name-xxxx`) bound to `edit` in the namespace, once `edit` aggregates sessions."""
+        user = f"{name}-{secrets.token_hex(2)}"
+        self.cluster.kubectl(
+            "create", "rolebinding", f"{user}-edits", "--clusterrole=edit", f"--user={user}", "-n", self.namespace
+        )
+
+        def aggregated() -> bool | None:
+            return "sandboxsessions" in self.cluster.kubectl("get", "clusterrole", "edit", "-o", "json").stdout or None
+
+        wait_for("edit aggregating sessions", aggregated, timeout=30)
+        return user
+
     def session(self, name: str) -> dict[str, Any] | None:
         try:
             found: dict[str, Any] = self.kube.request("GET", session_path(self.namespace, name))
@@ -791,19 +804,21 @@ def test_a_binding_switched_to_audit_stops_sessions_even_one_naming_another_user
 
 
 def test_a_session_past_its_users_cap_is_refused_until_one_is_ended(sbed: Bed) -> None:
+    # A user of its own: the cap counts a user's sessions in every namespace, and other tests' may still live.
+    carol = sbed.editor("carol")
     sbed.controller(f"{c.SESSIONS_MAX_PER_USER.flag}=1")
     for name in ("run-6", "run-7"):
         sbed.sandbox(name)
-    assert sbed.open("run-6").returncode == 0
+    assert sbed.open("run-6", as_user=carol).returncode == 0
     sbed.phase("open-run-6", SessionPhase.PENDING)
-    assert sbed.open("run-7").returncode == 0
+    assert sbed.open("run-7", as_user=carol).returncode == 0
     status = sbed.phase("open-run-7", SessionPhase.REFUSED)
     assert status["reason"] == Reason.SESSION_LIMIT, status["message"]
     assert f"{sbed.namespace}/open-run-6" in status["message"]
     assert f"kubectl delete {c.SESSION_PLURAL} -n {sbed.namespace} open-run-6" in status["message"]
     assert len(sbed.pods()) == 1
     sbed.cluster.kubectl("delete", c.SESSION_PLURAL, "open-run-6", "open-run-7", "-n", sbed.namespace)
-    assert sbed.open("run-7").returncode == 0
+    assert sbed.open("run-7", as_user=carol).returncode == 0
     assert sbed.phase("open-run-7", SessionPhase.PENDING)["reason"] == Reason.SESSION_STARTING
 
 
@@ -821,15 +836,7 @@ def test_an_image_not_allowed_is_refused_at_create_and_by_the_controller(sbed: B
 
 
 def test_an_editor_opens_for_themselves_only_and_execs_with_their_own_rbac(sbed: Bed) -> None:
-    alice = f"alice-{secrets.token_hex(2)}"
-    sbed.cluster.kubectl(
-        "create", "rolebinding", "alice-edits", "--clusterrole=edit", f"--user={alice}", "-n", sbed.namespace
-    )
-    wait_for(
-        "edit aggregating sessions",
-        lambda: "sandboxsessions" in sbed.cluster.kubectl("get", "clusterrole", "edit", "-o", "json").stdout or None,
-        timeout=30,
-    )
+    alice = sbed.editor("alice")
     sbed.sandbox("run-4")
     forged = sbed.open("run-4", user="bob", as_user=alice)
     assert forged.returncode != 0
