@@ -103,6 +103,8 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
     parser.add_argument("--retention", help="cluster default retention window, e.g. 72h")
     parser.add_argument("--max-pin", help="cluster default longest pin, e.g. 30d")
+    for outcome in c.Outcome:  # --retention-failed, ...: the window of sandboxes whose job ended so (issue 28)
+        parser.add_argument(f"--retention-{outcome.lower()}", help=f"cluster default retention of {outcome} jobs")
     parser.add_argument("--max-retention", help="ceiling no namespace policy can exceed")
     parser.add_argument("--max-pin-ceiling", help="pin ceiling no namespace policy can exceed")
     parser.add_argument("--dry-run", action="store_true", default=None, help="decide and report, delete nothing")

@@ -149,6 +149,9 @@ def _slim(obj: Obj) -> Obj:
     if annotations:
         kept["annotations"] = annotations
     spec = {k: v for k, v in (obj.get("spec") or {}).items() if k in _KEPT_SPEC}
+    origin = (obj.get("spec") or {}).get("origin")
+    if isinstance(origin, dict) and "outcome" in origin:  # the window per outcome reads it (issue 28)
+        spec["origin"] = {"outcome": origin["outcome"]}
     status = obj.get("status") or {}
     view: Obj = {k: status[k] for k in _KEPT_STATUS if k in status}
     conditions = [

@@ -199,4 +199,4 @@ def origin_of(pod: object, outcome: Outcome, *, pod_name: str, pod_uid: str, nod
 
 def job_id_of(origin: Origin) -> str:
     """The manifest's jobId for a captured workspace: its Pod's controlling owner (`Job/build-42`), else the Pod."""
-    return f"{origin.owner.kind}/{origin.owner.name}" if origin.owner else f"Pod/{origin.pod}"
+    return f"{origin.owner.kind}/{origin.owner.name}" if origin.owner else f"Pod/{origin.pod or ''}"

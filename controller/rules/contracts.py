@@ -106,6 +106,12 @@ class Outcome(StrEnum):
     UNKNOWN = "Unknown"  # fail closed: kept, whatever `keep` says short of Never
 
 
+# Retention by outcome (issue 28): the SandboxPolicy field (`spec.retentionByOutcome.<outcome in lower case>`),
+# the chart's `settings.retentionByOutcome.<same>` and the cluster default `SANDKEEP_RETENTION_<OUTCOME>`.
+RETENTION_BY_OUTCOME = "retentionByOutcome"
+OUTCOME_FLAG = "--outcome"  # `sandkeep retain --outcome`: the outcome a retained job records in its manifest
+
+
 # The labels of a captured workspace's Pod copied to its sandbox's `spec.origin.labels`: the pipelines that name
 # the run (a Job's Pods, a Tekton TaskRun's and PipelineRun's, an Argo Workflow's). Only these, so it stays bounded.
 ORIGIN_LABELS = ("job-name", "tekton.dev/taskRun", "tekton.dev/pipelineRun", "workflows.argoproj.io/workflow")

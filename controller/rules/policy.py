@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from typing import TypeVar
 
-from controller.rules.contracts import DeadlineSource, Phase, Reason, ReleasePriority
+from controller.rules.contracts import DeadlineSource, Outcome, Phase, Reason, ReleasePriority
 from controller.rules.durations import Invalid, format_duration, format_instant, parse_instant, shift
 
 
@@ -31,17 +32,49 @@ class Quota:
         return Quota(_lower(self.max_bytes, ceiling.max_bytes), _lower(self.max_count, ceiling.max_count))
 
 
-def _lower(a: int | None, b: int | None) -> int | None:
+_T = TypeVar("_T", int, timedelta)
+
+
+def _lower(a: _T | None, b: _T | None) -> _T | None:
     return b if a is None else a if b is None else min(a, b)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Retention by how the job ended (`spec.origin.outcome`, issue 28); each None takes the policy's `retention`."""
+
+    failed: timedelta | None = None
+    succeeded: timedelta | None = None
+    unknown: timedelta | None = None
+
+    def of(self, outcome: Outcome | None) -> timedelta | None:
+        """The window this sets for `outcome`; None when it sets none (or the sandbox has no outcome)."""
+        if outcome is None:
+            return None
+        return {Outcome.FAILED: self.failed, Outcome.SUCCEEDED: self.succeeded, Outcome.UNKNOWN: self.unknown}[outcome]
+
+    def over(self, fallback: Windows) -> Windows:
+        """These windows, each one not set taken from `fallback` (a namespace's policy over the cluster default)."""
+        pairs = zip(self._all(), fallback._all(), strict=True)
+        return Windows(*(theirs if mine is None else mine for mine, theirs in pairs))
+
+    def within(self, ceiling: timedelta) -> Windows:
+        """These windows held under `ceiling` (the cluster's maxRetention)."""
+        return Windows(*(None if w is None else min(w, ceiling) for w in self._all()))
+
+    def _all(self) -> tuple[timedelta | None, ...]:
+        return (self.failed, self.succeeded, self.unknown)
 
 
 @dataclass(frozen=True)
 class Policy:
     """How long sandboxes are kept. `retention == 0` is retention off: every unpinned sandbox expires.
 
-    `quota` bounds the namespace's sandboxes; `release_priority` orders them against other namespaces'
-    when a node releases for disk pressure (First go before Normal, Last after). Neither exempts a
-    sandbox from anything: only a pin or a holder does.
+    `by_outcome` sets a window per outcome of the job (a sandbox without one, or an outcome it does not set,
+    takes `retention`). `max_age` is the hard end (None: none): past `createdAt + max_age` nothing but a live
+    user of the directory keeps a sandbox, no pin and no session. `quota` bounds the namespace's sandboxes;
+    `release_priority` orders them against other namespaces' when a node releases for disk pressure (First go
+    before Normal, Last after). Neither exempts a sandbox from anything: only a pin or a holder does.
     """
 
     retention: timedelta
@@ -49,6 +82,13 @@ class Policy:
     dry_run: bool = False
     quota: Quota = Quota()
     release_priority: ReleasePriority = ReleasePriority.NORMAL
+    by_outcome: Windows = Windows()
+    max_age: timedelta | None = None
+
+    def window(self, outcome: Outcome | None) -> timedelta:
+        """How long a sandbox whose job ended `outcome` is kept from its createdAt (before pins and retainUntil)."""
+        own = self.by_outcome.of(outcome)
+        return self.retention if own is None else own
 
 
 @dataclass(frozen=True)
@@ -76,6 +116,7 @@ class Facts:
     pin_until: str | None = None  # `sandkeep.io/pin-until` or a manifest's `keepUntil`
     pinned_at: str | None = None  # `sandkeep.io/pinned-at` or a manifest's `pinnedAt`: a hint, never trusted
     pin_seen: PinSeen | None = None  # sandkeep's own record of when it first saw the pin (objects only)
+    outcome: Outcome | None = None  # how its job ended (`spec.origin.outcome`); None: not recorded
 
 
 @dataclass(frozen=True)
@@ -160,7 +201,8 @@ def pin_reference(sandbox: Facts, pin: datetime, now: datetime) -> datetime:
 
 
 def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
-    """The deadline without any pin: the earlier of `retainUntil` and the window; none without createdAt."""
+    """The deadline without any pin: the earlier of `retainUntil` and the window for the sandbox's outcome;
+    none without createdAt."""
     if sandbox.created_at is None:
         return Verdict(
             None,
@@ -169,7 +211,7 @@ def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
             (Reason.NO_CREATED_AT,),
             messages=("no usable createdAt: nothing says how old it is",),
         )
-    window_until = shift(sandbox.created_at, policy.retention)
+    window_until = shift(sandbox.created_at, policy.window(sandbox.outcome))
     if sandbox.retain_until is not None and sandbox.retain_until < window_until:
         until, source, cause = sandbox.retain_until, DeadlineSource.RETAIN, Reason.RETAIN_UNTIL
     else:
@@ -205,11 +247,19 @@ def effective_policy(
     reasons: tuple[Reason, ...] = ()
     retention, max_pin = chosen.retention, chosen.max_pin
     quota = chosen.quota.within(ceiling.quota)
-    if retention > ceiling.retention or max_pin > ceiling.max_pin or quota != chosen.quota:
+    by_outcome = chosen.by_outcome.within(ceiling.retention)
+    if (
+        retention > ceiling.retention
+        or max_pin > ceiling.max_pin
+        or quota != chosen.quota
+        or by_outcome != chosen.by_outcome
+    ):
         reasons = (Reason.POLICY_CEILING,)
         retention, max_pin = min(retention, ceiling.retention), min(max_pin, ceiling.max_pin)
     dry_run = default.dry_run or chosen.dry_run
-    return Policy(retention, max_pin, dry_run, quota, chosen.release_priority), reasons
+    return replace(
+        chosen, retention=retention, max_pin=max_pin, dry_run=dry_run, quota=quota, by_outcome=by_outcome
+    ), reasons
 
 
 # --- The phase of a sandbox (the controller's; the agent writes a phase only while deleting: Deleting, Held, Stuck)

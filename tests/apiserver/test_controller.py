@@ -371,6 +371,36 @@ def test_a_shortened_policy_applies_to_existing_sandboxes(
     wait_for("the sandbox to be deleted under the new window", lambda: gone(kube, namespace, "old"), timeout=60)
 
 
+def test_each_outcome_is_kept_for_its_own_window_by_the_settings_and_by_a_policy(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 28: a success goes after the cluster's 3 s, a failure and one without an outcome keep the 1h window
+    # until a SandboxPolicy gives failures 2 s; the one without an outcome still takes retention.
+    start("--retention=1h", "--retention-succeeded=3s")
+    for name, outcome in (("fine", c.Outcome.SUCCEEDED), ("broke", c.Outcome.FAILED), ("plain", None)):
+        origin = {} if outcome is None else {"origin": {"pod": f"{name}-pod", "outcome": outcome.value}}
+        kube.create_sandbox(namespace, sandbox(name, **origin))
+    wait_for("the success to be deleted", lambda: gone(kube, namespace, "fine"), timeout=30)
+    for name in ("broke", "plain"):
+        status = wait_for(
+            "status", lambda n=name: status_of(kube, namespace, n).get("deadline") and status_of(kube, namespace, n)
+        )
+        created = parse_instant(get(kube, namespace, name)["spec"]["createdAt"])  # type: ignore[index]
+        assert (
+            status["deadline"] == format_instant(created + HOUR) and status["deadlineSource"] == c.DeadlineSource.WINDOW
+        )  # type: ignore[operator]
+    cluster.apply(
+        {
+            "apiVersion": c.API_VERSION,
+            "kind": c.POLICY_KIND,
+            "metadata": {"name": "failures-briefly", "namespace": namespace},
+            "spec": {c.RETENTION_BY_OUTCOME: {"failed": "2s"}},
+        }
+    )
+    wait_for("the failure to be deleted under the policy", lambda: gone(kube, namespace, "broke"), timeout=30)
+    assert status_of(kube, namespace, "plain")["phase"] == c.Phase.RETAINED
+
+
 def test_a_second_policy_is_superseded_and_the_oldest_applies(
     kube: Kube, cluster: LocalCluster, namespace: str, start: Any
 ) -> None:
