@@ -52,7 +52,7 @@ class Controller:
         self.view = View()
         self.is_leader: Callable[[], bool] = lambda: True
         self.queue: WorkQueue[Key] = WorkQueue()
-        self._phases: dict[Key, tuple[str, str, bool]] = {}  # key -> (phase, node, pinned) as the metrics count
+        self._phases: dict[Key, tuple[str, str, bool, bool]] = {}  # key -> (phase, node, pinned, past its hard end)
         self.events = Events(kube, metrics_)
         self.reconciler = Reconciler(
             kube,
@@ -69,7 +69,7 @@ class Controller:
         self.sessions = None
         if session_settings is not None:
             rec = self.reconciler
-            self.sessions = Sessions(kube, session_settings, rec.expired, rec.max_pin)
+            self.sessions = Sessions(kube, session_settings, rec.expired, rec.max_pin, rec.past_max_age)
 
     # --- feeding the view ----------------------------------------------------------------------------------
     def on_sandbox(self, event_type: str | None, obj: Obj) -> None:
@@ -134,7 +134,8 @@ class Controller:
             self.enqueue(key)
 
     def _count(self, key: Key, obj: Obj | None) -> None:
-        """Keep the by-phase-and-node gauge and the pins gauge in step with the view, incrementally."""
+        """Keep the by-phase-and-node gauge, the pins gauge and the past-its-hard-end gauge in step with the view,
+        incrementally."""
         new = None
         if obj is not None:
             phase = (obj.get("status") or {}).get("phase") or "Unknown"
@@ -142,7 +143,8 @@ class Controller:
             pinned = phase == Phase.PINNED or (
                 phase == Phase.OPEN and (condition_of(obj, c.Condition.PINNED) or {}).get("status") == "True"
             )
-            new = (phase, (obj.get("spec") or {}).get("nodeName", ""), pinned)
+            past = (condition_of(obj, c.Condition.EXPIRED) or {}).get("reason") == c.Reason.MAX_AGE
+            new = (phase, (obj.get("spec") or {}).get("nodeName", ""), pinned, past)
         old = self._phases.get(key)
         if old == new:
             return
@@ -150,6 +152,8 @@ class Controller:
             self.metrics.sandboxes.labels(phase=old[0], node=old[1]).dec()
             if old[2]:
                 self.metrics.pins_active.dec()
+            if old[3]:
+                self.metrics.past_max_age.labels(namespace=key[0]).dec()
         if new is None:
             self._phases.pop(key, None)
             return
@@ -157,6 +161,8 @@ class Controller:
         self.metrics.sandboxes.labels(phase=new[0], node=new[1]).inc()
         if new[2]:
             self.metrics.pins_active.inc()
+        if new[3]:
+            self.metrics.past_max_age.labels(namespace=key[0]).inc()
 
     # --- the queue ----------------------------------------------------------------------------------------
     def enqueue(self, key: Key, priority: int = 1) -> None:

@@ -25,7 +25,7 @@ from controller.rules.objects import (
     same_condition,
     sandbox_facts,
 )
-from controller.rules.policy import Policy, Verdict, deadline, phase_of
+from controller.rules.policy import EXPIRY_CAUSES, Policy, Verdict, deadline, phase_of
 
 # status fields and condition types this controller owns (the agent owns the rest; see controller.api.kube)
 OWNED_FIELDS = (
@@ -46,7 +46,6 @@ OWNED_CONDITIONS = (
     c.Condition.DRY_RUN,
     c.Condition.LOST,
 )
-EXPIRY_CAUSES = (Reason.PIN_EXPIRED, Reason.RETAIN_UNTIL, Reason.WINDOW, Reason.NO_CREATED_AT)
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,9 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         return condition(type_, status, reason, message, observed_generation=generation, previous=previous, now=now)
 
     source = verdict.source.value
-    conditions = [_expired_condition(verdict, observed.held, source, cond), _pinned_condition(verdict, cond)]
+    # Past its hard end a session no longer holds it (the sessions end it): only a live user the agent sees.
+    held = observed.in_use or (observed.in_session and not verdict.past_max_age)
+    conditions = [_expired_condition(verdict, held, source, cond), _pinned_condition(verdict, cond)]
     invalid = _pin_problems(obj, verdict)
     ann = annotations_of(obj)
     if invalid:
@@ -119,7 +120,7 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         if ctx.policy_reasons:
             words.insert(0, "the namespace's SandboxPolicy exceeds the cluster ceiling and is held to it")
         conditions.append(cond(c.Condition.POLICY_CEILING, True, reason, "; ".join(words)))
-    eligible = verdict.expired and not observed.held
+    eligible = verdict.expired and not held
     if eligible and ctx.policy.dry_run:
         would = f"would delete: expired at {instant_words(verdict.deadline)} ({expiry_cause(verdict)}); dry-run is on"
         conditions.append(cond(c.Condition.DRY_RUN, True, Reason.WOULD_DELETE, f"{would}, nothing is deleted"))

@@ -107,6 +107,7 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--retention-{outcome.lower()}", help=f"cluster default retention of {outcome} jobs")
     parser.add_argument("--max-retention", help="ceiling no namespace policy can exceed")
     parser.add_argument("--max-pin-ceiling", help="pin ceiling no namespace policy can exceed")
+    parser.add_argument("--max-age", help="the hard end (default off): every namespace's maxAge and its ceiling")
     parser.add_argument("--dry-run", action="store_true", default=None, help="decide and report, delete nothing")
     parser.add_argument("--node-grace", help="how long a node may be gone before its sandboxes are Lost")
     parser.add_argument("--quota-max-bytes", help="default quota per namespace in bytes (e.g. 50Gi; default none)")

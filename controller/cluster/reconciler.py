@@ -44,7 +44,7 @@ from controller.rules import contracts as c
 from controller.rules.contracts import Phase, Reason
 from controller.rules.durations import Invalid, format_instant, parse_duration, parse_instant
 from controller.rules.objects import Obj, annotations_of, is_deleting, key_of, namespace_policy, sandbox_facts
-from controller.rules.policy import Policy, deadline, effective_policy
+from controller.rules.policy import Policy, Verdict, deadline, effective_policy
 
 log = logging.getLogger("sandkeep.controller")
 
@@ -116,10 +116,17 @@ class Reconciler:
         """The namespace's maxPin (its policy under the ceiling)."""
         return self.policy_for(namespace)[0].max_pin
 
-    def expired(self, obj: Obj, now: datetime) -> bool:
-        """The one rule's answer for a sandbox, as this controller applies it (its namespace's policy)."""
+    def verdict(self, obj: Obj, now: datetime) -> Verdict:
+        """The one rule's verdict on a sandbox, as this controller applies it (its namespace's policy)."""
         policy, _, _ = self.policy_for(obj["metadata"]["namespace"])  # no node bookkeeping: the rule alone
-        return deadline(sandbox_facts(obj), policy, now).expired
+        return deadline(sandbox_facts(obj), policy, now)
+
+    def expired(self, obj: Obj, now: datetime) -> bool:
+        return self.verdict(obj, now).expired
+
+    def past_max_age(self, obj: Obj, now: datetime) -> bool:
+        """Past its hard end (createdAt + maxAge): no session may hold it any longer."""
+        return self.verdict(obj, now).past_max_age
 
     # --- one reconcile pass --------------------------------------------------------------------------------
     async def reconcile(self, key: Key) -> Result:

@@ -109,6 +109,9 @@ class Outcome(StrEnum):
 # Retention by outcome (issue 28): the SandboxPolicy field (`spec.retentionByOutcome.<outcome in lower case>`),
 # the chart's `settings.retentionByOutcome.<same>` and the cluster default `SANDKEEP_RETENTION_<OUTCOME>`.
 RETENTION_BY_OUTCOME = "retentionByOutcome"
+# The hard end (issue 28): the SandboxPolicy field `spec.maxAge`, the chart's `settings.maxAge` (SANDKEEP_MAX_AGE,
+# the default of every namespace and the ceiling of every policy's).
+MAX_AGE = "maxAge"
 OUTCOME_FLAG = "--outcome"  # `sandkeep retain --outcome`: the outcome a retained job records in its manifest
 
 
@@ -172,6 +175,7 @@ class DeadlineSource(StrEnum):
     PIN = "pin"
     RETAIN = "retain"
     WINDOW = "window"
+    MAX_AGE = "maxAge"  # the hard end, createdAt + maxAge: nothing but a live user keeps it past that
     NONE = "none"  # no usable createdAt: expired
 
 
@@ -217,6 +221,7 @@ class Reason(StrEnum):
     WINDOW = "Window"
     RETAIN_UNTIL = "RetainUntil"
     NO_CREATED_AT = "NoCreatedAt"
+    MAX_AGE = "MaxAge"  # past its hard end (createdAt + maxAge): no pin, session or window keeps it (issue 28)
     EXPIRED = "Expired"
     DELETE_REQUESTED = "DeleteRequested"
     WOULD_DELETE = "WouldDelete"
@@ -320,6 +325,7 @@ M_DELETIONS_REQUESTED = "sandkeep_deletions_requested_total"  # counter {reason}
 M_EXPIRY_LAG = "sandkeep_expiry_lag_seconds"  # histogram: deadline -> delete request
 M_RECONCILE_ERRORS = "sandkeep_reconcile_errors_total"  # counter {component}
 M_PINS_ACTIVE = "sandkeep_pins_active"  # gauge
+M_PAST_MAX_AGE = "sandkeep_sandboxes_past_max_age"  # gauge {namespace}: past their hard end, still there (held)
 M_EVENTS_DROPPED = "sandkeep_events_dropped_total"  # counter: Events not posted because the backlog was full
 M_QUOTA_UNRELIEVED = "sandkeep_quota_unrelieved"  # gauge {namespace}: 1 while over quota with nothing releasable
 M_LEADER = "sandkeep_controller_leader"  # gauge 1 on the acting replica

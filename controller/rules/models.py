@@ -211,9 +211,13 @@ class Settings(BaseSettings):
     retention_succeeded: HumanDuration | None = None
     retention_unknown: HumanDuration | None = None
 
+    # The hard end (issue 28): past createdAt + max_age only a live user of a sandbox's directory keeps it. The
+    # default of every namespace and the ceiling of every SandboxPolicy's maxAge; None: off.
+    max_age: HumanDuration | None = None
+
     def policy(self) -> Policy:
         windows = Windows(self.retention_failed, self.retention_succeeded, self.retention_unknown)
-        return Policy(self.retention, self.max_pin, self.dry_run, by_outcome=windows)
+        return Policy(self.retention, self.max_pin, self.dry_run, by_outcome=windows, max_age=self.max_age)
 
     def ceiling(self) -> Ceiling:
-        return Ceiling(self.max_retention, self.max_pin_ceiling)
+        return Ceiling(self.max_retention, self.max_pin_ceiling, max_age=self.max_age)

@@ -168,6 +168,7 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
     retention = duration("retention", default.retention)
     max_pin = duration("maxPin", default.max_pin)
     by_outcome = _windows(spec, default.by_outcome, problems)
+    max_age = duration(c.MAX_AGE, default.max_age)
     limits: Obj = spec["quota"] if isinstance(spec.get("quota"), dict) else {}
     max_bytes, max_count = default.quota.max_bytes, default.quota.max_count
     if "maxBytes" in limits:
@@ -189,7 +190,7 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
         except ValueError:
             problems.append(f"spec.releasePriority {spec['releasePriority']!r}: one of First, Normal, Last")
     quota = Quota(max_bytes, max_count)
-    return Policy(retention, max_pin, bool(spec.get("dryRun", False)), quota, priority, by_outcome), problems
+    return Policy(retention, max_pin, bool(spec.get("dryRun", False)), quota, priority, by_outcome, max_age), problems
 
 
 def _windows(spec: Obj, default: Windows, problems: list[str]) -> Windows:

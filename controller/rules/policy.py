@@ -131,6 +131,8 @@ class Verdict:
     # sandbox from being released for space (disk pressure, a quota). None without a parseable pin.
     pin_in_force: datetime | None = None
     messages: tuple[str, ...] = field(default=(), compare=False)  # words for conditions and Events
+    hard_end: datetime | None = None  # createdAt + maxAge, when the policy sets a maxAge
+    past_max_age: bool = False  # the hard end has come: only a live user of the directory still holds it
 
     def holds(self, now: datetime) -> bool:
         """Whether a pin keeps the sandbox from being released for space at `now` (`pin_in_force`)."""
@@ -142,18 +144,60 @@ class Verdict:
 
     @property
     def pinned(self) -> bool:
-        return self.source is DeadlineSource.PIN
+        """A pin keeps it: the pin decided the deadline, or did until the hard end cut it there."""
+        return self.source is DeadlineSource.PIN or (self.source is DeadlineSource.MAX_AGE and bool(self.pinned_until))
+
+
+EXPIRY_CAUSES = (Reason.MAX_AGE, Reason.PIN_EXPIRED, Reason.RETAIN_UNTIL, Reason.WINDOW, Reason.NO_CREATED_AT)
 
 
 def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
-    """The one expiry rule.
+    """The one expiry rule: how long the pins, the windows and retainUntil keep a sandbox (`_kept`), never past
+    its hard end (`_held_to_max_age`)."""
+    return _held_to_max_age(_kept(sandbox, policy, now), sandbox, policy, now)
 
-    Without a pin the deadline is the EARLIER of the recorded `retainUntil` and `createdAt + retention`,
-    so a shortened window applies to existing sandboxes; no usable `createdAt` is expired. A valid pin,
-    capped at `maxPin` from when sandkeep first saw it (`pin_reference`: never a time a user wrote, so no
-    annotation can make the cap slide with `now`), only ever extends: a pin not later than the unpinned
-    deadline (or than `now` when there is none) has no effect and says so, since `pin-for=0` or a mistyped
-    year must mean "nothing", never "delete now". An unparseable pin is no pin: the bounded direction.
+
+def _held_to_max_age(verdict: Verdict, sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
+    """`verdict` held to the hard end, `createdAt + maxAge`: no pin and no window keeps a sandbox past it.
+
+    A pin that would keep it longer keeps it until then (and no longer holds it against a release for space
+    after that); once the hard end has come the cause is `MaxAge` whatever expired it first, and
+    `past_max_age` tells the phase that a session no longer holds it: only a live user of the directory does.
+    """
+    if policy.max_age is None or sandbox.created_at is None:
+        return verdict
+    end = shift(sandbox.created_at, policy.max_age)
+    in_force = None if verdict.pin_in_force is None else min(verdict.pin_in_force, end)
+    verdict = replace(verdict, hard_end=end, pin_in_force=in_force)
+    words = f"its hard end {format_instant(end)} (createdAt + maxAge {format_duration(policy.max_age)})"
+    notes = tuple(r for r in verdict.reasons if r not in EXPIRY_CAUSES)
+    if verdict.deadline is not None and verdict.deadline > end:
+        verdict = replace(
+            verdict,
+            deadline=end,
+            source=DeadlineSource.MAX_AGE,
+            expired=end <= now,
+            reasons=notes,
+            pinned_until=end if verdict.pinned else None,
+            messages=(*verdict.messages, f"kept no later than {words}"),
+        )
+    if end > now:
+        return verdict
+    past = f"past {words}: no pin or session keeps it, only a live user of its directory holds it"
+    messages = (past, *verdict.messages)
+    return replace(verdict, expired=True, reasons=(*notes, Reason.MAX_AGE), past_max_age=True, messages=messages)
+
+
+def _kept(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
+    """How long the pins, the windows and retainUntil keep a sandbox.
+
+    Without a pin the deadline is the EARLIER of the recorded `retainUntil` and `createdAt + window` (the
+    window for its outcome, else retention), so a shortened window applies to existing sandboxes; no usable
+    `createdAt` is expired. A valid pin, capped at `maxPin` from when sandkeep first saw it (`pin_reference`:
+    never a time a user wrote, so no annotation can make the cap slide with `now`), only ever extends: a pin
+    not later than the unpinned deadline (or than `now` when there is none) has no effect and says so, since
+    `pin-for=0` or a mistyped year must mean "nothing", never "delete now". An unparseable pin is no pin:
+    the bounded direction.
     Total: every sum saturates.
     """
     unpinned = _unpinned(sandbox, policy, now)
@@ -234,6 +278,7 @@ class Ceiling:
     retention: timedelta
     max_pin: timedelta
     quota: Quota = Quota()
+    max_age: timedelta | None = None  # the hard end no policy passes; None: none (a policy may still set one)
 
 
 def effective_policy(
@@ -241,7 +286,8 @@ def effective_policy(
 ) -> tuple[Policy, tuple[Reason, ...]]:
     """The policy for one namespace: its SandboxPolicy (or the cluster default), held under the ceiling.
 
-    Dry-run is sticky: a cluster-wide dry-run cannot be turned off by a namespace.
+    Dry-run is sticky: a cluster-wide dry-run cannot be turned off by a namespace. The ceiling's maxAge holds
+    every namespace, one whose policy sets none too (only a policy asking for more is told PolicyCeiling).
     """
     chosen = namespace or default
     reasons: tuple[Reason, ...] = ()
@@ -253,13 +299,14 @@ def effective_policy(
         or max_pin > ceiling.max_pin
         or quota != chosen.quota
         or by_outcome != chosen.by_outcome
+        or (chosen.max_age is not None and ceiling.max_age is not None and chosen.max_age > ceiling.max_age)
     ):
         reasons = (Reason.POLICY_CEILING,)
         retention, max_pin = min(retention, ceiling.retention), min(max_pin, ceiling.max_pin)
     dry_run = default.dry_run or chosen.dry_run
-    return replace(
-        chosen, retention=retention, max_pin=max_pin, dry_run=dry_run, quota=quota, by_outcome=by_outcome
-    ), reasons
+    max_age = _lower(chosen.max_age, ceiling.max_age)
+    held = replace(chosen, retention=retention, max_pin=max_pin, dry_run=dry_run, quota=quota, by_outcome=by_outcome)
+    return replace(held, max_age=max_age), reasons
 
 
 # --- The phase of a sandbox (the controller's; the agent writes a phase only while deleting: Deleting, Held, Stuck)
@@ -278,14 +325,15 @@ def phase_of(
     the disk's progress). A sandbox whose node is gone, or whose directory the agent reports absent, is
     `Lost` whatever its deadline. An expired sandbox something still uses is `Held`, never deleted. One a
     SandboxSession has open (its Pod's mount verified by the agent) is `Open` until its deadline, pinned or
-    not: the session holds it like any Pod, and past the deadline it is `Held` by it, as by any other.
+    not: the session holds it like any Pod, and past the deadline it is `Held` by it, as by any other; past
+    its hard end (`past_max_age`) only something the agent sees using it holds it.
     """
     if deleting:
         return Phase.DELETING
     if node_gone or disk_present is False:
         return Phase.LOST
     if verdict.expired:
-        return Phase.HELD if in_use or in_session else Phase.EXPIRED
+        return Phase.HELD if in_use or (in_session and not verdict.past_max_age) else Phase.EXPIRED
     if in_session:
         return Phase.OPEN
     return Phase.PINNED if verdict.pinned else Phase.RETAINED

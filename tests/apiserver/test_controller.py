@@ -659,6 +659,38 @@ def test_an_expired_sandbox_the_agent_sees_in_use_is_held_until_released(
     wait_for("the released sandbox to be deleted", lambda: gone(kube, namespace, "busy"))
 
 
+def test_past_its_hard_end_no_pin_or_session_keeps_a_sandbox_and_only_a_live_user_holds_it(
+    kube: Kube, namespace: str, start: Any
+) -> None:
+    # Issue 28, item 4: with maxAge 8 s, a pinned sandbox and one a session has open go at their hard end; one
+    # the agent sees in use is Held, says MaxAge and is counted, and goes once released.
+    from controller.api.kube import AGENT_MANAGER
+
+    ctl = start("--retention=1h", "--max-age=8s")
+    pinned = sandbox("pinned")
+    pinned["metadata"]["annotations"] = {c.ANN_PIN_UNTIL: instant(2 * HOUR), c.ANN_PINNED_AT: instant()}
+    kube.create_sandbox(namespace, pinned)
+    open_ = kube.create_sandbox(namespace, sandbox("open"))
+    session = {"pod": "sbs-x", "podUID": "u-1", "mount": c.MountCheck.VERIFIED}
+    kube.apply_status(open_, {"inUse": False, "sessions": [session]}, AGENT_MANAGER)
+    busy = kube.create_sandbox(namespace, sandbox("busy"))
+    kube.apply_status(busy, {"inUse": True, "heldBy": ["pid 4242 (cwd)"]}, AGENT_MANAGER)
+    status = phase_is(kube, namespace, "pinned", c.Phase.PINNED, timeout=6)
+    created = parse_instant(get(kube, namespace, "pinned")["spec"]["createdAt"])  # type: ignore[index]
+    assert status["deadlineSource"] == c.DeadlineSource.MAX_AGE
+    assert status["deadline"] == status["pinnedUntil"] == format_instant(created + timedelta(seconds=8))  # type: ignore[operator]
+    for name in ("pinned", "open"):
+        wait_for(f"{name} to be deleted at its hard end", lambda n=name: gone(kube, namespace, n), timeout=30)
+    held = phase_is(kube, namespace, "busy", c.Phase.HELD)
+    expired = next(cd for cd in held["conditions"] if cd["type"] == c.Condition.EXPIRED)
+    assert expired["reason"] == c.Reason.MAX_AGE and "hard end" in expired["message"]
+    wait_for("the gauge", lambda: metric_value(ctl.metrics(), c.M_PAST_MAX_AGE, namespace=namespace) == 1)
+    assert metric_value(ctl.metrics(), c.M_DELETIONS_REQUESTED, reason=c.Reason.MAX_AGE) == 2
+    kube.apply_status(busy, {"inUse": False}, AGENT_MANAGER)
+    wait_for("the released sandbox to be deleted", lambda: gone(kube, namespace, "busy"))
+    wait_for("the gauge back to 0", lambda: metric_value(ctl.metrics(), c.M_PAST_MAX_AGE, namespace=namespace) == 0)
+
+
 def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:
     # A mass expiry against a slow API server: Events wait in a backlog of at most EVENTS_BACKLOG; past it
     # a new Event is dropped and counted, so memory does not grow with the wave (client-go bounds its own).

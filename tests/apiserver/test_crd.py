@@ -76,7 +76,8 @@ def test_policy_crd_names_match_contracts() -> None:
     assert names["shortNames"] == [c.POLICY_SHORT]
     assert names["categories"] == [c.CATEGORY]
     spec = version_schema(doc)["properties"]["spec"]["properties"]
-    assert set(spec) == {"retention", c.RETENTION_BY_OUTCOME, "maxPin", "dryRun", "quota", "releasePriority"}
+    fields = {"retention", c.RETENTION_BY_OUTCOME, "maxPin", c.MAX_AGE, "dryRun", "quota", "releasePriority"}
+    assert set(spec) == fields
     assert set(spec[c.RETENTION_BY_OUTCOME]["properties"]) == {o.lower() for o in c.Outcome}
     assert spec["releasePriority"]["enum"] == [p.value for p in c.ReleasePriority]
 
@@ -211,7 +212,9 @@ def test_a_policy_with_an_unreadable_retention_is_refused(crds: LocalCluster, na
     create(crds, namespace, {"metadata": {"name": "p"}, "spec": {"retention": "3d", "maxPin": "2w"}}, c.POLICY_KIND)
 
 
-def test_a_policy_sets_a_retention_per_outcome_and_nothing_else_there(crds: LocalCluster, namespace: str) -> None:
+def test_a_policy_sets_a_retention_per_outcome_and_a_max_age_and_nothing_else_there(
+    crds: LocalCluster, namespace: str
+) -> None:
     def policy(name: str, windows: dict[str, Any]) -> dict[str, Any]:
         return {"metadata": {"name": name}, "spec": {c.RETENTION_BY_OUTCOME: windows}}
 
@@ -221,6 +224,9 @@ def test_a_policy_sets_a_retention_per_outcome_and_nothing_else_there(crds: Loca
     words = refusal(crds, namespace, policy("b", {"cancelled": "1d"}), c.POLICY_KIND)
     assert "cancelled" in words
     create(crds, namespace, policy("c", {o.lower(): "1d" for o in c.Outcome} | {"succeeded": "0"}), c.POLICY_KIND)
+    hard = {"metadata": {"name": "d"}, "spec": {c.MAX_AGE: "30 days"}}
+    assert f"spec.{c.MAX_AGE}" in refusal(crds, namespace, hard, c.POLICY_KIND)
+    create(crds, namespace, {"metadata": {"name": "d"}, "spec": {c.MAX_AGE: "30d"}}, c.POLICY_KIND)
 
 
 def test_a_policy_quota_and_release_priority_outside_the_schema_are_refused(crds: LocalCluster, namespace: str) -> None:

@@ -1,4 +1,5 @@
-"""Retention that knows the job (issue 28): windows by outcome, in the one rule. Properties and examples."""
+"""Retention that knows the job (issue 28): windows by outcome and the hard end, in the one rule and the
+controller's decision. Properties and examples."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given
 from hypothesis import strategies as st
 
+from controller.cluster.decide import Context, decide
 from controller.rules import contracts as c
-from controller.rules.contracts import DeadlineSource, Outcome, Reason
+from controller.rules.contracts import DeadlineSource, Outcome, Phase, Reason
 from controller.rules.durations import format_instant
 from controller.rules.models import Manifest, Settings
 from controller.rules.objects import namespace_policy, sandbox_facts
-from controller.rules.policy import Ceiling, Facts, Policy, Windows, deadline, effective_policy
+from controller.rules.policy import Ceiling, Facts, Policy, Windows, deadline, effective_policy, phase_of
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 H = timedelta(hours=1)
@@ -25,6 +27,7 @@ outcomes = st.one_of(st.none(), st.sampled_from(list(Outcome)))
 pins = st.one_of(st.none(), st.just("not-a-time"), instants.map(format_instant))
 window_sets = st.builds(Windows, maybe_spans, maybe_spans, maybe_spans)
 policies = st.builds(Policy, spans, spans, by_outcome=window_sets)
+hard_ended = st.builds(Policy, spans, spans, by_outcome=window_sets, max_age=spans)
 
 
 @st.composite
@@ -53,8 +56,10 @@ def _not_earlier(later: Policy, earlier: Policy, f: Facts, now: datetime) -> Non
 # --- properties ----------------------------------------------------------------------------------------
 
 
-@given(facts(), policies, instants)
-def test_a_pin_never_shortens_whatever_the_outcome_windows(f: Facts, policy: Policy, now: datetime) -> None:
+@given(facts(), st.one_of(policies, hard_ended), instants)
+def test_a_pin_never_shortens_whatever_the_outcome_windows_or_the_hard_end(
+    f: Facts, policy: Policy, now: datetime
+) -> None:
     with_pin, without = deadline(f, policy, now), deadline(_unpinned(f), policy, now)
     if without.deadline is not None:
         assert with_pin.deadline is not None and with_pin.deadline >= without.deadline
@@ -169,3 +174,101 @@ def test_the_cluster_settings_set_a_window_per_outcome(monkeypatch) -> None:
     monkeypatch.setenv("SANDKEEP_RETENTION_FAILED", "14d")
     monkeypatch.setenv("SANDKEEP_RETENTION_SUCCEEDED", "1h")
     assert Settings().policy().by_outcome == Windows(failed=14 * D, succeeded=H)
+
+
+# --- the hard end (maxAge) -----------------------------------------------------------------------------
+
+
+@given(facts(), hard_ended, st.timedeltas(min_value=timedelta(0), max_value=timedelta(days=800)))
+def test_nothing_outlives_max_age_unless_in_use(f: Facts, policy: Policy, after) -> None:
+    # Past createdAt + maxAge no pin, window, retainUntil or session keeps a sandbox: only a live user does.
+    if f.created_at is None or policy.max_age is None:
+        return
+    now = f.created_at + policy.max_age + after
+    verdict = deadline(f, policy, now)
+    assert verdict.expired and verdict.past_max_age and verdict.reasons[-1] is Reason.MAX_AGE
+    assert verdict.deadline is not None and verdict.deadline <= f.created_at + policy.max_age
+    assert not verdict.holds(now)  # no pin keeps it from a release for space either
+    assert phase_of(verdict, in_session=True) is Phase.EXPIRED
+    assert phase_of(verdict, in_use=True, in_session=True) is Phase.HELD
+    for sessions, in_use in (([{"mount": c.MountCheck.VERIFIED}], False), ([], True)):
+        obj = _object(f, sessions=sessions, in_use=in_use)
+        decision = decide(obj, Context(policy), now)
+        assert decision.delete is not in_use
+        expired = next(cd for cd in decision.status["conditions"] if cd["type"] == c.Condition.EXPIRED)
+        assert expired["reason"] == Reason.MAX_AGE and "hard end" in expired["message"]
+
+
+@given(facts(), hard_ended, instants)
+def test_the_hard_end_only_ever_brings_a_deadline_earlier_and_never_past_it(f: Facts, policy: Policy, now) -> None:
+    without = deadline(f, Policy(policy.retention, policy.max_pin, by_outcome=policy.by_outcome), now)
+    verdict = deadline(f, policy, now)
+    if f.created_at is None or without.deadline is None:
+        assert verdict == without
+        return
+    assert policy.max_age is not None
+    end = f.created_at + policy.max_age
+    assert verdict.deadline == min(without.deadline, end) and verdict.hard_end == end
+    assert verdict.expired == (without.expired or end <= now)
+    if verdict.pin_in_force is not None:
+        assert verdict.pin_in_force <= end
+
+
+@given(facts(), hard_ended, spans, instants)
+def test_a_longer_max_age_never_brings_a_deadline_earlier(f: Facts, policy: Policy, more, now) -> None:
+    assert policy.max_age is not None
+    longer = Policy(policy.retention, policy.max_pin, by_outcome=policy.by_outcome, max_age=policy.max_age + more)
+    _not_earlier(longer, policy, f, now)
+
+
+def _object(f: Facts, *, sessions: list[dict[str, str]] = (), in_use: bool = False) -> dict[str, object]:  # type: ignore[assignment]
+    """A RetainedSandbox saying what `f` says, its sessions and whether the agent sees it in use."""
+    ann = {k: v for k, v in ((c.ANN_PIN_UNTIL, f.pin_until), (c.ANN_PINNED_AT, f.pinned_at)) if v is not None}
+    spec: dict[str, object] = {"nodeName": "n", "createdAt": format_instant(f.created_at) if f.created_at else "x"}
+    if f.retain_until is not None:
+        spec["retainUntil"] = format_instant(f.retain_until)
+    if f.outcome is not None:
+        spec["origin"] = {"outcome": f.outcome.value}
+    status = {"inUse": in_use, "sessions": [s | {"pod": "p", "podUID": "u"} for s in sessions]}
+    return {"metadata": {"name": "s", "namespace": "ns", "annotations": ann}, "spec": spec, "status": status}
+
+
+def test_a_pin_keeps_a_sandbox_until_its_hard_end_and_no_later() -> None:
+    policy = Policy(3 * D, 90 * D, max_age=10 * D)
+    f = Facts(NOW - 5 * D, pin_until=format_instant(NOW + 30 * D), pinned_at=format_instant(NOW - 4 * D))
+    kept = deadline(f, policy, NOW)
+    assert (kept.deadline, kept.source, kept.pinned_until) == (NOW + 5 * D, DeadlineSource.MAX_AGE, NOW + 5 * D)
+    assert kept.pinned and not kept.expired and kept.holds(NOW) and phase_of(kept) is Phase.PINNED
+    ended = deadline(f, policy, NOW + 5 * D)
+    assert ended.expired and ended.reasons == (Reason.MAX_AGE,) and not ended.holds(NOW + 5 * D)
+
+
+def test_a_sandbox_expired_by_its_window_and_held_says_when_its_hard_end_passes() -> None:
+    policy = Policy(D, 30 * D, max_age=7 * D)
+    obj = _object(Facts(NOW - 8 * D), in_use=True)
+    decision = decide(obj, Context(policy), NOW)
+    assert decision.phase is Phase.HELD and not decision.delete
+    expired = next(cd for cd in decision.status["conditions"] if cd["type"] == c.Condition.EXPIRED)
+    assert expired["reason"] == Reason.MAX_AGE and expired["message"].endswith("held: something still uses it")
+    before = decide(_object(Facts(NOW - 6 * D), in_use=True), Context(policy), NOW)
+    assert before.phase is Phase.HELD and before.verdict.reasons == (Reason.WINDOW,)
+
+
+def test_the_cluster_max_age_holds_every_namespace_and_only_a_policy_asking_more_is_told() -> None:
+    default, ceiling = Policy(72 * H, 30 * D, max_age=30 * D), Ceiling(90 * D, 90 * D, max_age=30 * D)
+    assert effective_policy(default, ceiling, Policy(3 * D, 7 * D)) == (Policy(3 * D, 7 * D, max_age=30 * D), ())
+    assert effective_policy(default, ceiling, Policy(3 * D, 7 * D, max_age=7 * D))[0].max_age == 7 * D
+    greedy, reasons = effective_policy(default, ceiling, Policy(3 * D, 7 * D, max_age=365 * D))
+    assert greedy.max_age == 30 * D and reasons == (Reason.POLICY_CEILING,)
+    none = Ceiling(90 * D, 90 * D)
+    assert effective_policy(Policy(72 * H, 30 * D), none, Policy(3 * D, 7 * D, max_age=timedelta(0)))[1] == ()
+
+
+def test_a_sandbox_policy_sets_max_age_and_the_settings_give_the_default_and_ceiling(monkeypatch) -> None:
+    policy, problems = namespace_policy({"spec": {c.MAX_AGE: "30d"}}, Policy(72 * H, 30 * D))
+    assert policy.max_age == 30 * D and problems == []
+    bad, problems = namespace_policy({"spec": {c.MAX_AGE: "forever"}}, Policy(72 * H, 30 * D, max_age=D))
+    assert bad.max_age == D and problems[0].startswith(f"spec.{c.MAX_AGE}")
+    assert Settings().policy().max_age is None and Settings().ceiling().max_age is None
+    monkeypatch.setenv("SANDKEEP_MAX_AGE", "60d")
+    assert Settings().policy().max_age == Settings().ceiling().max_age == 60 * D

@@ -101,6 +101,10 @@ selector labels. Call with (dict "root" $ "component" "agent"). */}}
   value: {{ .Values.settings.maxRetention | quote }}
 - name: SANDKEEP_MAX_PIN_CEILING
   value: {{ .Values.settings.maxPinCeiling | quote }}
+{{- if not (kindIs "invalid" .Values.settings.maxAge) }}
+- name: SANDKEEP_MAX_AGE
+  value: {{ .Values.settings.maxAge | quote }}
+{{- end }}
 - name: SANDKEEP_DRY_RUN
   value: {{ .Values.settings.dryRun | quote }}
 - name: SANDKEEP_LOG_FORMAT
