@@ -84,10 +84,18 @@ class Controller:
             self.view.drop(key)
             self.queue.drop(key)
             self._count(key, None)
+            self._regroup(self.reconciler.groups.drop(key))
             return
         self.remember(obj)
+        self._regroup(self.reconciler.groups.put(obj))
         self.schedule(key)
         self.enqueue(key)
+
+    def _regroup(self, moved: list[Key]) -> None:
+        """Sandboxes a history group's change may take across a limit: decided again (issue 28)."""
+        for key in moved:
+            self.schedule(key)
+            self.enqueue(key)
 
     def on_listed(self, namespace: str | None, seen: set[Key]) -> None:
         """A listing (of `namespace`, or of all) is complete: what the view holds beyond it is gone."""
@@ -111,6 +119,10 @@ class Controller:
             policies[name] = obj
             if known is not None and _same_spec(known, obj):
                 return  # its status (ours) or metadata changed: no sandbox's decision can
+        history, groups = self.reconciler.policy_for(namespace)[0].history, self.reconciler.groups
+        if history is not None or namespace in groups.history:  # its history limits came, changed or went
+            members = [self.view.sandboxes[k] for k in self.view.in_namespace(namespace) if k in self.view.sandboxes]
+            groups.configure(namespace, history, members)
         for key in self.view.in_namespace(namespace):
             self.schedule(key)
             self.enqueue(key)

@@ -10,7 +10,7 @@ what it says. Tested without a server in tests/test_controller.py.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from controller.rules import contracts as c
@@ -62,13 +62,15 @@ class Decision:
 
 @dataclass(frozen=True)
 class Context:
-    """Everything outside the object the decision reads: the namespace's policy and the node's fate."""
+    """Everything outside the object the decision reads: the namespace's policy, the node's fate and its place in
+    its history group."""
 
     policy: Policy
     policy_reasons: tuple[Reason, ...] = ()
     policy_problems: tuple[str, ...] = ()
     node_gone_since: datetime | None = None
     node_grace: timedelta = timedelta(minutes=10)
+    newer: int | None = None  # sandboxes of its history group and outcome newer than it (cluster/history.py)
 
 
 def expiry_cause(verdict: Verdict) -> Reason:
@@ -85,7 +87,7 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
     Messages hold absolute times only, never "in 3h", so the same object under the same policy always
     gives the same status and an unchanged sandbox costs no write.
     """
-    verdict = deadline(sandbox_facts(obj), ctx.policy, now)
+    verdict = deadline(replace(sandbox_facts(obj), newer=ctx.newer), ctx.policy, now)
     observed = observed_of(obj)
     lost_at = ctx.node_gone_since + ctx.node_grace if ctx.node_gone_since is not None else None
     node_lost = lost_at is not None and lost_at <= now

@@ -112,6 +112,10 @@ RETENTION_BY_OUTCOME = "retentionByOutcome"
 # The hard end (issue 28): the SandboxPolicy field `spec.maxAge`, the chart's `settings.maxAge` (SANDKEEP_MAX_AGE,
 # the default of every namespace and the ceiling of every policy's).
 MAX_AGE = "maxAge"
+# History limits (issue 28): the SandboxPolicy field `spec.historyLimits`; its `groupBy` is one of ORIGIN_LABELS or
+# GROUP_BY_OWNER (the Pod's controlling owner, `spec.origin.owner`, as `Kind/name`).
+HISTORY_LIMITS = "historyLimits"
+GROUP_BY_OWNER = "owner"
 OUTCOME_FLAG = "--outcome"  # `sandkeep retain --outcome`: the outcome a retained job records in its manifest
 
 
@@ -175,6 +179,7 @@ class DeadlineSource(StrEnum):
     PIN = "pin"
     RETAIN = "retain"
     WINDOW = "window"
+    HISTORY = "history"  # one of its group's newest failures (historyLimits.keepLastFailed): no window ends it
     MAX_AGE = "maxAge"  # the hard end, createdAt + maxAge: nothing but a live user keeps it past that
     NONE = "none"  # no usable createdAt: expired
 
@@ -221,6 +226,8 @@ class Reason(StrEnum):
     WINDOW = "Window"
     RETAIN_UNTIL = "RetainUntil"
     NO_CREATED_AT = "NoCreatedAt"
+    HISTORY_LIMIT = "HistoryLimit"  # older than the newest N of its group and outcome (historyLimits): released
+    KEPT_LAST_FAILED = "KeptLastFailed"  # one of its group's newest failures (keepLastFailed): kept past its window
     MAX_AGE = "MaxAge"  # past its hard end (createdAt + maxAge): no pin, session or window keeps it (issue 28)
     EXPIRED = "Expired"
     DELETE_REQUESTED = "DeleteRequested"

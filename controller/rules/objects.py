@@ -14,7 +14,7 @@ from typing import Any
 
 from controller.rules import contracts as c
 from controller.rules.durations import Invalid, format_instant, instant_or_none, parse_duration, parse_instant
-from controller.rules.policy import Facts, PinSeen, Policy, Quota, Windows
+from controller.rules.policy import Facts, History, PinSeen, Policy, Quota, Windows
 from controller.rules.sizes import parse_size
 
 Obj = dict[str, Any]
@@ -169,6 +169,7 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
     max_pin = duration("maxPin", default.max_pin)
     by_outcome = _windows(spec, default.by_outcome, problems)
     max_age = duration(c.MAX_AGE, default.max_age)
+    history = _history(spec, default.history, problems)
     limits: Obj = spec["quota"] if isinstance(spec.get("quota"), dict) else {}
     max_bytes, max_count = default.quota.max_bytes, default.quota.max_count
     if "maxBytes" in limits:
@@ -190,7 +191,42 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
         except ValueError:
             problems.append(f"spec.releasePriority {spec['releasePriority']!r}: one of First, Normal, Last")
     quota = Quota(max_bytes, max_count)
-    return Policy(retention, max_pin, bool(spec.get("dryRun", False)), quota, priority, by_outcome, max_age), problems
+    dry_run = bool(spec.get("dryRun", False))
+    return Policy(retention, max_pin, dry_run, quota, priority, by_outcome, max_age, history), problems
+
+
+def _history(spec: Obj, default: History | None, problems: list[str]) -> History | None:
+    """`spec.historyLimits` as History; the default when absent or when its groupBy or a count does not read."""
+    given = spec.get(c.HISTORY_LIMITS)
+    if not isinstance(given, dict):
+        return default
+    where = f"spec.{c.HISTORY_LIMITS}"
+    group_by = given.get("groupBy")
+    if group_by not in (c.GROUP_BY_OWNER, *c.ORIGIN_LABELS):
+        problems.append(f"{where}.groupBy {group_by!r}: one of {', '.join((c.GROUP_BY_OWNER, *c.ORIGIN_LABELS))}")
+        return default
+    counts: dict[str, int] = {}
+    for field, name in (("failed",) * 2, ("succeeded",) * 2, ("unknown",) * 2, ("keepLastFailed", "keep_last_failed")):
+        count = given.get(field)
+        if count is None:
+            continue
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            problems.append(f"{where}.{field} {count!r}: not a whole number of sandboxes")
+            return default
+        counts[name] = count
+    return History(group_by, **counts)
+
+
+def group_of(obj: Obj, group_by: str) -> str | None:
+    """The sandbox's value of `group_by` (an origin label, or its owner as `Kind/name`); None when it has none."""
+    origin = (obj.get("spec") or {}).get("origin")
+    if not isinstance(origin, dict):
+        return None
+    if group_by == c.GROUP_BY_OWNER:
+        owner = origin.get("owner")
+        return f"{owner.get('kind')}/{owner.get('name')}" if isinstance(owner, dict) else None
+    value = (origin.get("labels") or {}).get(group_by)
+    return value if isinstance(value, str) else None
 
 
 def _windows(spec: Obj, default: Windows, problems: list[str]) -> Windows:

@@ -67,6 +67,26 @@ class Windows:
 
 
 @dataclass(frozen=True)
+class History:
+    """History limits per group (issue 28): keep at most so many sandboxes per outcome in each group (`group_by`:
+    a pipeline label of ORIGIN_LABELS, or the owner), and the newest `keep_last_failed` failures past their window.
+
+    Each limit None: no limit for that outcome. A pin in force and a holder still keep a sandbox beyond a limit.
+    """
+
+    group_by: str
+    failed: int | None = None
+    succeeded: int | None = None
+    unknown: int | None = None
+    keep_last_failed: int = 0
+
+    def limit(self, outcome: Outcome | None) -> int | None:
+        if outcome is None:
+            return None
+        return {Outcome.FAILED: self.failed, Outcome.SUCCEEDED: self.succeeded, Outcome.UNKNOWN: self.unknown}[outcome]
+
+
+@dataclass(frozen=True)
 class Policy:
     """How long sandboxes are kept. `retention == 0` is retention off: every unpinned sandbox expires.
 
@@ -84,6 +104,7 @@ class Policy:
     release_priority: ReleasePriority = ReleasePriority.NORMAL
     by_outcome: Windows = Windows()
     max_age: timedelta | None = None
+    history: History | None = None
 
     def window(self, outcome: Outcome | None) -> timedelta:
         """How long a sandbox whose job ended `outcome` is kept from its createdAt (before pins and retainUntil)."""
@@ -117,6 +138,9 @@ class Facts:
     pinned_at: str | None = None  # `sandkeep.io/pinned-at` or a manifest's `pinnedAt`: a hint, never trusted
     pin_seen: PinSeen | None = None  # sandkeep's own record of when it first saw the pin (objects only)
     outcome: Outcome | None = None  # how its job ended (`spec.origin.outcome`); None: not recorded
+    # How many sandboxes of its history group with the same outcome are newer (the controller's view counts them);
+    # None: in no group (the policy sets no history limits, or the sandbox has no group value or outcome).
+    newer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,13 +172,35 @@ class Verdict:
         return self.source is DeadlineSource.PIN or (self.source is DeadlineSource.MAX_AGE and bool(self.pinned_until))
 
 
-EXPIRY_CAUSES = (Reason.MAX_AGE, Reason.PIN_EXPIRED, Reason.RETAIN_UNTIL, Reason.WINDOW, Reason.NO_CREATED_AT)
+EXPIRY_CAUSES = (
+    Reason.MAX_AGE,
+    Reason.HISTORY_LIMIT,
+    Reason.PIN_EXPIRED,
+    Reason.RETAIN_UNTIL,
+    Reason.WINDOW,
+    Reason.NO_CREATED_AT,
+)
 
 
 def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
     """The one expiry rule: how long the pins, the windows and retainUntil keep a sandbox (`_kept`), never past
     its hard end (`_held_to_max_age`)."""
-    return _held_to_max_age(_kept(sandbox, policy, now), sandbox, policy, now)
+    return _held_to_max_age(_beyond_history(_kept(sandbox, policy, now), sandbox, policy, now), sandbox, policy, now)
+
+
+def _beyond_history(verdict: Verdict, sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
+    """`verdict`, expired now (cause HistoryLimit) when the sandbox is older than its group's newest N of its
+    outcome, unless a pin is in force: a pin still wins, and a holder (judged in `decide`) still holds it."""
+    limit = policy.history.limit(sandbox.outcome) if policy.history is not None else None
+    if limit is None or sandbox.newer is None or sandbox.newer < limit or verdict.holds(now):
+        return verdict
+    notes = tuple(r for r in verdict.reasons if r not in EXPIRY_CAUSES)
+    assert policy.history is not None
+    words = (
+        f"beyond the history limit: {sandbox.newer} newer {sandbox.outcome} sandboxes of its group "
+        f"({policy.history.group_by}) and the limit is {limit}"
+    )
+    return replace(verdict, expired=True, reasons=(*notes, Reason.HISTORY_LIMIT), messages=(words, *verdict.messages))
 
 
 def _held_to_max_age(verdict: Verdict, sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
@@ -171,13 +217,12 @@ def _held_to_max_age(verdict: Verdict, sandbox: Facts, policy: Policy, now: date
     verdict = replace(verdict, hard_end=end, pin_in_force=in_force)
     words = f"its hard end {format_instant(end)} (createdAt + maxAge {format_duration(policy.max_age)})"
     notes = tuple(r for r in verdict.reasons if r not in EXPIRY_CAUSES)
-    if verdict.deadline is not None and verdict.deadline > end:
+    if verdict.deadline is None or verdict.deadline > end:
+        # Whether it is expired, and why, stands: only a history limit expires it before such a deadline.
         verdict = replace(
             verdict,
             deadline=end,
             source=DeadlineSource.MAX_AGE,
-            expired=end <= now,
-            reasons=notes,
             pinned_until=end if verdict.pinned else None,
             messages=(*verdict.messages, f"kept no later than {words}"),
         )
@@ -218,6 +263,8 @@ def _kept(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
         )
         pin = cap
     unpinned = replace(unpinned, pin_seen=seen, pin_in_force=pin)
+    if unpinned.source is DeadlineSource.HISTORY:  # kept with no deadline: a pin cannot keep it longer
+        return _with(unpinned, *reasons, *messages)
     floor = unpinned.deadline if unpinned.deadline is not None else now
     if pin <= floor:
         without = "now" if unpinned.deadline is None else format_instant(floor)
@@ -255,6 +302,9 @@ def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
             (Reason.NO_CREATED_AT,),
             messages=("no usable createdAt: nothing says how old it is",),
         )
+    if _kept_last_failed(sandbox, policy):
+        last = "one of the newest failures of its group, kept past its window (historyLimits.keepLastFailed)"
+        return Verdict(None, DeadlineSource.HISTORY, False, (Reason.KEPT_LAST_FAILED,), messages=(last,))
     window_until = shift(sandbox.created_at, policy.window(sandbox.outcome))
     if sandbox.retain_until is not None and sandbox.retain_until < window_until:
         until, source, cause = sandbox.retain_until, DeadlineSource.RETAIN, Reason.RETAIN_UNTIL
@@ -262,6 +312,17 @@ def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
         until, source, cause = window_until, DeadlineSource.WINDOW, Reason.WINDOW
     expired = until <= now
     return Verdict(until, source, expired, (cause,) if expired else ())
+
+
+def _kept_last_failed(sandbox: Facts, policy: Policy) -> bool:
+    """One of its group's newest `keep_last_failed` failures: no window or retainUntil ends it."""
+    history = policy.history
+    return (
+        history is not None
+        and sandbox.outcome is Outcome.FAILED
+        and sandbox.newer is not None
+        and sandbox.newer < history.keep_last_failed
+    )
 
 
 def _with(verdict: Verdict, *notes: Reason | str) -> Verdict:

@@ -691,6 +691,52 @@ def test_past_its_hard_end_no_pin_or_session_keeps_a_sandbox_and_only_a_live_use
     wait_for("the gauge back to 0", lambda: metric_value(ctl.metrics(), c.M_PAST_MAX_AGE, namespace=namespace) == 0)
 
 
+def test_history_limits_release_the_oldest_of_a_group_keep_the_newest_failure_and_never_a_pinned_one(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 28, item 2: one success per job-name group, and the newest failure kept past its 1h window.
+    ctl = start("--retention=1h")
+    limits = {"groupBy": "job-name", "succeeded": 1, "keepLastFailed": 1}
+    cluster.apply(
+        {
+            "apiVersion": c.API_VERSION,
+            "kind": c.POLICY_KIND,
+            "metadata": {"name": "history", "namespace": namespace},
+            "spec": {c.HISTORY_LIMITS: limits},
+        }
+    )
+    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "history"), "Active"))
+
+    def run(name: str, outcome: c.Outcome, minutes: int, group: str = "nightly", **meta: Any) -> None:
+        origin = {"pod": f"{name}-pod", "outcome": outcome.value, "labels": {"job-name": group}}
+        body = sandbox(name, created=-timedelta(minutes=minutes), origin=origin)
+        body["metadata"] |= meta
+        kube.create_sandbox(namespace, body)
+
+    pin = {c.ANN_PIN_UNTIL: instant(2 * HOUR), c.ANN_PINNED_AT: instant()}
+    run("s-old", c.Outcome.SUCCEEDED, 3)
+    run("s-pinned", c.Outcome.SUCCEEDED, 2, annotations=pin)
+    run("s-new", c.Outcome.SUCCEEDED, 1)
+    run("s-other", c.Outcome.SUCCEEDED, 5, group="weekly")
+    run("f-old", c.Outcome.FAILED, 120)
+    run("f-new", c.Outcome.FAILED, 90)
+    for name in ("s-old", "f-old"):
+        wait_for(f"{name} to be deleted", lambda n=name: gone(kube, namespace, n), timeout=30)
+    kept = phase_is(kube, namespace, "f-new", c.Phase.RETAINED)
+    assert kept["deadlineSource"] == c.DeadlineSource.HISTORY and "deadline" not in kept
+    assert phase_is(kube, namespace, "s-pinned", c.Phase.PINNED)
+    assert phase_is(kube, namespace, "s-new", c.Phase.RETAINED) and phase_is(
+        kube, namespace, "s-other", c.Phase.RETAINED
+    )
+    run("s-newest", c.Outcome.SUCCEEDED, 0)  # s-new is now beyond the limit: decided again from the view alone
+    wait_for("s-new to be deleted", lambda: gone(kube, namespace, "s-new"), timeout=30)
+    text = ctl.metrics()
+    assert metric_value(text, c.M_DELETIONS_REQUESTED, reason=c.Reason.HISTORY_LIMIT) == 2
+    assert metric_value(text, c.M_DELETIONS_REQUESTED, reason=c.Reason.WINDOW) == 1
+    for name in ("s-pinned", "s-newest", "s-other", "f-new"):
+        assert not gone(kube, namespace, name), name
+
+
 def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:
     # A mass expiry against a slow API server: Events wait in a backlog of at most EVENTS_BACKLOG; past it
     # a new Event is dropped and counted, so memory does not grow with the wave (client-go bounds its own).

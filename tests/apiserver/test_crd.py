@@ -76,8 +76,9 @@ def test_policy_crd_names_match_contracts() -> None:
     assert names["shortNames"] == [c.POLICY_SHORT]
     assert names["categories"] == [c.CATEGORY]
     spec = version_schema(doc)["properties"]["spec"]["properties"]
-    fields = {"retention", c.RETENTION_BY_OUTCOME, "maxPin", c.MAX_AGE, "dryRun", "quota", "releasePriority"}
-    assert set(spec) == fields
+    fields = {"retention", c.RETENTION_BY_OUTCOME, "maxPin", c.MAX_AGE, c.HISTORY_LIMITS, "dryRun", "quota"}
+    assert set(spec) == fields | {"releasePriority"}
+    assert spec[c.HISTORY_LIMITS]["properties"]["groupBy"]["enum"] == [c.GROUP_BY_OWNER, *c.ORIGIN_LABELS]
     assert set(spec[c.RETENTION_BY_OUTCOME]["properties"]) == {o.lower() for o in c.Outcome}
     assert spec["releasePriority"]["enum"] == [p.value for p in c.ReleasePriority]
 
@@ -212,7 +213,7 @@ def test_a_policy_with_an_unreadable_retention_is_refused(crds: LocalCluster, na
     create(crds, namespace, {"metadata": {"name": "p"}, "spec": {"retention": "3d", "maxPin": "2w"}}, c.POLICY_KIND)
 
 
-def test_a_policy_sets_a_retention_per_outcome_and_a_max_age_and_nothing_else_there(
+def test_a_policy_sets_retention_per_outcome_max_age_and_history_limits_and_nothing_else(
     crds: LocalCluster, namespace: str
 ) -> None:
     def policy(name: str, windows: dict[str, Any]) -> dict[str, Any]:
@@ -227,6 +228,11 @@ def test_a_policy_sets_a_retention_per_outcome_and_a_max_age_and_nothing_else_th
     hard = {"metadata": {"name": "d"}, "spec": {c.MAX_AGE: "30 days"}}
     assert f"spec.{c.MAX_AGE}" in refusal(crds, namespace, hard, c.POLICY_KIND)
     create(crds, namespace, {"metadata": {"name": "d"}, "spec": {c.MAX_AGE: "30d"}}, c.POLICY_KIND)
+    for bad in ({"groupBy": "team"}, {"groupBy": "owner", "failed": -1}, {"failed": 3}):
+        words = refusal(crds, namespace, {"metadata": {"name": "e"}, "spec": {c.HISTORY_LIMITS: bad}}, c.POLICY_KIND)
+        assert f"spec.{c.HISTORY_LIMITS}" in words
+    limits = {"groupBy": "tekton.dev/pipelineRun", "succeeded": 3, "keepLastFailed": 1}
+    create(crds, namespace, {"metadata": {"name": "e"}, "spec": {c.HISTORY_LIMITS: limits}}, c.POLICY_KIND)
 
 
 def test_a_policy_quota_and_release_priority_outside_the_schema_are_refused(crds: LocalCluster, namespace: str) -> None:

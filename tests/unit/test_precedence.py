@@ -18,14 +18,15 @@ from controller.cluster.decide import Context, Decision, decide
 from controller.rules import contracts as c
 from controller.rules.contracts import DeadlineSource, Phase, Reason
 from controller.rules.durations import format_instant
-from controller.rules.policy import Policy, Windows
+from controller.rules.policy import History, Policy, Windows
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 D = timedelta(days=1)
 # Every knob set, so each case meets every row below its own: failures 10 days, the rest 2, pins up to 90
-# days, a hard end at 30.
-POLICY = Policy(2 * D, 90 * D, by_outcome=Windows(failed=10 * D), max_age=30 * D)
+# days, a hard end at 30, one success per group and the newest failure kept past its window.
+HISTORY = History("job-name", succeeded=1, keep_last_failed=1)
+POLICY = Policy(2 * D, 90 * D, by_outcome=Windows(failed=10 * D), max_age=30 * D, history=HISTORY)
 
 
 def sandbox(
@@ -52,8 +53,9 @@ def sandbox(
     return {"metadata": {"name": "s", "namespace": "ns", "annotations": ann}, "spec": spec, "status": status}
 
 
-def decided(obj: dict[str, Any]) -> Decision:
-    return decide(obj, Context(POLICY), NOW)
+def decided(obj: dict[str, Any], newer: int | None = None) -> Decision:
+    """The decision on `obj` with `newer` sandboxes of its history group and outcome (None: in no group)."""
+    return decide(obj, Context(POLICY, newer=newer), NOW)
 
 
 def in_use() -> None:
@@ -79,6 +81,20 @@ def pin() -> None:
     # retainUntil and the window have passed: a valid pin keeps it
     d = decided(sandbox(12 * D, retain_until=D, pin=5 * D))
     assert d.phase is Phase.PINNED and not d.verdict.expired and d.verdict.source is DeadlineSource.PIN
+
+
+def history_limit() -> None:
+    # a success with a newer one in its group, its window and retainUntil still ahead: released; pinned, kept
+    d = decided(sandbox(D, outcome=c.Outcome.SUCCEEDED, retain_until=2 * D), newer=1)
+    assert d.delete and d.verdict.reasons == (Reason.HISTORY_LIMIT,)
+    assert decided(sandbox(D, outcome=c.Outcome.SUCCEEDED, pin=5 * D), newer=1).phase is Phase.PINNED
+
+
+def kept_last_failed() -> None:
+    # the newest failure of its group, past its window and its retainUntil: kept, with no deadline but the hard end
+    d = decided(sandbox(12 * D, retain_until=D), newer=0)
+    assert not d.verdict.expired and d.verdict.deadline == NOW + 18 * D and Reason.KEPT_LAST_FAILED in d.verdict.reasons
+    assert decided(sandbox(12 * D, retain_until=D), newer=1).delete  # the second newest is not
 
 
 def retain_until() -> None:
@@ -110,6 +126,8 @@ CASES: dict[str, Callable[[], None]] = {
     "max-age": max_age,
     "session": session,
     "pin": pin,
+    "history-limit": history_limit,
+    "kept-last-failed": kept_last_failed,
     "retain-until": retain_until,
     "outcome-window": outcome_window,
     "retention": retention,

@@ -3,6 +3,7 @@ controller's decision. Properties and examples."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import given
@@ -15,6 +16,7 @@ from controller.rules.durations import format_instant
 from controller.rules.models import Manifest, Settings
 from controller.rules.objects import namespace_policy, sandbox_facts
 from controller.rules.policy import Ceiling, Facts, Policy, Windows, deadline, effective_policy, phase_of
+from tests.unit.test_policy import facts as policy_facts
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 H = timedelta(hours=1)
@@ -24,21 +26,14 @@ instants = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2100,
 spans = st.timedeltas(min_value=timedelta(0), max_value=timedelta(days=400))
 maybe_spans = st.one_of(st.none(), spans)
 outcomes = st.one_of(st.none(), st.sampled_from(list(Outcome)))
-pins = st.one_of(st.none(), st.just("not-a-time"), instants.map(format_instant))
 window_sets = st.builds(Windows, maybe_spans, maybe_spans, maybe_spans)
 policies = st.builds(Policy, spans, spans, by_outcome=window_sets)
 hard_ended = st.builds(Policy, spans, spans, by_outcome=window_sets, max_age=spans)
 
 
-@st.composite
-def facts(draw: st.DrawFn) -> Facts:
-    return Facts(
-        created_at=draw(st.one_of(st.none(), instants)),
-        retain_until=draw(st.one_of(st.none(), instants)),
-        pin_until=draw(pins),
-        pinned_at=draw(st.one_of(st.none(), st.just("garbage"), instants.map(format_instant))),
-        outcome=draw(outcomes),
-    )
+def facts() -> st.SearchStrategy[Facts]:
+    """test_policy's sandboxes, each with an outcome (or none)."""
+    return st.builds(lambda f, outcome: replace(f, outcome=outcome), policy_facts(), outcomes)
 
 
 def _unpinned(f: Facts) -> Facts:
