@@ -76,6 +76,18 @@ def test_the_newest_failures_kept_outlive_their_window_but_never_max_age(policy:
         assert verdict.deadline == NOW - age + policy.max_age and verdict.expired == (age >= policy.max_age)
 
 
+@given(policies, ages, st.sampled_from(list(Outcome)), st.integers(min_value=0, max_value=8), ages)
+def test_a_pin_never_shortens_whatever_the_history(policy: Policy, age, outcome, newer, pin_in) -> None:
+    pin = {"pin_until": format_instant(NOW - 30 * D + pin_in), "pinned_at": format_instant(NOW - D)}
+    with_pin = deadline(Facts(NOW - age, outcome=outcome, newer=newer, **pin), policy, NOW)  # type: ignore[arg-type]
+    without = deadline(Facts(NOW - age, outcome=outcome, newer=newer), policy, NOW)
+    assert without.expired or not with_pin.expired
+    if with_pin.deadline is not None and without.deadline is not None:
+        assert with_pin.deadline >= without.deadline
+    if without.deadline is None:  # kept with no deadline (keepLastFailed): a pin gives it none either
+        assert with_pin.deadline is None
+
+
 def test_beyond_the_limit_the_oldest_go_and_a_pin_keeps_one() -> None:
     policy = Policy(30 * D, 30 * D, history=History("job-name", succeeded=2))
     within = deadline(Facts(NOW - D, outcome=Outcome.SUCCEEDED, newer=1), policy, NOW)
