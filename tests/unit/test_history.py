@@ -180,4 +180,4 @@ def test_the_groups_count_the_newer_and_hand_back_every_key_whose_decision_can_c
             newer = groups.newer(key)
             assert (newer is None) == (klass is None)
     groups.configure("ns", None, [])
-    assert groups.where == {} and groups.members == {}
+    assert groups.where == {} and groups.members == {} and groups.slots == {}
