@@ -206,7 +206,8 @@ def _history(spec: Obj, default: History | None, problems: list[str]) -> History
         problems.append(f"{where}.groupBy {group_by!r}: one of {', '.join((c.GROUP_BY_OWNER, *c.ORIGIN_LABELS))}")
         return default
     counts: dict[str, int] = {}
-    for field, name in (("failed",) * 2, ("succeeded",) * 2, ("unknown",) * 2, ("keepLastFailed", "keep_last_failed")):
+    fields = {"failed": "failed", "succeeded": "succeeded", "unknown": "unknown", "keepLastFailed": "keep_last_failed"}
+    for field, name in fields.items():
         count = given.get(field)
         if count is None:
             continue

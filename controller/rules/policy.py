@@ -183,8 +183,9 @@ EXPIRY_CAUSES = (
 
 
 def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
-    """The one expiry rule: how long the pins, the windows and retainUntil keep a sandbox (`_kept`), never past
-    its hard end (`_held_to_max_age`)."""
+    """The one expiry rule: how long the pins, the windows and retainUntil keep a sandbox (`_kept`), unless its
+    group's history limit releases it sooner (`_beyond_history`), and never past its hard end (`_held_to_max_age`).
+    docs/architecture.md's order of precedence is this, row by row (tests/unit/test_precedence.py)."""
     return _held_to_max_age(_beyond_history(_kept(sandbox, policy, now), sandbox, policy, now), sandbox, policy, now)
 
 
