@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 
 from controller.rules import contracts as c
 from controller.rules.contracts import Phase, Reason
-from controller.rules.durations import Invalid, format_instant, parse_duration
+from controller.rules.durations import Invalid, format_duration, format_instant, parse_duration
 from controller.rules.objects import (
     Obj,
     annotations_of,
@@ -45,6 +45,7 @@ OWNED_CONDITIONS = (
     c.Condition.POLICY_CEILING,
     c.Condition.DRY_RUN,
     c.Condition.LOST,
+    c.Condition.EXPIRING_SOON,
 )
 
 
@@ -126,6 +127,11 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
     if eligible and ctx.policy.dry_run:
         would = f"would delete: expired at {instant_words(verdict.deadline)} ({expiry_cause(verdict)}); dry-run is on"
         conditions.append(cond(c.Condition.DRY_RUN, True, Reason.WOULD_DELETE, f"{would}, nothing is deleted"))
+    warn_at = _warn_at(verdict, ctx.policy)
+    if warn_at is not None and warn_at <= now:
+        ahead = format_duration(verdict.deadline - warn_at) if verdict.deadline is not None else ""
+        soon = f"expires at {instant_words(verdict.deadline)} ({source}), within warnBefore ({ahead})"
+        conditions.append(cond(c.Condition.EXPIRING_SOON, True, Reason.EXPIRING_SOON, f"{soon}; pin it to keep it"))
     if node_lost:
         node = obj["spec"].get("nodeName")
         lost = f"node {node} is gone since {instant_words(ctx.node_gone_since)}; the directory went with its disk"
@@ -144,7 +150,8 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         status["dryRun"] = True
     if ctx.policy.release_priority is not c.ReleasePriority.NORMAL:
         status["releasePriority"] = ctx.policy.release_priority.value
-    wakes = [t for t in (None if verdict.expired else verdict.deadline, None if node_lost else lost_at) if t]
+    warn_wake = warn_at if warn_at is not None and warn_at > now else None
+    wakes = [t for t in (None if verdict.expired else verdict.deadline, None if node_lost else lost_at, warn_wake) if t]
     return Decision(
         verdict=verdict,
         phase=phase,
@@ -153,6 +160,14 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         wake_at=min(wakes) if wakes else None,
         node_lost=node_lost,
     )
+
+
+def _warn_at(verdict: Verdict, policy: Policy) -> datetime | None:
+    """When the policy's warnBefore says to warn of this sandbox's deadline; None: never (no warning, no deadline,
+    or already expired)."""
+    if policy.warn_before is None or verdict.deadline is None or verdict.expired:
+        return None
+    return verdict.deadline - policy.warn_before
 
 
 def _expired_condition(verdict: Verdict, in_use: bool, source: str, cond: Callable[..., Obj]) -> Obj:
@@ -232,6 +247,7 @@ def transition_events(obj: Obj, desired: Obj) -> list[tuple[Reason, str, str]]:
         (c.Condition.POLICY_CEILING, Reason.INVALID_POLICY, "Warning"),
         (c.Condition.DRY_RUN, Reason.WOULD_DELETE, "Normal"),
         (c.Condition.LOST, Reason.NODE_GONE, "Warning"),
+        (c.Condition.EXPIRING_SOON, Reason.EXPIRING_SOON, "Normal"),
     ):
         cd = want.get(type_)
         if cd is not None and cd["reason"] == reason and not same_condition(have.get(type_), cd):

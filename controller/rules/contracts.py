@@ -115,6 +115,7 @@ MAX_AGE = "maxAge"
 # History limits (issue 28): the SandboxPolicy field `spec.historyLimits`; its `groupBy` is one of ORIGIN_LABELS or
 # GROUP_BY_OWNER (the Pod's controlling owner, `spec.origin.owner`, as `Kind/name`).
 HISTORY_LIMITS = "historyLimits"
+WARN_BEFORE = "warnBefore"  # a SandboxPolicy's: this long before a deadline, condition and Event ExpiringSoon
 GROUP_BY_OWNER = "owner"
 OUTCOME_FLAG = "--outcome"  # `sandkeep retain --outcome`: the outcome a retained job records in its manifest
 
@@ -194,6 +195,7 @@ class Condition(StrEnum):
     POLICY_CEILING = "PolicyCeiling"
     DRY_RUN = "DryRun"
     LOST = "Lost"
+    EXPIRING_SOON = "ExpiringSoon"  # within its policy's warnBefore of its deadline (issue 28, item 3)
     # written by the node agent
     DISK_PRESENT = "DiskPresent"
     IN_USE = "InUse"
@@ -228,6 +230,7 @@ class Reason(StrEnum):
     NO_CREATED_AT = "NoCreatedAt"
     HISTORY_LIMIT = "HistoryLimit"  # older than the newest N of its group and outcome (historyLimits): released
     KEPT_LAST_FAILED = "KeptLastFailed"  # one of its group's newest failures (keepLastFailed): kept past its window
+    EXPIRING_SOON = "ExpiringSoon"  # its deadline is within its policy's warnBefore: an Event and a condition, once
     MAX_AGE = "MaxAge"  # past its hard end (createdAt + maxAge): no pin, session or window keeps it (issue 28)
     EXPIRED = "Expired"
     DELETE_REQUESTED = "DeleteRequested"

@@ -170,6 +170,7 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
     by_outcome = _windows(spec, default.by_outcome, problems)
     max_age = duration(c.MAX_AGE, default.max_age)
     history = _history(spec, default.history, problems)
+    warn_before = duration(c.WARN_BEFORE, default.warn_before)
     limits: Obj = spec["quota"] if isinstance(spec.get("quota"), dict) else {}
     max_bytes, max_count = default.quota.max_bytes, default.quota.max_count
     if "maxBytes" in limits:
@@ -192,7 +193,7 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
             problems.append(f"spec.releasePriority {spec['releasePriority']!r}: one of First, Normal, Last")
     quota = Quota(max_bytes, max_count)
     dry_run = bool(spec.get("dryRun", False))
-    return Policy(retention, max_pin, dry_run, quota, priority, by_outcome, max_age, history), problems
+    return Policy(retention, max_pin, dry_run, quota, priority, by_outcome, max_age, history, warn_before), problems
 
 
 def _history(spec: Obj, default: History | None, problems: list[str]) -> History | None:

@@ -105,6 +105,7 @@ class Policy:
     by_outcome: Windows = Windows()
     max_age: timedelta | None = None
     history: History | None = None
+    warn_before: timedelta | None = None  # ExpiringSoon this long before a deadline; None: no warning
 
     def window(self, outcome: Outcome | None) -> timedelta:
         """How long a sandbox whose job ended `outcome` is kept from its createdAt (before pins and retainUntil)."""

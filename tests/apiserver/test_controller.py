@@ -737,6 +737,32 @@ def test_history_limits_release_the_oldest_of_a_group_keep_the_newest_failure_an
         assert not gone(kube, namespace, name), name
 
 
+def test_warn_before_gives_a_condition_and_one_event_before_the_deadline(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 28, item 3: 10 s before its 20 s deadline the sandbox says ExpiringSoon, in a condition and an Event.
+    start("--retention=1h")
+    spec = {"retention": "20s", c.WARN_BEFORE: "10s"}
+    cluster.apply(
+        {
+            "apiVersion": c.API_VERSION,
+            "kind": c.POLICY_KIND,
+            "metadata": {"name": "warn", "namespace": namespace},
+            "spec": spec,
+        }
+    )
+    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "warn"), "Active"))
+    kube.create_sandbox(namespace, sandbox("soon"))
+    soon = wait_for(
+        "ExpiringSoon", lambda: condition(get(kube, namespace, "soon"), c.Condition.EXPIRING_SOON), timeout=30
+    )
+    assert soon["status"] == "True" and soon["reason"] == c.Reason.EXPIRING_SOON
+    assert get(kube, namespace, "soon")["status"]["phase"] == c.Phase.RETAINED  # type: ignore[index]
+    wait_for("the Event", lambda: c.Reason.EXPIRING_SOON in reasons_for(kube, namespace, "soon"))
+    wait_for("the sandbox to be deleted", lambda: gone(kube, namespace, "soon"), timeout=30)
+    assert reasons_for(kube, namespace, "soon").count(c.Reason.EXPIRING_SOON) == 1
+
+
 def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:
     # A mass expiry against a slow API server: Events wait in a backlog of at most EVENTS_BACKLOG; past it
     # a new Event is dropped and counted, so memory does not grow with the wave (client-go bounds its own).

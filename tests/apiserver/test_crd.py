@@ -77,7 +77,7 @@ def test_policy_crd_names_match_contracts() -> None:
     assert names["categories"] == [c.CATEGORY]
     spec = version_schema(doc)["properties"]["spec"]["properties"]
     fields = {"retention", c.RETENTION_BY_OUTCOME, "maxPin", c.MAX_AGE, c.HISTORY_LIMITS, "dryRun", "quota"}
-    assert set(spec) == fields | {"releasePriority"}
+    assert set(spec) == fields | {"releasePriority", c.WARN_BEFORE}
     assert spec[c.HISTORY_LIMITS]["properties"]["groupBy"]["enum"] == [c.GROUP_BY_OWNER, *c.ORIGIN_LABELS]
     assert set(spec[c.RETENTION_BY_OUTCOME]["properties"]) == {o.lower() for o in c.Outcome}
     assert spec["releasePriority"]["enum"] == [p.value for p in c.ReleasePriority]

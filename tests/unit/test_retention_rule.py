@@ -9,7 +9,9 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.cluster.decide import Context, decide
+from controller.cli.doctor import Report, build_report
+from controller.cli.kubectl_plugin import ls_row
+from controller.cluster.decide import Context, decide, status_changed, transition_events
 from controller.rules import contracts as c
 from controller.rules.contracts import DeadlineSource, Outcome, Phase, Reason
 from controller.rules.durations import format_instant
@@ -267,3 +269,48 @@ def test_a_sandbox_policy_sets_max_age_and_the_settings_give_the_default_and_cei
     assert Settings().policy().max_age is None and Settings().ceiling().max_age is None
     monkeypatch.setenv("SANDKEEP_MAX_AGE", "60d")
     assert Settings().policy().max_age == Settings().ceiling().max_age == 60 * D
+
+
+# --- warnings (warnBefore) -----------------------------------------------------------------------------
+
+
+def test_warn_before_adds_expiring_soon_once_at_its_time_and_wakes_for_it() -> None:
+    policy = Policy(3 * D, 30 * D, warn_before=D)
+    obj = _object(Facts(NOW - D))  # deadline NOW + 2d
+    early = decide(obj, Context(policy), NOW)
+    assert early.wake_at == NOW + D and all(
+        cd["type"] != c.Condition.EXPIRING_SOON for cd in early.status["conditions"]
+    )
+    late = decide(obj, Context(policy), NOW + D)
+    soon = next(cd for cd in late.status["conditions"] if cd["type"] == c.Condition.EXPIRING_SOON)
+    assert (
+        soon["status"] == "True"
+        and soon["reason"] == Reason.EXPIRING_SOON
+        and "within warnBefore (1d" in soon["message"]
+    )
+    assert late.wake_at == NOW + 2 * D
+    events = transition_events(obj | {"status": early.status}, late.status)
+    assert [e[0] for e in events] == [Reason.EXPIRING_SOON]
+    assert transition_events(obj | {"status": late.status}, late.status) == []  # once
+    pinned = decide(_object(Facts(NOW - D, pin_until=format_instant(NOW + 9 * D))), Context(policy), NOW + D)
+    assert all(cd["type"] != c.Condition.EXPIRING_SOON for cd in pinned.status["conditions"])
+    assert status_changed(obj | {"status": late.status}, pinned.status)  # the condition is applied away
+    off = decide(obj, Context(Policy(3 * D, 30 * D)), NOW + D)
+    assert all(cd["type"] != c.Condition.EXPIRING_SOON for cd in off.status["conditions"])
+
+
+def test_kubectl_sandkeep_ls_marks_it_and_doctor_lists_what_expires_within_a_day() -> None:
+    now = datetime.now(UTC).replace(microsecond=0)
+    obj = _object(Facts(now - D)) | {"metadata": {"name": "soon", "namespace": "ns"}}
+    late = decide(obj, Context(Policy(D + 2 * H, 30 * D, warn_before=3 * H)), now)  # deadline in 2h, warned
+    warned = obj | {"status": late.status}
+    assert ls_row(warned, now, wide=False, all_namespaces=False)[4].endswith("(in 2h) ExpiringSoon")
+    quiet = obj | {"status": decide(obj, Context(Policy(D + 2 * H, 30 * D)), now).status}
+    assert "ExpiringSoon" not in ls_row(quiet, now, wide=False, all_namespaces=False)[4]
+    later = obj | {
+        "metadata": {"name": "later", "namespace": "ns"},
+        "status": {"phase": "Retained", "deadline": format_instant(now + 3 * D)},
+    }
+    report = build_report([warned, quiet | {"metadata": {"name": "quiet", "namespace": "ns"}}, later], {}, H)
+    assert [(r[0], r[4], r[5]) for r in report.expiring] == [("ns/quiet", "window", "no"), ("ns/soon", "window", "yes")]
+    assert not Report(expiring=report.expiring).needs_a_person  # informative: nothing needs a person
