@@ -42,6 +42,7 @@ class Report:
     stuck: list[list[str]] = field(default_factory=list)
     held: list[list[str]] = field(default_factory=list)
     lapsing: list[list[str]] = field(default_factory=list)
+    expiring: list[list[str]] = field(default_factory=list)  # deadlines within a day (issue 28): informative
     stale: list[list[str]] = field(default_factory=list)
     orphans: list[list[str]] = field(default_factory=list)
     pressure: list[list[str]] = field(default_factory=list)  # unrelieved disk pressure: the largest kept
@@ -100,6 +101,20 @@ def _lapsing_row(obj: Obj, now: datetime) -> list[str] | None:
     return [_ref(obj), (obj.get("spec") or {}).get("nodeName", "?"), until.isoformat(), format_duration(until - now)]
 
 
+def _expiring_row(obj: Obj, now: datetime) -> list[str] | None:
+    """A sandbox the controller keeps (Retained, Pinned, Open) whose deadline comes within a day, and whether it
+    was warned of (condition ExpiringSoon, its policy's warnBefore)."""
+    status = obj.get("status") or {}
+    until = instant_or_none(status.get("deadline"))
+    kept = status.get("phase") in (c.Phase.RETAINED, c.Phase.PINNED, c.Phase.OPEN)
+    if until is None or not kept or not now < until <= now + LAPSING_WITHIN or objects.is_deleting(obj):
+        return None
+    warned = (objects.condition_of(obj, c.Condition.EXPIRING_SOON) or {}).get("status") == "True"
+    source = str(status.get("deadlineSource") or "?")
+    row = [_ref(obj), (obj.get("spec") or {}).get("nodeName", "?"), until.isoformat(), format_duration(until - now)]
+    return [*row, source, "yes" if warned else "no"]
+
+
 def build_report(sandboxes: list[Obj], heartbeats: dict[str, leases.LeaseState], stale_after: timedelta) -> Report:
     """The whole report from what the API server returned; pure, so it is tested without a cluster too."""
     now = datetime.now(UTC)
@@ -113,6 +128,8 @@ def build_report(sandboxes: list[Obj], heartbeats: dict[str, leases.LeaseState],
             report.held.append(row)
         if (row := _lapsing_row(obj, now)) is not None:
             report.lapsing.append(row)
+        if (row := _expiring_row(obj, now)) is not None:
+            report.expiring.append(row)
     for node in sorted(n for n in nodes | set(heartbeats) if n):
         state = heartbeats.get(node)
         age = None if state is None else state.age(now)
@@ -214,6 +231,12 @@ def render(report: Report) -> str:
         ),
         _table("Agents not reporting", ["NODE", "LAST HEARTBEAT", "NOTE"], report.stale, "none"),
         _table("Pins lapsing within a day", ["SANDBOX", "NODE", "PINNED UNTIL", "LEFT"], report.lapsing, "none"),
+        _table(
+            "Expiring within a day",
+            ["SANDBOX", "NODE", "DEADLINE", "LEFT", "SOURCE", "WARNED"],
+            report.expiring,
+            "none",
+        ),
     ]
     verdict = "needs a person" if report.needs_a_person else "nothing needs a person"
     notes = "".join(f"{note}\n" for note in report.notes)
@@ -334,6 +357,7 @@ _SECTIONS = {
     "quarantined": ["node", "entry", "cause", "since", "deletedAt"],
     "stale": ["node", "lastHeartbeat", "note"],
     "lapsing": ["sandbox", "node", "pinnedUntil", "left"],
+    "expiring": ["sandbox", "node", "deadline", "left", "source", "warned"],
 }
 
 

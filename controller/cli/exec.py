@@ -54,7 +54,7 @@ EXEC_KILL: list[Kill] = [send]  # how `sandkeep exec` signals orphans; a test sw
 
 # The exec's policy flags: the standalone `ls` and `sweep`'s own (same names, same defaults, same env), so
 # the two agree on what is expired.
-_POLICY_FLAGS = ("retention", "max_pin", "stuck_after")
+_POLICY_FLAGS = ("retention", "retention_failed", "retention_succeeded", "retention_unknown", "max_pin", "stuck_after")
 
 
 def _options(parser: argparse.ArgumentParser, *, top: bool) -> None:
@@ -65,6 +65,8 @@ def _options(parser: argparse.ArgumentParser, *, top: bool) -> None:
         help="how long to wait for a killed orphan (or a refused command) to end (default 10s)",
     )
     parser.add_argument("--retention", default=None, help="the window, as `sandkeep ls` takes it (default 72h)")
+    for outcome in ("failed", "succeeded", "unknown"):
+        parser.add_argument(f"--retention-{outcome}", default=None, help=f"the window of {outcome} jobs, as `ls`")
     parser.add_argument("--max-pin", default=None, help="the longest pin honoured, as `sandkeep ls` (30d)")
     parser.add_argument("--stuck-after", default=None, help="a tombstone this old is stuck, as `sandkeep ls` (10m)")
 

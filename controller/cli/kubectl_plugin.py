@@ -73,6 +73,8 @@ def ls_row(obj: Obj, now: datetime, *, wide: bool, all_namespaces: bool) -> list
     size = human_size(size_bytes) if isinstance(size_bytes, int) else str(status.get("size") or "<unknown>")
     deadline = instant_or_none(status.get("deadline"))
     shown = f"{format_instant(deadline)} ({relative(deadline, now)})" if deadline else "<unknown>"
+    if (objects.condition_of(obj, c.Condition.EXPIRING_SOON) or {}).get("status") == "True":
+        shown += " ExpiringSoon"  # within its policy's warnBefore (issue 28)
     pinned = instant_or_none(status.get("pinnedUntil"))
     row = [meta["name"], spec.get("nodeName", "<none>"), status.get("phase") or "<unknown>", size, shown]
     row += [format_instant(pinned) if pinned else "<none>", holders(status)]

@@ -44,10 +44,11 @@ from controller.node.store import (
     standalone_id,
 )
 from controller.observe import logs
-from controller.rules.contracts import Reason
+from controller.rules.contracts import OUTCOME_FLAG, Reason
+from controller.rules.contracts import Outcome as CaptureOutcome
 from controller.rules.durations import Invalid, format_duration, format_instant, parse_duration, parse_instant
 from controller.rules.flags import HumanDuration, settings_from
-from controller.rules.models import Settings, is_namespace_name, is_object_name
+from controller.rules.models import Origin, Settings, is_namespace_name, is_object_name
 from controller.rules.policy import Policy, deadline
 from controller.rules.sizes import human_size
 
@@ -183,6 +184,13 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--created-at", type=_instant_arg, default=None, help="when the job ran (default: now)")
         parser.add_argument("--node", default=None, help="the node name recorded in the manifest")
         parser.add_argument(
+            OUTCOME_FLAG,
+            choices=[str(o) for o in CaptureOutcome],
+            default=None,
+            help="how the job ended, recorded in the manifest (spec.origin.outcome): a policy may keep each outcome "
+            "for its own time (SANDKEEP_RETENTION_FAILED, ...)",
+        )
+        parser.add_argument(
             "--exclude", action="extend", nargs="+", default=[], metavar="GLOB", help="remove these first (transcripts)"
         )
     elif command == "pin":
@@ -194,6 +202,13 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--max-pin", type=_duration_arg, default=None, help="the cap to warn against (30d)")
     elif command in ("ls", "sweep"):
         parser.add_argument("--retention", type=_duration_arg, default=None, help="the window (default 72h)")
+        for outcome in CaptureOutcome:
+            parser.add_argument(
+                f"--retention-{outcome.lower()}",
+                type=_duration_arg,
+                default=None,
+                help=f"the window of sandboxes whose job ended {outcome} (default: --retention)",
+            )
         parser.add_argument("--max-pin", type=_duration_arg, default=None, help="the longest pin honoured (30d)")
         parser.add_argument(
             "--stuck-after", type=_duration_arg, default=None, help="a tombstone this old is stuck (10m)"
@@ -288,6 +303,7 @@ def _retain(args: argparse.Namespace) -> int:
             retention=args.retention,
             node=args.node,
             exclude=args.exclude,
+            origin=None if args.outcome is None else Origin(outcome=CaptureOutcome(args.outcome)),
             now=now,
             replace=Replacer(reaper, stack, wait=args.wait),
         )

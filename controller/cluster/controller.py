@@ -53,7 +53,7 @@ class Controller:
         self.view = View()
         self.is_leader: Callable[[], bool] = lambda: True
         self.queue: WorkQueue[Key] = WorkQueue()
-        self._phases: dict[Key, tuple[str, str, bool]] = {}  # key -> (phase, node, pinned) as the metrics count
+        self._phases: dict[Key, tuple[str, str, bool, bool]] = {}  # key -> (phase, node, pinned, past its hard end)
         self.events = Events(kube, metrics_)
         self.reconciler = Reconciler(
             kube,
@@ -70,7 +70,7 @@ class Controller:
         self.sessions = None
         if session_settings is not None:
             rec = self.reconciler
-            self.sessions = Sessions(kube, session_settings, rec.expired, rec.max_pin)
+            self.sessions = Sessions(kube, session_settings, rec.expired, rec.max_pin, rec.past_max_age)
 
     # --- feeding the view ----------------------------------------------------------------------------------
     def on_sandbox(self, event_type: str | None, obj: Obj) -> None:
@@ -85,10 +85,18 @@ class Controller:
             self.view.drop(key)
             self.queue.drop(key)
             self._count(key, None)
+            self._regroup(self.reconciler.groups.drop(key))
             return
         self.remember(obj)
+        self._regroup(self.reconciler.groups.put(obj))
         self.schedule(key)
         self.enqueue(key)
+
+    def _regroup(self, moved: list[Key]) -> None:
+        """Sandboxes a history group's change may take across a limit: decided again (issue 28)."""
+        for key in moved:
+            self.schedule(key)
+            self.enqueue(key)
 
     def on_listed(self, namespace: str | None, seen: set[Key]) -> None:
         """A listing (of `namespace`, or of all) is complete: what the view holds beyond it is gone."""
@@ -112,6 +120,10 @@ class Controller:
             policies[name] = obj
             if known is not None and _same_spec(known, obj):
                 return  # its status (ours) or metadata changed: no sandbox's decision can
+        history, groups = self.reconciler.policy_for(namespace)[0].history, self.reconciler.groups
+        if history is not None or namespace in groups.history:  # its history limits came, changed or went
+            members = [self.view.sandboxes[k] for k in self.view.in_namespace(namespace) if k in self.view.sandboxes]
+            groups.configure(namespace, history, members)
         for key in self.view.in_namespace(namespace):
             self.schedule(key)
             self.enqueue(key)
@@ -135,7 +147,8 @@ class Controller:
             self.enqueue(key)
 
     def _count(self, key: Key, obj: Obj | None) -> None:
-        """Keep the by-phase-and-node gauge and the pins gauge in step with the view, incrementally."""
+        """Keep the by-phase-and-node gauge, the pins gauge and the past-its-hard-end gauge in step with the view,
+        incrementally."""
         new = None
         if obj is not None:
             phase = (obj.get("status") or {}).get("phase") or "Unknown"
@@ -143,7 +156,8 @@ class Controller:
             pinned = phase == Phase.PINNED or (
                 phase == Phase.OPEN and (condition_of(obj, c.Condition.PINNED) or {}).get("status") == "True"
             )
-            new = (phase, (obj.get("spec") or {}).get("nodeName", ""), pinned)
+            past = (condition_of(obj, c.Condition.EXPIRED) or {}).get("reason") == c.Reason.MAX_AGE
+            new = (phase, (obj.get("spec") or {}).get("nodeName", ""), pinned, past)
         old = self._phases.get(key)
         if old == new:
             return
@@ -151,6 +165,8 @@ class Controller:
             self.metrics.sandboxes.labels(phase=old[0], node=old[1]).dec()
             if old[2]:
                 self.metrics.pins_active.dec()
+            if old[3]:
+                self.metrics.past_max_age.labels(namespace=key[0]).dec()
         if new is None:
             self._phases.pop(key, None)
             return
@@ -158,6 +174,8 @@ class Controller:
         self.metrics.sandboxes.labels(phase=new[0], node=new[1]).inc()
         if new[2]:
             self.metrics.pins_active.inc()
+        if new[3]:
+            self.metrics.past_max_age.labels(namespace=key[0]).inc()
 
     # --- the queue ----------------------------------------------------------------------------------------
     def enqueue(self, key: Key, priority: int = 1) -> None:

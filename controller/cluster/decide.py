@@ -10,12 +10,12 @@ what it says. Tested without a server in tests/test_controller.py.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from controller.rules import contracts as c
 from controller.rules.contracts import Phase, Reason
-from controller.rules.durations import Invalid, format_instant, parse_duration
+from controller.rules.durations import Invalid, format_duration, format_instant, parse_duration
 from controller.rules.objects import (
     Obj,
     annotations_of,
@@ -25,7 +25,7 @@ from controller.rules.objects import (
     same_condition,
     sandbox_facts,
 )
-from controller.rules.policy import Policy, Verdict, deadline, phase_of
+from controller.rules.policy import EXPIRY_CAUSES, Policy, Verdict, deadline, phase_of
 
 # status fields and condition types this controller owns (the agent owns the rest; see controller.api.kube)
 OWNED_FIELDS = (
@@ -45,8 +45,8 @@ OWNED_CONDITIONS = (
     c.Condition.POLICY_CEILING,
     c.Condition.DRY_RUN,
     c.Condition.LOST,
+    c.Condition.EXPIRING_SOON,
 )
-EXPIRY_CAUSES = (Reason.PIN_EXPIRED, Reason.RETAIN_UNTIL, Reason.WINDOW, Reason.NO_CREATED_AT)
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,15 @@ class Decision:
 
 @dataclass(frozen=True)
 class Context:
-    """Everything outside the object the decision reads: the namespace's policy and the node's fate."""
+    """Everything outside the object the decision reads: the namespace's policy, the node's fate and its place in
+    its history group."""
 
     policy: Policy
     policy_reasons: tuple[Reason, ...] = ()
     policy_problems: tuple[str, ...] = ()
     node_gone_since: datetime | None = None
     node_grace: timedelta = timedelta(minutes=10)
+    newer: int | None = None  # sandboxes of its history group and outcome newer than it (cluster/history.py)
 
 
 def expiry_cause(verdict: Verdict) -> Reason:
@@ -86,7 +88,7 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
     Messages hold absolute times only, never "in 3h", so the same object under the same policy always
     gives the same status and an unchanged sandbox costs no write.
     """
-    verdict = deadline(sandbox_facts(obj), ctx.policy, now)
+    verdict = deadline(replace(sandbox_facts(obj), newer=ctx.newer), ctx.policy, now)
     observed = observed_of(obj)
     lost_at = ctx.node_gone_since + ctx.node_grace if ctx.node_gone_since is not None else None
     node_lost = lost_at is not None and lost_at <= now
@@ -104,7 +106,9 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         return condition(type_, status, reason, message, observed_generation=generation, previous=previous, now=now)
 
     source = verdict.source.value
-    conditions = [_expired_condition(verdict, observed.held, source, cond), _pinned_condition(verdict, cond)]
+    # Past its hard end a session no longer holds it (the sessions end it): only a live user the agent sees.
+    held = observed.in_use or (observed.in_session and not verdict.past_max_age)
+    conditions = [_expired_condition(verdict, held, source, cond), _pinned_condition(verdict, cond)]
     invalid = _pin_problems(obj, verdict)
     ann = annotations_of(obj)
     if invalid:
@@ -119,10 +123,15 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         if ctx.policy_reasons:
             words.insert(0, "the namespace's SandboxPolicy exceeds the cluster ceiling and is held to it")
         conditions.append(cond(c.Condition.POLICY_CEILING, True, reason, "; ".join(words)))
-    eligible = verdict.expired and not observed.held
+    eligible = verdict.expired and not held
     if eligible and ctx.policy.dry_run:
         would = f"would delete: expired at {instant_words(verdict.deadline)} ({expiry_cause(verdict)}); dry-run is on"
         conditions.append(cond(c.Condition.DRY_RUN, True, Reason.WOULD_DELETE, f"{would}, nothing is deleted"))
+    warn_at = _warn_at(verdict, ctx.policy)
+    if warn_at is not None and warn_at <= now:
+        ahead = format_duration(verdict.deadline - warn_at) if verdict.deadline is not None else ""
+        soon = f"expires at {instant_words(verdict.deadline)} ({source}), within warnBefore ({ahead})"
+        conditions.append(cond(c.Condition.EXPIRING_SOON, True, Reason.EXPIRING_SOON, f"{soon}; pin it to keep it"))
     if node_lost:
         node = obj["spec"].get("nodeName")
         lost = f"node {node} is gone since {instant_words(ctx.node_gone_since)}; the directory went with its disk"
@@ -141,7 +150,8 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         status["dryRun"] = True
     if ctx.policy.release_priority is not c.ReleasePriority.NORMAL:
         status["releasePriority"] = ctx.policy.release_priority.value
-    wakes = [t for t in (None if verdict.expired else verdict.deadline, None if node_lost else lost_at) if t]
+    warn_wake = warn_at if warn_at is not None and warn_at > now else None
+    wakes = [t for t in (None if verdict.expired else verdict.deadline, None if node_lost else lost_at, warn_wake) if t]
     return Decision(
         verdict=verdict,
         phase=phase,
@@ -150,6 +160,14 @@ def decide(obj: Obj, ctx: Context, now: datetime) -> Decision:
         wake_at=min(wakes) if wakes else None,
         node_lost=node_lost,
     )
+
+
+def _warn_at(verdict: Verdict, policy: Policy) -> datetime | None:
+    """When the policy's warnBefore says to warn of this sandbox's deadline; None: never (no warning, no deadline,
+    or already expired)."""
+    if policy.warn_before is None or verdict.deadline is None or verdict.expired:
+        return None
+    return verdict.deadline - policy.warn_before
 
 
 def _expired_condition(verdict: Verdict, in_use: bool, source: str, cond: Callable[..., Obj]) -> Obj:
@@ -229,6 +247,7 @@ def transition_events(obj: Obj, desired: Obj) -> list[tuple[Reason, str, str]]:
         (c.Condition.POLICY_CEILING, Reason.INVALID_POLICY, "Warning"),
         (c.Condition.DRY_RUN, Reason.WOULD_DELETE, "Normal"),
         (c.Condition.LOST, Reason.NODE_GONE, "Warning"),
+        (c.Condition.EXPIRING_SOON, Reason.EXPIRING_SOON, "Normal"),
     ):
         cd = want.get(type_)
         if cd is not None and cd["reason"] == reason and not same_condition(have.get(type_), cd):

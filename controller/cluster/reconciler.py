@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from controller.cluster.decide import (
     transition_events,
 )
 from controller.cluster.events import Events
+from controller.cluster.history import Groups
 from controller.cluster.lost_nodes import LostNodes
 from controller.cluster.policyset import in_force
 from controller.cluster.settings import SEAM_ENV, ControllerSettings
@@ -44,7 +45,7 @@ from controller.rules import contracts as c
 from controller.rules.contracts import Phase, Reason
 from controller.rules.durations import Invalid, format_instant, parse_duration, parse_instant
 from controller.rules.objects import Obj, annotations_of, is_deleting, key_of, namespace_policy, sandbox_facts
-from controller.rules.policy import Policy, deadline, effective_policy
+from controller.rules.policy import Policy, Verdict, deadline, effective_policy
 
 log = logging.getLogger("sandkeep.controller")
 
@@ -88,6 +89,7 @@ class Reconciler:
         self.ceiling = settings.ceiling()
         self.before_delete: Callable[[Obj], Awaitable[None]] | None = None
         self.lost = LostNodes(kube, view, events, self.context, enqueue)
+        self.groups = Groups()  # the history limits' groups (issue 28), kept by the controller from its watches
 
     # --- the rule, as this controller applies it -----------------------------------------------------------
     def policy_for(self, namespace: str) -> tuple[Policy, tuple[Reason, ...], tuple[str, ...]]:
@@ -110,16 +112,24 @@ class Reconciler:
         gone = None
         if node not in self.view.nodes:
             gone = self.view.node_gone_since.setdefault(node, now)
-        return Context(policy, reasons, problems, gone, self.settings.node_grace)
+        newer = self.groups.newer(key_of(obj))
+        return Context(policy, reasons, problems, gone, self.settings.node_grace, newer)
 
     def max_pin(self, namespace: str) -> timedelta:
         """The namespace's maxPin (its policy under the ceiling)."""
         return self.policy_for(namespace)[0].max_pin
 
-    def expired(self, obj: Obj, now: datetime) -> bool:
-        """The one rule's answer for a sandbox, as this controller applies it (its namespace's policy)."""
+    def verdict(self, obj: Obj, now: datetime) -> Verdict:
+        """The one rule's verdict on a sandbox, as this controller applies it (its namespace's policy)."""
         policy, _, _ = self.policy_for(obj["metadata"]["namespace"])  # no node bookkeeping: the rule alone
-        return deadline(sandbox_facts(obj), policy, now).expired
+        return deadline(replace(sandbox_facts(obj), newer=self.groups.newer(key_of(obj))), policy, now)
+
+    def expired(self, obj: Obj, now: datetime) -> bool:
+        return self.verdict(obj, now).expired
+
+    def past_max_age(self, obj: Obj, now: datetime) -> bool:
+        """Past its hard end (createdAt + maxAge): no session may hold it any longer."""
+        return self.verdict(obj, now).past_max_age
 
     # --- one reconcile pass --------------------------------------------------------------------------------
     async def reconcile(self, key: Key) -> Result:

@@ -188,6 +188,7 @@ def decide(
     *,
     expired: bool,
     guard: str | None,
+    past_max_age: bool = False,
     now: datetime,
     settings: SessionSettings,
     max_pin: timedelta | None = None,
@@ -195,7 +196,8 @@ def decide(
 ) -> Plan:
     """The session's next state from what was read. Pure: no I/O, no clock (`now` is a parameter).
 
-    `guard` is what weakens the admission guard (`guard_defect`), None when it holds. `max_pin` is the
+    `guard` is what weakens the admission guard (`guard_defect`), None when it holds. A sandbox `past_max_age`
+    (its hard end) ends a session, a running one too. `max_pin` is the
     namespace's: a session's Pod holds its sandbox no longer than a pin set when the session was created
     could keep it, so a lifetime longer than that is cut to it. `live` is the other sessions holding a
     place under the caps; only a session not yet started is counted against them.
@@ -242,6 +244,12 @@ def decide(
             Reason.IMAGE_NOT_ALLOWED,
             f"image {image} is not one sessions may run (sessions.allowedImages: {allowed}); "
             "leave image unset for the default",
+        )
+    if past_max_age:  # the hard end: no session holds a sandbox past it, a running one ends (issue 28)
+        return stop(
+            Reason.MAX_AGE,
+            f"RetainedSandbox {namespace}/{name} is past its hard end (its namespace's maxAge from its createdAt): "
+            "no session may hold it any longer, and it is deleted once nothing uses it",
         )
     refusal = sandbox_refusal(sandbox, expired, namespace, name)
     # Once started, an expired sandbox is held by the session's Pod until the lifetime ends; one being

@@ -86,6 +86,7 @@ class Sessions:
     settings: SessionSettings
     expired: Callable[[Obj, datetime], bool]  # the one rule, as the controller applies it to a sandbox
     max_pin: Callable[[str], timedelta]  # a namespace's maxPin (its policy under the ceiling)
+    past_max_age: Callable[[Obj, datetime], bool] = lambda _o, _t: False  # past its hard end: its sessions end
     is_leader: Callable[[], bool] = lambda: True
     queue: WorkQueue[Key] = field(default_factory=WorkQueue)
     by_sandbox: dict[Key, set[Key]] = field(default_factory=dict)  # sandbox key -> sessions naming it
@@ -158,12 +159,14 @@ class Sessions:
         live = await asyncio.to_thread(self._live) if new and guard is None else []
         now = now_utc()
         expired = sandbox is not None and self.expired(sandbox, now)
+        past_max_age = sandbox is not None and self.past_max_age(sandbox, now)
         max_pin = self.max_pin(key[0])
         plan = decide(
             session,
             sandbox,
             pod,
             expired=expired,
+            past_max_age=past_max_age,
             guard=guard,
             now=now,
             settings=self.settings,

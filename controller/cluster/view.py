@@ -142,6 +142,9 @@ def _slim(obj: Obj) -> Obj:
     if annotations:
         kept["annotations"] = annotations
     spec = {k: v for k, v in (obj.get("spec") or {}).items() if k in _KEPT_SPEC}
+    origin = (obj.get("spec") or {}).get("origin")
+    if isinstance(origin, dict) and "outcome" in origin:  # the window per outcome and the groups read it (issue 28)
+        spec["origin"] = {k: origin[k] for k in ("outcome", "owner", "labels") if k in origin}
     status = obj.get("status") or {}
     view: Obj = {k: status[k] for k in _KEPT_STATUS if k in status}
     conditions = [

@@ -76,6 +76,7 @@ class Retainer(Manifests):
         exclude: Sequence[str] = (),
         now: datetime | None = None,
         replace: Replace | None = None,
+        origin: Origin | None = None,
     ) -> Manifest:
         """Move a finished job directory into `<root>/<ns>/<name>/workspace` by rename and write its manifest.
 
@@ -86,7 +87,8 @@ class Retainer(Manifests):
         anything is done to the source), and only through `replace(ns, name, read)`, the caller's deletion
         pipeline (root lock, recorded orphans reaped, in-use check, tombstone), which frees the name or says
         why not (a `Refusal`, raised as StoreError with its reason: InUse, OrphanSurvivor, RootLocked...).
-        Without `replace` a taken name is refused (StoreError RenameFailed, EEXIST). Exclude globs are removed
+        Without `replace` a taken name is refused (StoreError RenameFailed, EEXIST). `origin` goes into the
+        manifest (`retain --outcome` records the outcome there, as a capture does). Exclude globs are removed
         before the staging. On any failure nothing is left in the root and the source is where it was (minus
         excluded files).
         """
@@ -102,7 +104,7 @@ class Retainer(Manifests):
             self._refuse_pinned(self.read(namespace, name), namespace, name, now)
             if exclude:
                 _remove_excluded(held, exclude)
-            return self._retain_held(held, namespace, name, job_id, created_at, retention, node, now, replace)
+            return self._retain_held(held, namespace, name, job_id, created_at, retention, node, now, replace, origin)
 
     def retain_volume(
         self,

@@ -64,6 +64,12 @@ class ControllerMetrics:
             c.M_RECONCILE_ERRORS, "Reconcile attempts that failed, by component.", ["component"], registry=r
         )
         self.pins_active = Gauge(c.M_PINS_ACTIVE, "Sandboxes with a valid, unexpired pin.", registry=r)
+        self.past_max_age = Gauge(
+            c.M_PAST_MAX_AGE,
+            "Sandboxes past their hard end (createdAt + maxAge) still there: held by a live user, or dry-run.",
+            ["namespace"],
+            registry=r,
+        )
         self.leader = Gauge(c.M_LEADER, "1 while this replica holds the leader lease and acts.", registry=r)
         self.events_dropped = Counter(
             c.M_EVENTS_DROPPED, "Events not posted because the backlog of unsent Events was full.", registry=r

@@ -265,4 +265,4 @@ def origin_of(
 
 def job_id_of(origin: Origin) -> str:
     """The manifest's jobId for a captured workspace: its Pod's controlling owner (`Job/build-42`), else the Pod."""
-    return f"{origin.owner.kind}/{origin.owner.name}" if origin.owner else f"Pod/{origin.pod}"
+    return f"{origin.owner.kind}/{origin.owner.name}" if origin.owner else f"Pod/{origin.pod or ''}"

@@ -106,6 +106,20 @@ class Outcome(StrEnum):
     UNKNOWN = "Unknown"  # fail closed: kept, whatever `keep` says short of Never
 
 
+# Retention by outcome (issue 28): the SandboxPolicy field (`spec.retentionByOutcome.<outcome in lower case>`),
+# the chart's `settings.retentionByOutcome.<same>` and the cluster default `SANDKEEP_RETENTION_<OUTCOME>`.
+RETENTION_BY_OUTCOME = "retentionByOutcome"
+# The hard end (issue 28): the SandboxPolicy field `spec.maxAge`, the chart's `settings.maxAge` (SANDKEEP_MAX_AGE,
+# the default of every namespace and the ceiling of every policy's).
+MAX_AGE = "maxAge"
+# History limits (issue 28): the SandboxPolicy field `spec.historyLimits`; its `groupBy` is one of ORIGIN_LABELS or
+# GROUP_BY_OWNER (the Pod's controlling owner, `spec.origin.owner`, as `Kind/name`).
+HISTORY_LIMITS = "historyLimits"
+WARN_BEFORE = "warnBefore"  # a SandboxPolicy's: this long before a deadline, condition and Event ExpiringSoon
+GROUP_BY_OWNER = "owner"
+OUTCOME_FLAG = "--outcome"  # `sandkeep retain --outcome`: the outcome a retained job records in its manifest
+
+
 # The labels of a captured workspace's Pod copied to its sandbox's `spec.origin.labels`: the pipelines that name
 # the run (a Job's Pods, a Tekton TaskRun's and PipelineRun's, an Argo Workflow's). Only these, so it stays bounded.
 ORIGIN_LABELS = ("job-name", "tekton.dev/taskRun", "tekton.dev/pipelineRun", "workflows.argoproj.io/workflow")
@@ -166,6 +180,8 @@ class DeadlineSource(StrEnum):
     PIN = "pin"
     RETAIN = "retain"
     WINDOW = "window"
+    HISTORY = "history"  # one of its group's newest failures (historyLimits.keepLastFailed): no window ends it
+    MAX_AGE = "maxAge"  # the hard end, createdAt + maxAge: nothing but a live user keeps it past that
     NONE = "none"  # no usable createdAt: expired
 
 
@@ -179,6 +195,7 @@ class Condition(StrEnum):
     POLICY_CEILING = "PolicyCeiling"
     DRY_RUN = "DryRun"
     LOST = "Lost"
+    EXPIRING_SOON = "ExpiringSoon"  # within its policy's warnBefore of its deadline (issue 28, item 3)
     # written by the node agent
     DISK_PRESENT = "DiskPresent"
     IN_USE = "InUse"
@@ -211,6 +228,10 @@ class Reason(StrEnum):
     WINDOW = "Window"
     RETAIN_UNTIL = "RetainUntil"
     NO_CREATED_AT = "NoCreatedAt"
+    HISTORY_LIMIT = "HistoryLimit"  # older than the newest N of its group and outcome (historyLimits): released
+    KEPT_LAST_FAILED = "KeptLastFailed"  # one of its group's newest failures (keepLastFailed): kept past its window
+    EXPIRING_SOON = "ExpiringSoon"  # its deadline is within its policy's warnBefore: an Event and a condition, once
+    MAX_AGE = "MaxAge"  # past its hard end (createdAt + maxAge): no pin, session or window keeps it (issue 28)
     EXPIRED = "Expired"
     DELETE_REQUESTED = "DeleteRequested"
     WOULD_DELETE = "WouldDelete"
@@ -314,6 +335,7 @@ M_DELETIONS_REQUESTED = "sandkeep_deletions_requested_total"  # counter {reason}
 M_EXPIRY_LAG = "sandkeep_expiry_lag_seconds"  # histogram: deadline -> delete request
 M_RECONCILE_ERRORS = "sandkeep_reconcile_errors_total"  # counter {component}
 M_PINS_ACTIVE = "sandkeep_pins_active"  # gauge
+M_PAST_MAX_AGE = "sandkeep_sandboxes_past_max_age"  # gauge {namespace}: past their hard end, still there (held)
 M_EVENTS_DROPPED = "sandkeep_events_dropped_total"  # counter: Events not posted because the backlog was full
 M_QUOTA_UNRELIEVED = "sandkeep_quota_unrelieved"  # gauge {namespace}: 1 while over quota with nothing releasable
 M_LEADER = "sandkeep_controller_leader"  # gauge 1 on the acting replica

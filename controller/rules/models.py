@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from controller.rules.contracts import ORIGIN_CONTAINERS_MAX, ORIGIN_LABELS, Outcome
 from controller.rules.durations import instant_or_none
 from controller.rules.flags import HumanDuration
-from controller.rules.policy import Ceiling, Facts, Policy
+from controller.rules.policy import Ceiling, Facts, Policy, Windows
 
 # Whole-string matches: `$` also matches before a final newline, which let `ns\n` pass as a namespace.
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -120,13 +120,14 @@ class OriginContainer(BaseModel):
 class Origin(BaseModel):
     """Where a captured workspace came from (issue 27): its Pod, owner, node, containers and outcome.
 
-    Written into the manifest when the workspace is kept and copied by adoption to `spec.origin`; every list
-    and string is bounded here and in the CRD, so no Pod can make an object the API server refuses.
+    Written into the manifest when the workspace is kept (by `sandkeep retain --outcome`, the outcome alone) and
+    copied by adoption to `spec.origin`; every list and string is bounded here and in the CRD, so no Pod can make
+    an object the API server refuses.
     """
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
-    pod: _Name
+    pod: _Name | None = None  # absent for `sandkeep retain --outcome`'s, which knows no Pod
     pod_uid: Annotated[str, Field(max_length=128)] = Field("", alias="podUID")
     owner: OriginOwner | None = None
     node: _Name | None = None
@@ -193,6 +194,7 @@ class Manifest(BaseModel):
             retain_until=instant_or_none(self.retain_until),
             pin_until=self.keep_until,
             pinned_at=self.pinned_at,
+            outcome=self.origin.outcome if self.origin is not None else None,
         )
 
     def to_json(self) -> str:
@@ -214,9 +216,18 @@ class Settings(BaseSettings):
     max_retention: HumanDuration = timedelta(days=90)  # the ceiling no namespace policy can exceed
     max_pin_ceiling: HumanDuration = timedelta(days=90)
     dry_run: bool = False
+    # The window per outcome of the job (issue 28) where a SandboxPolicy sets none; None: `retention`.
+    retention_failed: HumanDuration | None = None
+    retention_succeeded: HumanDuration | None = None
+    retention_unknown: HumanDuration | None = None
+
+    # The hard end (issue 28): past createdAt + max_age only a live user of a sandbox's directory keeps it. The
+    # default of every namespace and the ceiling of every SandboxPolicy's maxAge; None: off.
+    max_age: HumanDuration | None = None
 
     def policy(self) -> Policy:
-        return Policy(self.retention, self.max_pin, self.dry_run)
+        windows = Windows(self.retention_failed, self.retention_succeeded, self.retention_unknown)
+        return Policy(self.retention, self.max_pin, self.dry_run, by_outcome=windows, max_age=self.max_age)
 
     def ceiling(self) -> Ceiling:
-        return Ceiling(self.max_retention, self.max_pin_ceiling)
+        return Ceiling(self.max_retention, self.max_pin_ceiling, max_age=self.max_age)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from controller.rules import contracts as c
 from controller.rules.durations import Invalid, format_instant, instant_or_none, parse_duration, parse_instant
-from controller.rules.policy import Facts, PinSeen, Policy, Quota
+from controller.rules.policy import Facts, History, PinSeen, Policy, Quota, Windows
 from controller.rules.sizes import parse_size
 
 Obj = dict[str, Any]
@@ -50,8 +50,8 @@ def is_deleting(obj: Obj) -> bool:
 
 
 def sandbox_facts(obj: Obj) -> Facts:
-    """What the one rule reads from a RetainedSandbox: spec times, the pin annotations (raw text) and the
-    controller's record of when it first saw the pin (`status.pinSeen`, which only the components write)."""
+    """What the one rule reads from a RetainedSandbox: spec times and outcome, the pin annotations (raw text) and
+    the controller's record of when it first saw the pin (`status.pinSeen`, which only the components write)."""
     spec = obj.get("spec") or {}
     ann = annotations_of(obj)
     return Facts(
@@ -60,7 +60,15 @@ def sandbox_facts(obj: Obj) -> Facts:
         pin_until=ann.get(c.ANN_PIN_UNTIL),
         pinned_at=ann.get(c.ANN_PINNED_AT),
         pin_seen=pin_seen_of(obj),
+        outcome=outcome_of(obj),
     )
+
+
+def outcome_of(obj: Obj) -> c.Outcome | None:
+    """How the sandbox's job ended (`spec.origin.outcome`); None when not recorded (or not one of the enum)."""
+    origin = (obj.get("spec") or {}).get("origin")
+    outcome = origin.get("outcome") if isinstance(origin, dict) else None
+    return c.Outcome(outcome) if outcome in tuple(c.Outcome) else None
 
 
 def pin_seen_of(obj: Obj) -> PinSeen | None:
@@ -159,6 +167,10 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
 
     retention = duration("retention", default.retention)
     max_pin = duration("maxPin", default.max_pin)
+    by_outcome = _windows(spec, default.by_outcome, problems)
+    max_age = duration(c.MAX_AGE, default.max_age)
+    history = _history(spec, default.history, problems)
+    warn_before = duration(c.WARN_BEFORE, default.warn_before)
     limits: Obj = spec["quota"] if isinstance(spec.get("quota"), dict) else {}
     max_bytes, max_count = default.quota.max_bytes, default.quota.max_count
     if "maxBytes" in limits:
@@ -180,7 +192,58 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
         except ValueError:
             problems.append(f"spec.releasePriority {spec['releasePriority']!r}: one of First, Normal, Last")
     quota = Quota(max_bytes, max_count)
-    return Policy(retention, max_pin, bool(spec.get("dryRun", False)), quota, priority), problems
+    dry_run = bool(spec.get("dryRun", False))
+    return Policy(retention, max_pin, dry_run, quota, priority, by_outcome, max_age, history, warn_before), problems
+
+
+def _history(spec: Obj, default: History | None, problems: list[str]) -> History | None:
+    """`spec.historyLimits` as History; the default when absent or when its groupBy or a count does not read."""
+    given = spec.get(c.HISTORY_LIMITS)
+    if not isinstance(given, dict):
+        return default
+    where = f"spec.{c.HISTORY_LIMITS}"
+    group_by = given.get("groupBy")
+    if group_by not in (c.GROUP_BY_OWNER, *c.ORIGIN_LABELS):
+        problems.append(f"{where}.groupBy {group_by!r}: one of {', '.join((c.GROUP_BY_OWNER, *c.ORIGIN_LABELS))}")
+        return default
+    counts: dict[str, int] = {}
+    fields = {"failed": "failed", "succeeded": "succeeded", "unknown": "unknown", "keepLastFailed": "keep_last_failed"}
+    for field, name in fields.items():
+        count = given.get(field)
+        if count is None:
+            continue
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            problems.append(f"{where}.{field} {count!r}: not a whole number of sandboxes")
+            return default
+        counts[name] = count
+    return History(group_by, **counts)
+
+
+def group_of(obj: Obj, group_by: str) -> str | None:
+    """The sandbox's value of `group_by` (an origin label, or its owner as `Kind/name`); None when it has none."""
+    origin = (obj.get("spec") or {}).get("origin")
+    if not isinstance(origin, dict):
+        return None
+    if group_by == c.GROUP_BY_OWNER:
+        owner = origin.get("owner")
+        return f"{owner.get('kind')}/{owner.get('name')}" if isinstance(owner, dict) else None
+    value = (origin.get("labels") or {}).get(group_by)
+    return value if isinstance(value, str) else None
+
+
+def _windows(spec: Obj, default: Windows, problems: list[str]) -> Windows:
+    """`spec.retentionByOutcome` as Windows; an outcome left out (or unparseable) takes the default's."""
+    given: Obj = spec[c.RETENTION_BY_OUTCOME] if isinstance(spec.get(c.RETENTION_BY_OUTCOME), dict) else {}
+    found: dict[str, timedelta] = {}
+    for outcome in c.Outcome:
+        field = outcome.lower()
+        if field in given:
+            parsed = parse_duration(given[field])
+            if isinstance(parsed, Invalid):
+                problems.append(f"spec.{c.RETENTION_BY_OUTCOME}.{field} {parsed}")
+            else:
+                found[field] = parsed
+    return Windows(**found).over(default)
 
 
 # --- conditions ------------------------------------------------------------------------------------------

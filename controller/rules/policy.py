@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from typing import TypeVar
 
-from controller.rules.contracts import DeadlineSource, Phase, Reason, ReleasePriority
+from controller.rules.contracts import DeadlineSource, Outcome, Phase, Reason, ReleasePriority
 from controller.rules.durations import Invalid, format_duration, format_instant, parse_instant, shift
 
 
@@ -31,17 +32,69 @@ class Quota:
         return Quota(_lower(self.max_bytes, ceiling.max_bytes), _lower(self.max_count, ceiling.max_count))
 
 
-def _lower(a: int | None, b: int | None) -> int | None:
+_T = TypeVar("_T", int, timedelta)
+
+
+def _lower(a: _T | None, b: _T | None) -> _T | None:
     return b if a is None else a if b is None else min(a, b)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Retention by how the job ended (`spec.origin.outcome`, issue 28); each None takes the policy's `retention`."""
+
+    failed: timedelta | None = None
+    succeeded: timedelta | None = None
+    unknown: timedelta | None = None
+
+    def of(self, outcome: Outcome | None) -> timedelta | None:
+        """The window this sets for `outcome`; None when it sets none (or the sandbox has no outcome)."""
+        if outcome is None:
+            return None
+        return {Outcome.FAILED: self.failed, Outcome.SUCCEEDED: self.succeeded, Outcome.UNKNOWN: self.unknown}[outcome]
+
+    def over(self, fallback: Windows) -> Windows:
+        """These windows, each one not set taken from `fallback` (a namespace's policy over the cluster default)."""
+        pairs = zip(self._all(), fallback._all(), strict=True)
+        return Windows(*(theirs if mine is None else mine for mine, theirs in pairs))
+
+    def within(self, ceiling: timedelta) -> Windows:
+        """These windows held under `ceiling` (the cluster's maxRetention)."""
+        return Windows(*(None if w is None else min(w, ceiling) for w in self._all()))
+
+    def _all(self) -> tuple[timedelta | None, ...]:
+        return (self.failed, self.succeeded, self.unknown)
+
+
+@dataclass(frozen=True)
+class History:
+    """History limits per group (issue 28): keep at most so many sandboxes per outcome in each group (`group_by`:
+    a pipeline label of ORIGIN_LABELS, or the owner), and the newest `keep_last_failed` failures past their window.
+
+    Each limit None: no limit for that outcome. A pin in force and a holder still keep a sandbox beyond a limit.
+    """
+
+    group_by: str
+    failed: int | None = None
+    succeeded: int | None = None
+    unknown: int | None = None
+    keep_last_failed: int = 0
+
+    def limit(self, outcome: Outcome | None) -> int | None:
+        if outcome is None:
+            return None
+        return {Outcome.FAILED: self.failed, Outcome.SUCCEEDED: self.succeeded, Outcome.UNKNOWN: self.unknown}[outcome]
 
 
 @dataclass(frozen=True)
 class Policy:
     """How long sandboxes are kept. `retention == 0` is retention off: every unpinned sandbox expires.
 
-    `quota` bounds the namespace's sandboxes; `release_priority` orders them against other namespaces'
-    when a node releases for disk pressure (First go before Normal, Last after). Neither exempts a
-    sandbox from anything: only a pin or a holder does.
+    `by_outcome` sets a window per outcome of the job (a sandbox without one, or an outcome it does not set,
+    takes `retention`). `max_age` is the hard end (None: none): past `createdAt + max_age` nothing but a live
+    user of the directory keeps a sandbox, no pin and no session. `quota` bounds the namespace's sandboxes;
+    `release_priority` orders them against other namespaces' when a node releases for disk pressure (First go
+    before Normal, Last after). Neither exempts a sandbox from anything: only a pin or a holder does.
     """
 
     retention: timedelta
@@ -49,6 +102,15 @@ class Policy:
     dry_run: bool = False
     quota: Quota = Quota()
     release_priority: ReleasePriority = ReleasePriority.NORMAL
+    by_outcome: Windows = Windows()
+    max_age: timedelta | None = None
+    history: History | None = None
+    warn_before: timedelta | None = None  # ExpiringSoon this long before a deadline; None: no warning
+
+    def window(self, outcome: Outcome | None) -> timedelta:
+        """How long a sandbox whose job ended `outcome` is kept from its createdAt (before pins and retainUntil)."""
+        own = self.by_outcome.of(outcome)
+        return self.retention if own is None else own
 
 
 @dataclass(frozen=True)
@@ -76,6 +138,10 @@ class Facts:
     pin_until: str | None = None  # `sandkeep.io/pin-until` or a manifest's `keepUntil`
     pinned_at: str | None = None  # `sandkeep.io/pinned-at` or a manifest's `pinnedAt`: a hint, never trusted
     pin_seen: PinSeen | None = None  # sandkeep's own record of when it first saw the pin (objects only)
+    outcome: Outcome | None = None  # how its job ended (`spec.origin.outcome`); None: not recorded
+    # How many sandboxes of its history group with the same outcome are newer (the controller's view counts them);
+    # None: in no group (the policy sets no history limits, or the sandbox has no group value or outcome).
+    newer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +156,8 @@ class Verdict:
     # sandbox from being released for space (disk pressure, a quota). None without a parseable pin.
     pin_in_force: datetime | None = None
     messages: tuple[str, ...] = field(default=(), compare=False)  # words for conditions and Events
+    hard_end: datetime | None = None  # createdAt + maxAge, when the policy sets a maxAge
+    past_max_age: bool = False  # the hard end has come: only a live user of the directory still holds it
 
     def holds(self, now: datetime) -> bool:
         """Whether a pin keeps the sandbox from being released for space at `now` (`pin_in_force`)."""
@@ -101,18 +169,82 @@ class Verdict:
 
     @property
     def pinned(self) -> bool:
-        return self.source is DeadlineSource.PIN
+        """A pin keeps it: the pin decided the deadline, or did until the hard end cut it there."""
+        return self.source is DeadlineSource.PIN or (self.source is DeadlineSource.MAX_AGE and bool(self.pinned_until))
+
+
+EXPIRY_CAUSES = (
+    Reason.MAX_AGE,
+    Reason.HISTORY_LIMIT,
+    Reason.PIN_EXPIRED,
+    Reason.RETAIN_UNTIL,
+    Reason.WINDOW,
+    Reason.NO_CREATED_AT,
+)
 
 
 def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
-    """The one expiry rule.
+    """The one expiry rule: how long the pins, the windows and retainUntil keep a sandbox (`_kept`), unless its
+    group's history limit releases it sooner (`_beyond_history`), and never past its hard end (`_held_to_max_age`).
+    docs/architecture.md's order of precedence is this, row by row (tests/unit/test_precedence.py)."""
+    return _held_to_max_age(_beyond_history(_kept(sandbox, policy, now), sandbox, policy, now), sandbox, policy, now)
 
-    Without a pin the deadline is the EARLIER of the recorded `retainUntil` and `createdAt + retention`,
-    so a shortened window applies to existing sandboxes; no usable `createdAt` is expired. A valid pin,
-    capped at `maxPin` from when sandkeep first saw it (`pin_reference`: never a time a user wrote, so no
-    annotation can make the cap slide with `now`), only ever extends: a pin not later than the unpinned
-    deadline (or than `now` when there is none) has no effect and says so, since `pin-for=0` or a mistyped
-    year must mean "nothing", never "delete now". An unparseable pin is no pin: the bounded direction.
+
+def _beyond_history(verdict: Verdict, sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
+    """`verdict`, expired now (cause HistoryLimit) when the sandbox is older than its group's newest N of its
+    outcome, unless a pin is in force: a pin still wins, and a holder (judged in `decide`) still holds it."""
+    limit = policy.history.limit(sandbox.outcome) if policy.history is not None else None
+    if limit is None or sandbox.newer is None or sandbox.newer < limit or verdict.holds(now):
+        return verdict
+    notes = tuple(r for r in verdict.reasons if r not in EXPIRY_CAUSES)
+    assert policy.history is not None
+    words = (
+        f"beyond the history limit: {sandbox.newer} newer {sandbox.outcome} sandboxes of its group "
+        f"({policy.history.group_by}) and the limit is {limit}"
+    )
+    return replace(verdict, expired=True, reasons=(*notes, Reason.HISTORY_LIMIT), messages=(words, *verdict.messages))
+
+
+def _held_to_max_age(verdict: Verdict, sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
+    """`verdict` held to the hard end, `createdAt + maxAge`: no pin and no window keeps a sandbox past it.
+
+    A pin that would keep it longer keeps it until then (and no longer holds it against a release for space
+    after that); once the hard end has come the cause is `MaxAge` whatever expired it first, and
+    `past_max_age` tells the phase that a session no longer holds it: only a live user of the directory does.
+    """
+    if policy.max_age is None or sandbox.created_at is None:
+        return verdict
+    end = shift(sandbox.created_at, policy.max_age)
+    in_force = None if verdict.pin_in_force is None else min(verdict.pin_in_force, end)
+    verdict = replace(verdict, hard_end=end, pin_in_force=in_force)
+    words = f"its hard end {format_instant(end)} (createdAt + maxAge {format_duration(policy.max_age)})"
+    notes = tuple(r for r in verdict.reasons if r not in EXPIRY_CAUSES)
+    if verdict.deadline is None or verdict.deadline > end:
+        # Whether it is expired, and why, stands: only a history limit expires it before such a deadline.
+        verdict = replace(
+            verdict,
+            deadline=end,
+            source=DeadlineSource.MAX_AGE,
+            pinned_until=end if verdict.pinned else None,
+            messages=(*verdict.messages, f"kept no later than {words}"),
+        )
+    if end > now:
+        return verdict
+    past = f"past {words}: no pin or session keeps it, only a live user of its directory holds it"
+    messages = (past, *verdict.messages)
+    return replace(verdict, expired=True, reasons=(*notes, Reason.MAX_AGE), past_max_age=True, messages=messages)
+
+
+def _kept(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
+    """How long the pins, the windows and retainUntil keep a sandbox.
+
+    Without a pin the deadline is the EARLIER of the recorded `retainUntil` and `createdAt + window` (the
+    window for its outcome, else retention), so a shortened window applies to existing sandboxes; no usable
+    `createdAt` is expired. A valid pin, capped at `maxPin` from when sandkeep first saw it (`pin_reference`:
+    never a time a user wrote, so no annotation can make the cap slide with `now`), only ever extends: a pin
+    not later than the unpinned deadline (or than `now` when there is none) has no effect and says so, since
+    `pin-for=0` or a mistyped year must mean "nothing", never "delete now". An unparseable pin is no pin:
+    the bounded direction.
     Total: every sum saturates.
     """
     unpinned = _unpinned(sandbox, policy, now)
@@ -133,6 +265,8 @@ def deadline(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
         )
         pin = cap
     unpinned = replace(unpinned, pin_seen=seen, pin_in_force=pin)
+    if unpinned.source is DeadlineSource.HISTORY:  # kept with no deadline: a pin cannot keep it longer
+        return _with(unpinned, *reasons, *messages)
     floor = unpinned.deadline if unpinned.deadline is not None else now
     if pin <= floor:
         without = "now" if unpinned.deadline is None else format_instant(floor)
@@ -160,7 +294,8 @@ def pin_reference(sandbox: Facts, pin: datetime, now: datetime) -> datetime:
 
 
 def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
-    """The deadline without any pin: the earlier of `retainUntil` and the window; none without createdAt."""
+    """The deadline without any pin: the earlier of `retainUntil` and the window for the sandbox's outcome;
+    none without createdAt."""
     if sandbox.created_at is None:
         return Verdict(
             None,
@@ -169,13 +304,27 @@ def _unpinned(sandbox: Facts, policy: Policy, now: datetime) -> Verdict:
             (Reason.NO_CREATED_AT,),
             messages=("no usable createdAt: nothing says how old it is",),
         )
-    window_until = shift(sandbox.created_at, policy.retention)
+    if _kept_last_failed(sandbox, policy):
+        last = "one of the newest failures of its group, kept past its window (historyLimits.keepLastFailed)"
+        return Verdict(None, DeadlineSource.HISTORY, False, (Reason.KEPT_LAST_FAILED,), messages=(last,))
+    window_until = shift(sandbox.created_at, policy.window(sandbox.outcome))
     if sandbox.retain_until is not None and sandbox.retain_until < window_until:
         until, source, cause = sandbox.retain_until, DeadlineSource.RETAIN, Reason.RETAIN_UNTIL
     else:
         until, source, cause = window_until, DeadlineSource.WINDOW, Reason.WINDOW
     expired = until <= now
     return Verdict(until, source, expired, (cause,) if expired else ())
+
+
+def _kept_last_failed(sandbox: Facts, policy: Policy) -> bool:
+    """One of its group's newest `keep_last_failed` failures: no window or retainUntil ends it."""
+    history = policy.history
+    return (
+        history is not None
+        and sandbox.outcome is Outcome.FAILED
+        and sandbox.newer is not None
+        and sandbox.newer < history.keep_last_failed
+    )
 
 
 def _with(verdict: Verdict, *notes: Reason | str) -> Verdict:
@@ -192,6 +341,7 @@ class Ceiling:
     retention: timedelta
     max_pin: timedelta
     quota: Quota = Quota()
+    max_age: timedelta | None = None  # the hard end no policy passes; None: none (a policy may still set one)
 
 
 def effective_policy(
@@ -199,17 +349,27 @@ def effective_policy(
 ) -> tuple[Policy, tuple[Reason, ...]]:
     """The policy for one namespace: its SandboxPolicy (or the cluster default), held under the ceiling.
 
-    Dry-run is sticky: a cluster-wide dry-run cannot be turned off by a namespace.
+    Dry-run is sticky: a cluster-wide dry-run cannot be turned off by a namespace. The ceiling's maxAge holds
+    every namespace, one whose policy sets none too (only a policy asking for more is told PolicyCeiling).
     """
     chosen = namespace or default
     reasons: tuple[Reason, ...] = ()
     retention, max_pin = chosen.retention, chosen.max_pin
     quota = chosen.quota.within(ceiling.quota)
-    if retention > ceiling.retention or max_pin > ceiling.max_pin or quota != chosen.quota:
+    by_outcome = chosen.by_outcome.within(ceiling.retention)
+    if (
+        retention > ceiling.retention
+        or max_pin > ceiling.max_pin
+        or quota != chosen.quota
+        or by_outcome != chosen.by_outcome
+        or (chosen.max_age is not None and ceiling.max_age is not None and chosen.max_age > ceiling.max_age)
+    ):
         reasons = (Reason.POLICY_CEILING,)
         retention, max_pin = min(retention, ceiling.retention), min(max_pin, ceiling.max_pin)
     dry_run = default.dry_run or chosen.dry_run
-    return Policy(retention, max_pin, dry_run, quota, chosen.release_priority), reasons
+    max_age = _lower(chosen.max_age, ceiling.max_age)
+    held = replace(chosen, retention=retention, max_pin=max_pin, dry_run=dry_run, quota=quota, by_outcome=by_outcome)
+    return replace(held, max_age=max_age), reasons
 
 
 # --- The phase of a sandbox (the controller's; the agent writes a phase only while deleting: Deleting, Held, Stuck)
@@ -228,14 +388,15 @@ def phase_of(
     the disk's progress). A sandbox whose node is gone, or whose directory the agent reports absent, is
     `Lost` whatever its deadline. An expired sandbox something still uses is `Held`, never deleted. One a
     SandboxSession has open (its Pod's mount verified by the agent) is `Open` until its deadline, pinned or
-    not: the session holds it like any Pod, and past the deadline it is `Held` by it, as by any other.
+    not: the session holds it like any Pod, and past the deadline it is `Held` by it, as by any other; past
+    its hard end (`past_max_age`) only something the agent sees using it holds it.
     """
     if deleting:
         return Phase.DELETING
     if node_gone or disk_present is False:
         return Phase.LOST
     if verdict.expired:
-        return Phase.HELD if in_use or in_session else Phase.EXPIRED
+        return Phase.HELD if in_use or (in_session and not verdict.past_max_age) else Phase.EXPIRED
     if in_session:
         return Phase.OPEN
     return Phase.PINNED if verdict.pinned else Phase.RETAINED

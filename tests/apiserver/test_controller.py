@@ -370,6 +370,36 @@ def test_a_shortened_policy_applies_to_existing_sandboxes(
     wait_for("the sandbox to be deleted under the new window", lambda: gone(kube, namespace, "old"), timeout=60)
 
 
+def test_each_outcome_is_kept_for_its_own_window_by_the_settings_and_by_a_policy(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 28: a success goes after the cluster's 3 s, a failure and one without an outcome keep the 1h window
+    # until a SandboxPolicy gives failures 2 s; the one without an outcome still takes retention.
+    start("--retention=1h", "--retention-succeeded=3s")
+    for name, outcome in (("fine", c.Outcome.SUCCEEDED), ("broke", c.Outcome.FAILED), ("plain", None)):
+        origin = {} if outcome is None else {"origin": {"pod": f"{name}-pod", "outcome": outcome.value}}
+        kube.create_sandbox(namespace, sandbox(name, **origin))
+    wait_for("the success to be deleted", lambda: gone(kube, namespace, "fine"), timeout=30)
+    for name in ("broke", "plain"):
+        status = wait_for(
+            "status", lambda n=name: status_of(kube, namespace, n).get("deadline") and status_of(kube, namespace, n)
+        )
+        created = parse_instant(get(kube, namespace, name)["spec"]["createdAt"])  # type: ignore[index]
+        assert (
+            status["deadline"] == format_instant(created + HOUR) and status["deadlineSource"] == c.DeadlineSource.WINDOW
+        )  # type: ignore[operator]
+    cluster.apply(
+        {
+            "apiVersion": c.API_VERSION,
+            "kind": c.POLICY_KIND,
+            "metadata": {"name": "failures-briefly", "namespace": namespace},
+            "spec": {c.RETENTION_BY_OUTCOME: {"failed": "2s"}},
+        }
+    )
+    wait_for("the failure to be deleted under the policy", lambda: gone(kube, namespace, "broke"), timeout=30)
+    assert status_of(kube, namespace, "plain")["phase"] == c.Phase.RETAINED
+
+
 def test_a_second_policy_is_superseded_and_the_oldest_applies(
     kube: Kube, cluster: LocalCluster, namespace: str, start: Any
 ) -> None:
@@ -626,6 +656,110 @@ def test_an_expired_sandbox_the_agent_sees_in_use_is_held_until_released(
     assert not gone(kube, namespace, "busy")
     kube.apply_status(obj, {"inUse": False}, AGENT_MANAGER)
     wait_for("the released sandbox to be deleted", lambda: gone(kube, namespace, "busy"))
+
+
+def test_past_its_hard_end_no_pin_or_session_keeps_a_sandbox_and_only_a_live_user_holds_it(
+    kube: Kube, namespace: str, start: Any
+) -> None:
+    # Issue 28, item 4: with maxAge 8 s, a pinned sandbox and one a session has open go at their hard end; one
+    # the agent sees in use is Held, says MaxAge and is counted, and goes once released.
+    from controller.api.kube import AGENT_MANAGER
+
+    ctl = start("--retention=1h", "--max-age=8s")
+    pinned = sandbox("pinned")
+    pinned["metadata"]["annotations"] = {c.ANN_PIN_UNTIL: instant(2 * HOUR), c.ANN_PINNED_AT: instant()}
+    kube.create_sandbox(namespace, pinned)
+    open_ = kube.create_sandbox(namespace, sandbox("open"))
+    session = {"pod": "sbs-x", "podUID": "u-1", "mount": c.MountCheck.VERIFIED}
+    kube.apply_status(open_, {"inUse": False, "sessions": [session]}, AGENT_MANAGER)
+    busy = kube.create_sandbox(namespace, sandbox("busy"))
+    kube.apply_status(busy, {"inUse": True, "heldBy": ["pid 4242 (cwd)"]}, AGENT_MANAGER)
+    status = phase_is(kube, namespace, "pinned", c.Phase.PINNED, timeout=6)
+    created = parse_instant(get(kube, namespace, "pinned")["spec"]["createdAt"])  # type: ignore[index]
+    assert status["deadlineSource"] == c.DeadlineSource.MAX_AGE
+    assert status["deadline"] == status["pinnedUntil"] == format_instant(created + timedelta(seconds=8))  # type: ignore[operator]
+    for name in ("pinned", "open"):
+        wait_for(f"{name} to be deleted at its hard end", lambda n=name: gone(kube, namespace, n), timeout=30)
+    held = phase_is(kube, namespace, "busy", c.Phase.HELD)
+    expired = next(cd for cd in held["conditions"] if cd["type"] == c.Condition.EXPIRED)
+    assert expired["reason"] == c.Reason.MAX_AGE and "hard end" in expired["message"]
+    wait_for("the gauge", lambda: metric_value(ctl.metrics(), c.M_PAST_MAX_AGE, namespace=namespace) == 1)
+    assert metric_value(ctl.metrics(), c.M_DELETIONS_REQUESTED, reason=c.Reason.MAX_AGE) == 2
+    kube.apply_status(busy, {"inUse": False}, AGENT_MANAGER)
+    wait_for("the released sandbox to be deleted", lambda: gone(kube, namespace, "busy"))
+    wait_for("the gauge back to 0", lambda: metric_value(ctl.metrics(), c.M_PAST_MAX_AGE, namespace=namespace) == 0)
+
+
+def test_history_limits_release_the_oldest_of_a_group_keep_the_newest_failure_and_never_a_pinned_one(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 28, item 2: one success per job-name group, and the newest failure kept past its 1h window.
+    ctl = start("--retention=1h")
+    limits = {"groupBy": "job-name", "succeeded": 1, "keepLastFailed": 1}
+    cluster.apply(
+        {
+            "apiVersion": c.API_VERSION,
+            "kind": c.POLICY_KIND,
+            "metadata": {"name": "history", "namespace": namespace},
+            "spec": {c.HISTORY_LIMITS: limits},
+        }
+    )
+    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "history"), "Active"))
+
+    def run(name: str, outcome: c.Outcome, minutes: int, group: str = "nightly", **meta: Any) -> None:
+        origin = {"pod": f"{name}-pod", "outcome": outcome.value, "labels": {"job-name": group}}
+        body = sandbox(name, created=-timedelta(minutes=minutes), origin=origin)
+        body["metadata"] |= meta
+        kube.create_sandbox(namespace, body)
+
+    pin = {c.ANN_PIN_UNTIL: instant(2 * HOUR), c.ANN_PINNED_AT: instant()}
+    run("s-old", c.Outcome.SUCCEEDED, 3)
+    run("s-pinned", c.Outcome.SUCCEEDED, 2, annotations=pin)
+    run("s-new", c.Outcome.SUCCEEDED, 1)
+    run("s-other", c.Outcome.SUCCEEDED, 5, group="weekly")
+    run("f-old", c.Outcome.FAILED, 120)
+    run("f-new", c.Outcome.FAILED, 90)
+    for name in ("s-old", "f-old"):
+        wait_for(f"{name} to be deleted", lambda n=name: gone(kube, namespace, n), timeout=30)
+    kept = phase_is(kube, namespace, "f-new", c.Phase.RETAINED)
+    assert kept["deadlineSource"] == c.DeadlineSource.HISTORY and "deadline" not in kept
+    assert phase_is(kube, namespace, "s-pinned", c.Phase.PINNED)
+    assert phase_is(kube, namespace, "s-new", c.Phase.RETAINED) and phase_is(
+        kube, namespace, "s-other", c.Phase.RETAINED
+    )
+    run("s-newest", c.Outcome.SUCCEEDED, 0)  # s-new is now beyond the limit: decided again from the view alone
+    wait_for("s-new to be deleted", lambda: gone(kube, namespace, "s-new"), timeout=30)
+    text = ctl.metrics()
+    assert metric_value(text, c.M_DELETIONS_REQUESTED, reason=c.Reason.HISTORY_LIMIT) == 2
+    assert metric_value(text, c.M_DELETIONS_REQUESTED, reason=c.Reason.WINDOW) == 1
+    for name in ("s-pinned", "s-newest", "s-other", "f-new"):
+        assert not gone(kube, namespace, name), name
+
+
+def test_warn_before_gives_a_condition_and_one_event_before_the_deadline(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 28, item 3: 10 s before its 20 s deadline the sandbox says ExpiringSoon, in a condition and an Event.
+    start("--retention=1h")
+    spec = {"retention": "20s", c.WARN_BEFORE: "10s"}
+    cluster.apply(
+        {
+            "apiVersion": c.API_VERSION,
+            "kind": c.POLICY_KIND,
+            "metadata": {"name": "warn", "namespace": namespace},
+            "spec": spec,
+        }
+    )
+    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "warn"), "Active"))
+    kube.create_sandbox(namespace, sandbox("soon"))
+    soon = wait_for(
+        "ExpiringSoon", lambda: condition(get(kube, namespace, "soon"), c.Condition.EXPIRING_SOON), timeout=30
+    )
+    assert soon["status"] == "True" and soon["reason"] == c.Reason.EXPIRING_SOON
+    assert get(kube, namespace, "soon")["status"]["phase"] == c.Phase.RETAINED  # type: ignore[index]
+    wait_for("the Event", lambda: c.Reason.EXPIRING_SOON in reasons_for(kube, namespace, "soon"))
+    wait_for("the sandbox to be deleted", lambda: gone(kube, namespace, "soon"), timeout=30)
+    assert reasons_for(kube, namespace, "soon").count(c.Reason.EXPIRING_SOON) == 1
 
 
 def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from controller.rules import contracts as c
 from controller.rules.capture import origin_of
 from controller.rules.durations import Invalid
+from controller.rules.models import Origin
 from controller.rules.sizes import human_size, parse_size
 from hack.localcluster import KubectlError, LocalCluster
 from tests.bed.controller_harness import CRDS, install_crds, instant
@@ -75,7 +76,10 @@ def test_policy_crd_names_match_contracts() -> None:
     assert names["shortNames"] == [c.POLICY_SHORT]
     assert names["categories"] == [c.CATEGORY]
     spec = version_schema(doc)["properties"]["spec"]["properties"]
-    assert set(spec) == {"retention", "maxPin", "dryRun", "quota", "releasePriority"}
+    fields = {"retention", c.RETENTION_BY_OUTCOME, "maxPin", c.MAX_AGE, c.HISTORY_LIMITS, "dryRun", "quota"}
+    assert set(spec) == fields | {"releasePriority", c.WARN_BEFORE}
+    assert spec[c.HISTORY_LIMITS]["properties"]["groupBy"]["enum"] == [c.GROUP_BY_OWNER, *c.ORIGIN_LABELS]
+    assert set(spec[c.RETENTION_BY_OUTCOME]["properties"]) == {o.lower() for o in c.Outcome}
     assert spec["releasePriority"]["enum"] == [p.value for p in c.ReleasePriority]
 
 
@@ -209,6 +213,28 @@ def test_a_policy_with_an_unreadable_retention_is_refused(crds: LocalCluster, na
     create(crds, namespace, {"metadata": {"name": "p"}, "spec": {"retention": "3d", "maxPin": "2w"}}, c.POLICY_KIND)
 
 
+def test_a_policy_sets_retention_per_outcome_max_age_and_history_limits_and_nothing_else(
+    crds: LocalCluster, namespace: str
+) -> None:
+    def policy(name: str, windows: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "spec": {c.RETENTION_BY_OUTCOME: windows}}
+
+    assert f"spec.{c.RETENTION_BY_OUTCOME}.failed" in refusal(
+        crds, namespace, policy("a", {"failed": "2 weeks"}), c.POLICY_KIND
+    )
+    words = refusal(crds, namespace, policy("b", {"cancelled": "1d"}), c.POLICY_KIND)
+    assert "cancelled" in words
+    create(crds, namespace, policy("c", {o.lower(): "1d" for o in c.Outcome} | {"succeeded": "0"}), c.POLICY_KIND)
+    hard = {"metadata": {"name": "d"}, "spec": {c.MAX_AGE: "30 days"}}
+    assert f"spec.{c.MAX_AGE}" in refusal(crds, namespace, hard, c.POLICY_KIND)
+    create(crds, namespace, {"metadata": {"name": "d"}, "spec": {c.MAX_AGE: "30d"}}, c.POLICY_KIND)
+    for bad in ({"groupBy": "team"}, {"groupBy": "owner", "failed": -1}, {"failed": 3}):
+        words = refusal(crds, namespace, {"metadata": {"name": "e"}, "spec": {c.HISTORY_LIMITS: bad}}, c.POLICY_KIND)
+        assert f"spec.{c.HISTORY_LIMITS}" in words
+    limits = {"groupBy": "tekton.dev/pipelineRun", "succeeded": 3, "keepLastFailed": 1}
+    create(crds, namespace, {"metadata": {"name": "e"}, "spec": {c.HISTORY_LIMITS: limits}}, c.POLICY_KIND)
+
+
 def test_a_policy_quota_and_release_priority_outside_the_schema_are_refused(crds: LocalCluster, namespace: str) -> None:
     def policy(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         return {"metadata": {"name": name}, "spec": spec}
@@ -277,10 +303,14 @@ def test_an_origin_at_its_bounds_is_accepted_shown_as_the_outcome_and_immutable(
         origin | {"outcome": "Maybe"},
         origin | {"containers": origin["containers"] * 2},
         origin | {"labels": origin["labels"] | {"x": "y"}},
-        {k: v for k, v in origin.items() if k != "pod"},
+        {k: v for k, v in origin.items() if k != "outcome"},
     ):
         words = refusal(crds, namespace, {"metadata": {"name": "over"}, "spec": spec | {"origin": bad}})
         assert "spec.origin" in words
+    retained = Origin(outcome=c.Outcome.SUCCEEDED).body()  # `sandkeep retain --outcome`: the outcome alone
+    create(crds, namespace, {"metadata": {"name": "retained"}, "spec": spec | {"origin": retained}})
+    [row] = _rows(crds.kubectl("get", c.SANDBOX_SHORT, "retained", "-n", namespace).stdout)
+    assert row["OUTCOME"] == "Succeeded"
     with pytest.raises(KubectlError) as refused:
         patch = json.dumps({"spec": {"origin": {"outcome": "Succeeded"}}})
         crds.kubectl("patch", "rsb", "widest", "-n", namespace, "--type=merge", "-p", patch)

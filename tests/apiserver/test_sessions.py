@@ -179,6 +179,15 @@ def test_a_session_holds_its_sandbox_no_longer_than_a_pin_could() -> None:
     assert kept.status["expiresAt"] == format_instant(NOW + timedelta(minutes=20))
 
 
+def test_a_sandbox_past_its_hard_end_ends_a_running_session_and_refuses_a_new_one() -> None:
+    # Issue 28: past createdAt + maxAge no session holds it; the teardown frees it for deletion.
+    args: dict[str, Any] = {"expired": True, "guard": None, "now": NOW, "settings": SETTINGS, "past_max_age": True}
+    for pod_ in (pod(), None):
+        done = decide(session(), sandbox("Held"), pod_, **args)
+        assert done.teardown and done.status["reason"] == Reason.MAX_AGE and "hard end" in done.status["message"]
+        assert done.status["phase"] == (SessionPhase.ENDED if pod_ else SessionPhase.REFUSED)
+
+
 def test_an_expired_sandbox_stays_open_for_a_running_session_and_a_settled_one_stays_settled() -> None:
     assert plan(session(), sandbox("Held"), pod(), expired=True).status["phase"] == SessionPhase.RUNNING
     ended = session(phase=SessionPhase.ENDED, reason=Reason.LIFETIME_ENDED)

@@ -6,12 +6,15 @@ Used by the chart's own tests (tests/chart/) and by those that install it on the
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
+from controller.cluster.settings import ControllerSettings
 from hack.localcluster import REPO, kube_version
 
 CHART = REPO / "charts" / "sandkeep"
@@ -86,3 +89,20 @@ def find(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, A
     matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
     assert len(matches) == 1, f"expected one {kind} named *{suffix}, got {[d['metadata']['name'] for d in matches]}"
     return matches[0]
+
+
+def refused(tools: Path, value: str, words: str) -> None:
+    result = helm(tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}", value, check=False)
+    assert result.returncode != 0 and words in result.stderr, result.stderr
+
+
+def controller_settings(manifest: str) -> ControllerSettings:
+    """The rendered Deployment's SANDKEEP_* environment, read by the controller's own settings."""
+    container = find(objects(manifest), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith("SANDKEEP_")]:
+            patch.delenv(name)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return ControllerSettings()

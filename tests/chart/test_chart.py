@@ -46,6 +46,7 @@ REQUIRED_ALERTS = {
     "SandkeepExpiryLagging",
     "SandkeepPressureUnrelieved",
     "SandkeepQuarantineNotEmpty",
+    "SandkeepPastMaxAge",
 }
 _METRIC = re.compile(r"\bsandkeep_[a-z0-9_]+")
 

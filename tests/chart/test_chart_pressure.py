@@ -6,7 +6,6 @@ a clear message."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,8 @@ import pytest
 from controller import agent
 from controller.cli.sandkeep import COMMANDS
 from controller.cluster import main as controller_mod
-from controller.cluster.settings import ControllerSettings
 from controller.rules.policy import Quota
-from hack.localcluster import kube_version
-from tests.bed.chart import CHART, find, helm, objects, render
+from tests.bed.chart import controller_settings, find, objects, refused, render
 
 
 def parsed_args(manifest: str, kind: str, component: Any, prefix: str) -> Any:
@@ -69,24 +66,7 @@ def test_bad_pressure_values_are_refused(tools: Path, value: str, words: str) ->
     refused(tools, value, words)
 
 
-def refused(tools: Path, value: str, words: str) -> None:
-    result = helm(tools, "template", "sk", str(CHART), f"--kube-version={kube_version()}", value, check=False)
-    assert result.returncode != 0 and words in result.stderr, result.stderr
-
-
 # --- quotas (the controller's settings) ----------------------------------------------------------------
-def controller_settings(manifest: str) -> ControllerSettings:
-    """The rendered Deployment's SANDKEEP_* environment, read by the controller's own settings."""
-    container = find(objects(manifest), "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    with pytest.MonkeyPatch.context() as patch:
-        for name in [n for n in os.environ if n.startswith("SANDKEEP_")]:
-            patch.delenv(name)
-        for name, value in env.items():
-            patch.setenv(name, value)
-        return ControllerSettings()
-
-
 def test_quotas_are_off_by_default_and_reach_the_controller_as_given(tools: Path) -> None:
     assert controller_settings(render(tools)).policy().quota == Quota()
     settings = controller_settings(

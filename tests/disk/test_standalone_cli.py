@@ -21,6 +21,7 @@ from controller.node.inuse import uninspectable_pids
 from controller.node.reaper import Reaper
 from controller.node.store import Root, StoreError
 from controller.rules.contracts import Reason
+from controller.rules.models import Manifest
 from tests.bed.diskkit import REPO, User, bind_mount, listing, make_job
 
 pytest_plugins = ["tests.bed.diskkit"]  # fixtures: throwaway_user, mounts
@@ -80,6 +81,30 @@ def test_retain_pin_ls_and_sweep_from_the_command_line(tmp_path: Path) -> None:
     assert after["tombstones"] == [] and after["strays"] == []
     assert not (Path(root) / "team-a" / "fresh" / "workspace" / "session").exists()
     assert sandkeep("pin", "team-a/kept", "--root", root, "--clear", check=True).stdout == "unpinned team-a/kept\n"
+
+
+def test_retain_records_the_outcome_and_ls_and_sweep_keep_each_outcome_for_its_own_window(tmp_path: Path) -> None:
+    # Issue 28: a failure kept 14 days, a success 1 hour, a job that stated no outcome the plain 72h window.
+    root = str(tmp_path / "root")
+    created = (datetime.now(UTC) - timedelta(days=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for name, outcome in (("broke", ["--outcome", "Failed"]), ("fine", ["--outcome", "Succeeded"]), ("plain", [])):
+        args = ["retain", str(make_job(tmp_path, name)), "--root", root, "--namespace", "ci", "--name", name]
+        sandkeep(*args, "--created-at", created, *outcome, check=True)
+    origin = Manifest.model_validate_json((Path(root) / "ci" / "broke" / "manifest.json").read_text()).origin
+    assert origin is not None and origin.body() == {"outcome": "Failed", "podUID": "", "containers": [], "labels": {}}
+    assert "origin" not in json.loads((Path(root) / "ci" / "plain" / "manifest.json").read_text())
+    windows = ["--retention-failed", "14d", "--retention-succeeded", "1h"]
+    table = sandkeep("ls", "--root", root, *windows, check=True).stdout.splitlines()
+    states = {row.split()[1]: row.split()[5] for row in table[1:]}
+    assert states == {"broke": "Retained", "fine": "Expired", "plain": "Retained"}
+    swept = sandkeep("sweep", "--root", root, "--once", *windows, *IGNORE, check=True)
+    assert "sweep_deleted reason=Window entry=ci/fine" in swept.stderr
+    left = json.loads(sandkeep("ls", "--root", root, "-o", "json", check=True).stdout)
+    assert sorted(s["name"] for s in left["sandboxes"]) == ["broke", "plain"]
+    bad = sandkeep(
+        "retain", str(make_job(tmp_path, "x")), "--root", root, "--namespace", "ci", "--name", "x", "--outcome", "Meh"
+    )
+    assert bad.returncode == 2 and "invalid choice: 'Meh'" in bad.stderr
 
 
 def test_a_pin_beyond_max_pin_says_it_is_capped(tmp_path: Path) -> None:

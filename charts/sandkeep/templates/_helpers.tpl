@@ -91,10 +91,20 @@ selector labels. Call with (dict "root" $ "component" "agent"). */}}
   value: {{ .Values.settings.retention | quote }}
 - name: SANDKEEP_MAX_PIN
   value: {{ .Values.settings.maxPin | quote }}
+{{- range $outcome, $window := .Values.settings.retentionByOutcome }}
+{{- if not (kindIs "invalid" $window) }}
+- name: SANDKEEP_RETENTION_{{ upper $outcome }}
+  value: {{ $window | quote }}
+{{- end }}
+{{- end }}
 - name: SANDKEEP_MAX_RETENTION
   value: {{ .Values.settings.maxRetention | quote }}
 - name: SANDKEEP_MAX_PIN_CEILING
   value: {{ .Values.settings.maxPinCeiling | quote }}
+{{- if not (kindIs "invalid" .Values.settings.maxAge) }}
+- name: SANDKEEP_MAX_AGE
+  value: {{ .Values.settings.maxAge | quote }}
+{{- end }}
 - name: SANDKEEP_DRY_RUN
   value: {{ .Values.settings.dryRun | quote }}
 - name: SANDKEEP_LOG_FORMAT
