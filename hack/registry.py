@@ -84,6 +84,9 @@ class LocalRegistry:
             return bool(response.status == 200)
         return False
 
+    def log_tail(self, lines: int = 20) -> str:
+        return f"----- registry ({self.host}) -----\n{_tail(self.workdir / 'registry.log', lines)}"
+
     def stop(self) -> None:
         if self.component is not None:
             self.component.stop()

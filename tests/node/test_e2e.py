@@ -62,8 +62,8 @@ def pod_spec(bed: Bed, script: str, *, working_dir: str | None = None) -> dict[s
     }
 
 
-def run_job(bed: Bed, name: str, script: str) -> None:
-    """A Job on the node; waits for it to succeed."""
+def run_job(bed: Bed, name: str, script: str, timeout: int = 120) -> None:
+    """A Job on the node; waits for it to succeed (for `timeout` seconds)."""
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -71,7 +71,9 @@ def run_job(bed: Bed, name: str, script: str) -> None:
         "spec": {"backoffLimit": 0, "template": {"spec": pod_spec(bed, script)}},
     }
     bed.kubectl("apply", "-f", "-", input=json.dumps(job))
-    bed.kubectl("wait", "-n", NS, f"job/{name}", "--for=condition=Complete", "--timeout=120s", timeout=130)
+    bed.kubectl(
+        "wait", "-n", NS, f"job/{name}", "--for=condition=Complete", f"--timeout={timeout}s", timeout=timeout + 10
+    )
 
 
 def retain_job(bed: Bed, name: str, retention: str, files: int = 3, owner: int | None = None) -> Path:
