@@ -90,6 +90,19 @@ def retain_job(bed: Bed, name: str, retention: str, files: int = 3, owner: int |
     return bed.root / NS / name
 
 
+def hostpath_holder(bed: Bed, name: str, workspace: Path) -> dict[str, Any]:
+    """A Pod that sleeps with `workspace` mounted by hostPath (what holds a sandbox from deletion)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            **pod_spec(bed, "sleep 3600"),
+            "volumes": [{"name": "disk", "hostPath": {"path": str(workspace), "type": "Directory"}}],
+        },
+    }
+
+
 def rsb(bed: Bed, name: str) -> dict[str, Any] | None:
     out = bed.kubectl("get", "rsb", name, "-n", NS, "-o", "json", check=False)
     return json.loads(out.stdout) if out.returncode == 0 else None
@@ -221,15 +234,7 @@ def test_a_pods_hostpath_and_a_containers_cwd_each_hold_a_sandbox(bed: Bed) -> N
     path = retain_job(bed, "run-3", "20s")
     eventually(lambda: rsb(bed, "run-3"), "adoption")
     workspace = path / "workspace"
-    mount_holder = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "holder-mount", "namespace": NS},
-        "spec": {
-            **pod_spec(bed, "sleep 3600"),
-            "volumes": [{"name": "disk", "hostPath": {"path": str(workspace), "type": "Directory"}}],
-        },
-    }
+    mount_holder = hostpath_holder(bed, "holder-mount", workspace)
     # This one mounts the whole disk (not the sandbox), so only its process's cwd, seen by the agent
     # through the host PID namespace, ties it to the sandbox.
     cwd_holder = {

@@ -1,6 +1,7 @@
 """Upgrade as a user does, on the real node: the previous release, made by this tree's `make release`
 (hack/release.py) from a pinned earlier commit of main, installed from the bed's registry by version and
-keeping 202 sandboxes (180 retained, 20 pinned past their retention, one held by a Pod, one being deleted),
+keeping 202 sandboxes (180 retained, 20 pinned past their retention, one held by a Pod, one being deleted
+(an immutable file keeps its tombstone until after the upgrade)),
 then upgraded to this tree's release with the commands of docs/operations.md#upgrade run as written, then
 rolled back with the doc's `helm rollback`.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -30,7 +32,7 @@ from hack.localcluster import tools_bin, tools_dir
 from hack.localnode import REGISTRY
 from hack.release import Release
 from tests.bed.e2e_bed import E2E_VERSION, SYSTEM_NS, LocalBed, eventually, say
-from tests.node.test_e2e import phase, pod_spec, rsb, run_job
+from tests.node.test_e2e import hostpath_holder, phase, rsb, run_job
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("e2e"), pytest.mark.timeout(2400)]
@@ -145,16 +147,27 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalBe
         bed.stop()
 
 
+# `sandkeep retain` for many workspaces in one process (its console script's main, once per workspace): 200
+# interpreter starts in the Job would take about 4 minutes on two cores.
+RETAIN_MANY = """
+import os, sys
+from controller.cli.sandkeep import main
+root, namespace, retention, files, jobs, *names = sys.argv[1:]
+for name in names:
+    work = os.path.join(jobs, name)
+    os.makedirs(work)
+    for i in range(int(files)):
+        open(os.path.join(work, f"f{i}"), "w").close()
+    argv = ["retain", "--root", root, "--namespace", namespace, "--name", name, "--retention", retention, work]
+    if main(argv) != 0:
+        sys.exit(f"sandkeep retain {name} failed")
+"""
+
+
 def retain_many(bed: LocalBed, job: str, names: list[str], retention: str, files: int = 1) -> None:
-    """One Job retaining a workspace of `files` files for each name (`sandkeep retain`, as the README says)."""
-    jobs = bed.disk / "jobs"
-    make_files = "import sys; [open(f'{sys.argv[1]}/f{i}', 'w').close() for i in range(int(sys.argv[2]))]"
-    script = (
-        f'set -e; for n in {" ".join(names)}; do mkdir -p {jobs}/$n; python -c "{make_files}" {jobs}/$n {files}; '
-        f"sandkeep retain --root {bed.root} --namespace {NS} --name $n --retention {retention} {jobs}/$n >/dev/null; "
-        "done"
-    )
-    run_job(bed, job, script, timeout=600)
+    """One Job writing a workspace of `files` files for each name and retaining it (`sandkeep retain`)."""
+    args = [str(bed.root), NS, retention, str(files), str(bed.disk / "jobs"), *names]
+    run_job(bed, job, shlex.join(["python", "-c", RETAIN_MANY, *args]) + " >/dev/null", timeout=600)
 
 
 def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_sandbox(
@@ -165,34 +178,26 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
 
     kept = [f"kept-{i}" for i in range(KEPT)]
     pinned = [f"pinned-{i}" for i in range(PINNED)]
-    say(f"{KEPT} sandboxes retained for 1h, {PINNED} for 150s then pinned for 2h, one for 20s then held")
+    say(f"{KEPT} sandboxes retained for 1h, {PINNED} for 150s then pinned for 2h, one for 60s and held by a Pod")
     retain_many(bed, "keep", kept, "1h")
     retain_many(bed, "pin", pinned, "150s")
     pinned_at = time.monotonic()
-    retain_many(bed, "hold", ["held"], "20s")
+    retain_many(bed, "hold", ["held"], "60s")  # the holder Pod runs before it expires
     eventually(lambda: len(sandboxes(bed)) == KEPT + PINNED + 1, "every sandbox adopted", timeout=240, every=3)
+    holder = hostpath_holder(bed, "holder", bed.root / NS / "held" / "workspace")
+    bed.kubectl("apply", "-f", "-", input=json.dumps(holder))
     for name in pinned:
         bed.kubectl("annotate", f"rsb/{name}", "-n", NS, f"{c.ANN_PIN_FOR}=2h")
-    held_workspace = bed.root / NS / "held" / "workspace"
-    holder = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "holder", "namespace": NS},
-        "spec": {
-            **pod_spec(bed, "sleep 3600"),
-            "volumes": [{"name": "disk", "hostPath": {"path": str(held_workspace), "type": "Directory"}}],
-        },
-    }
-    bed.kubectl("apply", "-f", "-", input=json.dumps(holder))
     eventually(lambda: phase(bed, "held") == "Held", "the expired sandbox held by the Pod", timeout=120)
     eventually(
         lambda: all(phase(bed, n) == "Pinned" for n in pinned), "the pins taken by the old controller", timeout=120
     )
 
-    say("one more sandbox of 40,000 files retained for 10s: its deletion is under way when the upgrade starts")
-    retain_many(bed, "delete", ["deleting"], "10s", files=40000)
+    say("one more sandbox retained for 10s with one immutable file: its deletion starts and cannot finish yet")
+    retain_many(bed, "delete", ["deleting"], "10s", files=100)
     deleting = bed.root / NS / "deleting"
-    eventually(bed.tombstones, "the delete under way (a tombstone)", timeout=120, every=0.2)
+    bed.on_node(f"chattr +i '{deleting}/workspace/f0'")
+    tombstone = eventually(bed.tombstones, "the delete under way (a tombstone)", timeout=120, every=0.5)
 
     handover, upgrade, rollback = doc_blocks(OPERATIONS, "Upgrade")
     run_doc(bed, handover, current.version)
@@ -200,6 +205,9 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     assert "has been upgraded" in out, out
     eventually(lambda: rolled_to(bed, current.image), f"this release {current.version} running", timeout=300)
 
+    assert bed.tombstones() == tombstone and rsb(bed, "deleting") is not None, "the deletion in flight left as is"
+    say("chattr -i: the new agent finishes the deletion the old one started")
+    bed.on_node(f"chattr -R -i '{bed.root}'")
     eventually(lambda: rsb(bed, "deleting") is None, "the deletion in flight finished", timeout=240)
     assert not bed.exists(deleting) and not bed.tombstones()
     # Past the pinned sandboxes' 150 s: a lost pin would delete them now.
@@ -211,6 +219,10 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     assert phase(bed, "held") == "Held"
     missing = [n for n in objects if not bed.exists(bed.root / NS / n)]
     assert missing == [], f"directories gone from the node: {missing}"
+    say("every RetainedSandbox replaced as it is, dry-run: each still valid under this release's CRD")
+    listed = bed.kubectl("get", "rsb", "-n", NS, "-o", "json").stdout
+    replaced = bed.kubectl("replace", "--dry-run=server", "-f", "-", input=listed, timeout=120).stdout
+    assert replaced.count("replaced (server dry run)") == len(objects), replaced
 
     say("helm rollback, as docs/operations.md says: the previous release again, every sandbox still there")
     run_doc(bed, rollback, current.version)
