@@ -12,8 +12,10 @@ TOOLS_BIN := $(SANDKEEP_TOOLS_DIR)/bin
 export PATH := $(CURDIR)/$(VENV)/bin:$(TOOLS_BIN):$(PATH)
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv protos deps demo-deps tools demo-tools lint types test test-fast e2e demo demo-node node cluster bench clean image
-# What the demo runs; `make tools` adds kubelet, kube-scheduler, helm, promtool and prometheus for the tests.
+.PHONY: all venv protos deps demo-deps tools demo-tools lint types test test-fast e2e demo demo-node node cluster bench clean image \
+	release registry
+# What the demo runs; `make tools` adds kubelet, kube-scheduler, helm, promtool, prometheus, the OCI registry and
+# crane for the tests and `make release`.
 DEMO_TOOLS := kube-apiserver kube-controller-manager kubectl etcd
 
 all: test
@@ -40,7 +42,7 @@ demo-deps:
 	bash hack/deps.sh demo
 
 ## Build every Go tool from pinned modules: the control plane's, the real node's (kubelet, kube-scheduler), helm,
-## promtool and prometheus (cached; instant when built).
+## promtool, prometheus, CNCF Distribution's registry and crane (cached; instant when built).
 tools:
 	bash hack/tools/build.sh >/dev/null
 
@@ -52,6 +54,17 @@ demo-tools:
 ## into a docker archive for `ctr -n k8s.io images import`; prints the archive's path and the image reference.
 image: venv
 	bash hack/image.sh
+
+## Build the image, push it to REGISTRY (host[:port][/path]) as sandkeep:VERSION, package the chart at VERSION with
+## that image's digest as its default and push it to oci://REGISTRY/charts; prints what it pushed.
+## RELEASE_ARGS=--plain-http for a registry without TLS (e.g. `make registry`'s).
+release: venv tools
+	@test -n "$(VERSION)" -a -n "$(REGISTRY)" || { echo "usage: make release VERSION=x.y.z REGISTRY=host[:port][/path]"; exit 2; }
+	$(PY) -m hack.release --version $(VERSION) --registry $(REGISTRY) $(RELEASE_ARGS)
+
+## A local OCI registry (CNCF Distribution, plain HTTP) until Ctrl-C; REGISTRY_ADDR=host:port to choose where.
+registry: venv tools
+	$(PY) -m hack.registry $(if $(REGISTRY_ADDR),--addr $(REGISTRY_ADDR))
 
 lint: venv
 	$(VENV)/bin/ruff check controller tests hack

@@ -71,6 +71,9 @@ CNI_PLUGINS = Path("/usr/lib/cni")  # containernetworking-plugins
 NODE_IP = "198.51.100.2"
 HOST_IP = "198.51.100.1"
 POD_CIDR = "198.51.100.128/25"
+# Where the node's containerd pulls images from over plain HTTP (its `hosts.toml`): the host's end of the
+# node's link, a fixed port; the bed serves a real registry there (hack/registry.py).
+REGISTRY = f"{HOST_IP}:5000"
 LOCK = Path("/run/lock/sandkeep-node.lock")
 HERE = Path(__file__).resolve().parent / "node"
 PAUSE_IMAGE = "sandkeep.local/pause"
@@ -294,6 +297,19 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{CNI_PLUGINS}"
     conf_dir = "{d("cni")}"
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{d("certs.d")}"
+"""
+        )
+        # containerd's documented configuration of a plain-HTTP registry: a directory named host:port holding
+        # hosts.toml (https://github.com/containerd/containerd/blob/main/docs/hosts.md).
+        hosts = d("certs.d") / REGISTRY
+        hosts.mkdir(parents=True)
+        (hosts / "hosts.toml").write_text(
+            f"""server = "http://{REGISTRY}"
+
+[host."http://{REGISTRY}"]
+  capabilities = ["pull", "resolve"]
 """
         )
         bridge = {

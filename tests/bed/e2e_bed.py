@@ -2,11 +2,15 @@
 
 Two beds run the same suite (tests/node/test_e2e.py):
 - `LocalBed`, what this repository's CI runs: a control plane in node mode and one real node
-  (hack/localnode.py); the image is built from the Dockerfile (`hack/image.sh`) and imported into the
-  node's containerd.
+  (hack/localnode.py), and a real OCI registry (CNCF Distribution, hack/registry.py) where the node's
+  containerd pulls from. The bed releases this tree there as a user's release is made (`make release`,
+  hack/release.py: the image by digest, the packaged chart) and installs it as a user does:
+  `helm install sandkeep oci://REGISTRY/charts/sandkeep --version E2E_VERSION` with the chart's image and
+  pull policy; the kubelet pulls the image.
 - `KindBed`, for machines with Docker (`hack/kind-e2e.sh`): a kind cluster the script made, its image
-  built with `docker build` and loaded; node-side steps run with `docker exec` on the worker.
-Both install `charts/sandkeep` with only values changed (image, root, intervals, monitoring on) and run
+  built with `docker build` and loaded; node-side steps run with `docker exec` on the worker; it installs
+  `charts/sandkeep` from the working tree with that image.
+Both set only values a user would (root, intervals, monitoring on, sessions) and run
 the Prometheus server built from the same pinned module as promtool, configured the way
 prometheus-operator would configure it from the chart's own ServiceMonitor, PodMonitor and
 PrometheusRule (`operator_config`), read back from the API server after the install.
@@ -30,13 +34,17 @@ from typing import Any, TypeVar
 import yaml
 
 from hack.localcluster import REPO, Component, LocalCluster, free_port, spawn, tools_bin
-from hack.localnode import LocalNode
+from hack.localnode import REGISTRY, LocalNode
+from hack.registry import LocalRegistry
+from hack.release import RELEASE_TOOLS, Release, build_image, release
 
 T = TypeVar("T")
 RELEASE = "sandkeep"
 SYSTEM_NS = "sandkeep"
 UNPULLABLE_IMAGE = "registry.invalid/no-such-image:1"  # a session image no node can pull
 PROMETHEUS_TOOLS = ("prometheus", "helm", "kubectl")
+# The version the bed releases this tree as: the chart's own, marked as a pre-release of the end-to-end bed.
+E2E_VERSION = f"{yaml.safe_load((REPO / 'charts' / 'sandkeep' / 'Chart.yaml').read_text())['version']}-e2e"
 
 
 def say(message: str) -> None:
@@ -61,13 +69,6 @@ def eventually(check: Callable[[], T | None], what: str, timeout: float = 90.0, 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
         time.sleep(every)
-
-
-def build_image() -> tuple[Path, str]:
-    """`hack/image.sh`: the archive and the image reference (built only when the tree changed)."""
-    out = subprocess.run(["bash", str(REPO / "hack" / "image.sh")], check=True, capture_output=True, text=True)
-    archive, ref = out.stdout.split()
-    return Path(archive), ref
 
 
 def _relabelings(relabelings: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -137,6 +138,9 @@ class Bed:
         self.kubeconfig = Path()
         self.node_name = ""
         self.image_ref = ""
+        # What `helm install` installs: the working tree's chart, or (chart_version set) a released one.
+        self.chart = str(REPO / "charts" / "sandkeep")
+        self.chart_version = ""
         # Jobs' directories and the sandbox root, on one filesystem and under one mount of the node, as
         # `sandkeep retain` needs (it moves by rename).
         self.disk = Path()
@@ -157,7 +161,8 @@ class Bed:
 
     def _install(self) -> None:
         """Everything once the cluster and its node are up: the disk, the chart, Prometheus."""
-        say(f"helm install {RELEASE} charts/sandkeep -n {SYSTEM_NS} (image {self.image_ref}, root {self.root})")
+        version = f" --version {self.chart_version}" if self.chart_version else ""
+        say(f"helm install {RELEASE} {self.chart}{version} -n {SYSTEM_NS} (image {self.image_ref}, root {self.root})")
         self.on_node(f"mkdir -p '{self.disk}/jobs'")
         self.kubectl("apply", "--server-side", "-f", str(REPO / "tests" / "fixtures" / "prometheus-operator-crds.yaml"))
         self.install_chart()
@@ -193,21 +198,31 @@ class Bed:
         return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 
     def install_chart(self) -> None:
-        repo, _, tag = self.image_ref.rpartition(":")
         self.kubectl("create", "namespace", SYSTEM_NS)
         # The agent needs hostPID and a hostPath: its namespace runs at the `privileged` level.
         self.kubectl("label", "namespace", SYSTEM_NS, "pod-security.kubernetes.io/enforce=privileged")
-        values = {
-            "image": {"repository": repo, "tag": tag},
+        self.helm("install", RELEASE, *self.chart_args(), "-n", SYSTEM_NS, "-f", str(self.user_values()))
+
+    def chart_args(self, version: str | None = None) -> list[str]:
+        """The chart as `helm install`/`upgrade` name it: a released VERSION from the registry, else the tree's."""
+        version = version or self.chart_version
+        return [self.chart, "--version", version, "--plain-http"] if version else [self.chart]
+
+    def user_values(self) -> Path:
+        """A values file with what a user would set here (and, installing from the tree, the bed's image)."""
+        values: dict[str, Any] = {
             "agent": {"root": str(self.root), "scanInterval": "2s", "stuckAfter": "15s"},
             "monitoring": {"enabled": True, "interval": "5s"},
             # The unpullable image of test_a_session_with_an_image_that_cannot_be_pulled_ends_saying_so is
             # allowed, so that the controller, not the admission policy, is what meets it.
             "sessions": {"enabled": True, "allowedImages": [UNPULLABLE_IMAGE]},
         }
+        if not self.chart_version:
+            repo, _, tag = self.image_ref.rpartition(":")
+            values["image"] = {"repository": repo, "tag": tag}
         values_file = self.workdir / "values.yaml"
         values_file.write_text(yaml.safe_dump(values))
-        self.helm("install", RELEASE, str(REPO / "charts" / "sandkeep"), "-n", SYSTEM_NS, "-f", str(values_file))
+        return values_file
 
     # --- Prometheus -----------------------------------------------------------------------------------
     def _api_access(self) -> dict[str, Any]:
@@ -290,10 +305,25 @@ class LocalBed(Bed):
         super().__init__(workdir)
         self.cluster = LocalCluster(workdir, node_mode=True)
         self.node: LocalNode | None = None
+        self.registry: LocalRegistry | None = None
 
     def start(self) -> None:
+        self.start_node()
+        try:
+            pushed = self.publish(E2E_VERSION)
+            self.image_ref, self.chart, self.chart_version = pushed.image, pushed.chart, pushed.version
+            self._install()
+        except BaseException:
+            self.cluster.failed = True
+            self.stop()
+            raise
+
+    def start_node(self) -> None:
+        """The control plane, the real node and the registry its containerd pulls from (nothing installed)."""
+        # The registry and crane are needed: no fallback to importing the image into containerd by hand.
+        tools_bin((*RELEASE_TOOLS, "registry"))
         say("building the image from the Dockerfile (make image; cached when the tree is unchanged)")
-        archive, self.image_ref = build_image()
+        build_image()
         try:
             self.cluster.start()
             self.kubeconfig = self.cluster.kubeconfig
@@ -301,15 +331,26 @@ class LocalBed(Bed):
             say("starting a real node: containerd, runc, the kubelet and kube-scheduler")
             self.node.start()
             self.node_name = self.node.name
-            self.node.import_image(archive)
             assert self.node.dir is not None
             self.disk = self.node.dir / "disk"
             self.root = self.disk / "sandkeep"
-            self._install()
+            # On the host's end of the node's link, which exists once the node runs.
+            self.registry = LocalRegistry(self.workdir, REGISTRY)
+            self.registry.start()
+            say(f"a registry (CNCF Distribution) at {REGISTRY}, where the node's containerd pulls from")
         except BaseException:
             self.cluster.failed = True
             self.stop()
             raise
+
+    def publish(self, version: str, source: Path = REPO, image_cache: Path | None = None) -> Release:
+        """`make release VERSION=version REGISTRY=<the bed's>` of `source` (this tree by default)."""
+        say(f"make release VERSION={version} REGISTRY={REGISTRY} (source {source})")
+        out = self.workdir / "release" / version
+        pushed = release(version, REGISTRY, plain_http=True, source=source, image_cache=image_cache, out=out)
+        for line in pushed.lines():
+            say(line)
+        return pushed
 
     def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         # The node shares the host's filesystem, so its disk is at the same path here.
@@ -326,11 +367,15 @@ class LocalBed(Bed):
                 subprocess.run(["chattr", "-R", "-i", str(self.root)], capture_output=True)
             self.node.stop()
             self.node = None
+        if self.registry is not None:
+            self.registry.stop()
+            self.registry = None
         self.cluster.stop()
 
     def logs(self) -> str:
         node = self.node.logs() if self.node is not None else ""
-        return "\n".join((self.cluster.logs(), node, super().logs()))
+        registry = self.registry.log_tail() if self.registry is not None else ""
+        return "\n".join((self.cluster.logs(), node, registry, super().logs()))
 
 
 class KindBed(Bed):

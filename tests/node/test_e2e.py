@@ -62,8 +62,8 @@ def pod_spec(bed: Bed, script: str, *, working_dir: str | None = None) -> dict[s
     }
 
 
-def run_job(bed: Bed, name: str, script: str) -> None:
-    """A Job on the node; waits for it to succeed."""
+def run_job(bed: Bed, name: str, script: str, timeout: int = 120) -> None:
+    """A Job on the node; waits for it to succeed (for `timeout` seconds)."""
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -71,7 +71,9 @@ def run_job(bed: Bed, name: str, script: str) -> None:
         "spec": {"backoffLimit": 0, "template": {"spec": pod_spec(bed, script)}},
     }
     bed.kubectl("apply", "-f", "-", input=json.dumps(job))
-    bed.kubectl("wait", "-n", NS, f"job/{name}", "--for=condition=Complete", "--timeout=120s", timeout=130)
+    bed.kubectl(
+        "wait", "-n", NS, f"job/{name}", "--for=condition=Complete", f"--timeout={timeout}s", timeout=timeout + 10
+    )
 
 
 def retain_job(bed: Bed, name: str, retention: str, files: int = 3, owner: int | None = None) -> Path:
@@ -86,6 +88,19 @@ def retain_job(bed: Bed, name: str, retention: str, files: int = 3, owner: int |
     say(f"Job job-{name} writes a workspace on {bed.node_name} and runs: sandkeep retain ... --retention {retention}")
     run_job(bed, f"job-{name}", script)
     return bed.root / NS / name
+
+
+def hostpath_holder(bed: Bed, name: str, workspace: Path) -> dict[str, Any]:
+    """A Pod that sleeps with `workspace` mounted by hostPath (what holds a sandbox from deletion)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            **pod_spec(bed, "sleep 3600"),
+            "volumes": [{"name": "disk", "hostPath": {"path": str(workspace), "type": "Directory"}}],
+        },
+    }
 
 
 def rsb(bed: Bed, name: str) -> dict[str, Any] | None:
@@ -219,15 +234,7 @@ def test_a_pods_hostpath_and_a_containers_cwd_each_hold_a_sandbox(bed: Bed) -> N
     path = retain_job(bed, "run-3", "20s")
     eventually(lambda: rsb(bed, "run-3"), "adoption")
     workspace = path / "workspace"
-    mount_holder = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "holder-mount", "namespace": NS},
-        "spec": {
-            **pod_spec(bed, "sleep 3600"),
-            "volumes": [{"name": "disk", "hostPath": {"path": str(workspace), "type": "Directory"}}],
-        },
-    }
+    mount_holder = hostpath_holder(bed, "holder-mount", workspace)
     # This one mounts the whole disk (not the sandbox), so only its process's cwd, seen by the agent
     # through the host PID namespace, ties it to the sandbox.
     cwd_holder = {

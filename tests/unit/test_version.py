@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -41,3 +42,12 @@ def test_the_charts_app_version_is_the_package_version() -> None:
 
 def test_the_changelog_has_a_section_for_the_version() -> None:
     assert f"## [{_pyproject_version()}]" in (REPO / "CHANGELOG.md").read_text()
+
+
+def test_the_newest_released_version_in_the_changelog_is_the_charts_and_the_packages() -> None:
+    """`make release` packages the chart at a version; the CHANGELOG names the newest release, and
+    pyproject.toml and Chart.yaml (`version` and `appVersion`) carry it until the next one."""
+    released = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", (REPO / "CHANGELOG.md").read_text(), re.M)
+    assert released, "CHANGELOG.md names no release"
+    chart = yaml.safe_load((REPO / "charts" / "sandkeep" / "Chart.yaml").read_text())
+    assert (released[0], released[0], released[0]) == (chart["version"], chart["appVersion"], _pyproject_version())

@@ -1,0 +1,237 @@
+"""Upgrade as a user does, on the real node: the previous release, made by this tree's `make release`
+(hack/release.py) from a pinned earlier commit of main, installed from the bed's registry by version and
+keeping 202 sandboxes (180 retained, 20 pinned past their retention, one held by a Pod, one being deleted
+(an immutable file keeps its tombstone until after the upgrade)),
+then upgraded to this tree's release with the commands of docs/operations.md#upgrade run as written, then
+rolled back with the doc's `helm rollback`.
+
+Afterwards: no pin lost, nothing deleted that should stay, the deletion in flight finished (its directory,
+object and tombstone gone), the agents and controllers replaced by the new image, every object still read.
+
+The earlier commit's tree comes from `git archive` (nothing is added to the repository's worktrees), its image
+is built by its own hack/image.sh into a cache of its own under $SANDKEEP_TOOLS_DIR/previous/<commit> (a few
+minutes once; reused afterwards), seeded with this tree's Debian base.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controller.rules import contracts as c
+from hack.localcluster import tools_bin, tools_dir
+from hack.localnode import REGISTRY
+from hack.release import Release
+from tests.bed.e2e_bed import E2E_VERSION, SYSTEM_NS, LocalBed, eventually, say
+from tests.node.test_e2e import hostpath_holder, phase, rsb, run_job
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("e2e"), pytest.mark.timeout(2400)]
+# A commit of main before this release work (issue 29): its chart and image are "the previous release".
+PREVIOUS = "5c1727b30f99e559f3e6b2264726f7a3c322d688"
+PREVIOUS_VERSION = f"0.0.0-main.{PREVIOUS[:7]}"
+NS = "e2e"
+KEPT, PINNED = 180, 20
+OPERATIONS = REPO / "docs" / "operations.md"
+
+
+def previous_source(commit: str = PREVIOUS) -> tuple[Path, Path]:
+    """The commit's tree (extracted once) and the image cache its hack/image.sh builds into."""
+    cache = tools_dir().parent / "previous" / commit
+    src = cache / "src"
+    if not (cache / "src.complete").exists():
+        shutil.rmtree(src, ignore_errors=True)
+        src.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+        (cache / "src.complete").touch()
+    venv = src / ".venv"  # its hack/protos.sh runs this venv's grpcio-tools
+    if not venv.exists():
+        venv.symlink_to(REPO / ".venv")
+    # The Debian base is made by the same recipe (mmdebstrap, about 2 minutes): reuse this tree's.
+    (cache / "image").mkdir(exist_ok=True)
+    for base in (tools_dir().parent / "image").glob("base-*.tar"):
+        if not (cache / "image" / base.name).exists():
+            shutil.copy2(base, cache / "image" / base.name)
+    return src, cache
+
+
+def doc_blocks(path: Path, heading: str) -> list[str]:
+    """The ```sh blocks of one `## heading` section (its ### subsections included), in order."""
+    text = path.read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return re.findall(r"```sh\n(.*?)```", text[start : end if end > 0 else None], re.S)
+
+
+def run_doc(bed: LocalBed, block: str, version: str) -> str:
+    """A block of the doc as written, by bash, with REGISTRY and VERSION set as a user following it would and
+    the built helm and kubectl first on PATH. The bed's registry is plain HTTP: the `helm` on PATH is a
+    wrapper adding --plain-http to the commands that reach a registry, so the doc's text runs unchanged."""
+    wrapper_dir = bed.workdir / "doc-bin"
+    wrapper_dir.mkdir(exist_ok=True)
+    helm = wrapper_dir / "helm"
+    helm.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in install|upgrade|pull|show|template) exec {bed.bin}/helm "$@" --plain-http ;; esac\n'
+        f'exec {bed.bin}/helm "$@"\n'
+    )
+    helm.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{wrapper_dir}:{tools_bin(('helm', 'kubectl'))}:{os.environ['PATH']}",
+        "KUBECONFIG": str(bed.kubeconfig),
+        "REGISTRY": REGISTRY,
+        "VERSION": version,
+    }
+    say(f"docs/operations.md, as written (VERSION={version}):\n{block.strip()}")
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", block], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, f"the doc's commands failed:\n{block}\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr
+
+
+def rolled_to(bed: LocalBed, image: str) -> bool:
+    """Every controller and agent Pod runs `image`, is Ready, and no old one is left."""
+    deploy = bed.get("deployment", "-n", SYSTEM_NS, "sandkeep-controller")
+    ds = bed.get("daemonset", "-n", SYSTEM_NS, "sandkeep-agent")
+    pods = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/name=sandkeep")["items"]
+    workloads = [
+        p for p in pods if p["metadata"]["labels"].get("app.kubernetes.io/component") in ("controller", "agent")
+    ]
+    images = {ct["image"] for p in workloads for ct in p["spec"]["containers"]}
+    ready = all(
+        cond["status"] == "True"
+        for p in workloads
+        for cond in p.get("status", {}).get("conditions", [])
+        if cond["type"] == "Ready"
+    )
+    return (
+        images == {image}
+        and ready
+        and deploy["status"].get("updatedReplicas") == deploy["status"].get("readyReplicas") == 2
+        and ds["status"].get("updatedNumberScheduled") == ds["status"].get("numberReady") == 1
+        and deploy["status"].get("replicas") == 2
+    )
+
+
+def sandboxes(bed: LocalBed) -> dict[str, dict[str, object]]:
+    return {o["metadata"]["name"]: o for o in bed.get("rsb", "-n", NS)["items"]}
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalBed, Release, Release]]:
+    bed = LocalBed(tmp_path_factory.mktemp("upgrade"))
+    src, cache = previous_source()
+    bed.start_node()
+    try:
+        previous = bed.publish(PREVIOUS_VERSION, source=src, image_cache=cache)
+        current = bed.publish(E2E_VERSION)
+        bed.image_ref, bed.chart, bed.chart_version = previous.image, previous.chart, previous.version
+        bed._install()
+        bed.kubectl("create", "namespace", NS)
+        bed.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=privileged")
+        yield bed, previous, current
+    except BaseException:
+        bed.cluster.failed = True
+        raise
+    finally:
+        bed.stop()
+
+
+# `sandkeep retain` for many workspaces in one process (its console script's main, once per workspace): 200
+# interpreter starts in the Job would take about 4 minutes on two cores.
+RETAIN_MANY = """
+import os, sys
+from controller.cli.sandkeep import main
+root, namespace, retention, files, jobs, *names = sys.argv[1:]
+for name in names:
+    work = os.path.join(jobs, name)
+    os.makedirs(work)
+    for i in range(int(files)):
+        open(os.path.join(work, f"f{i}"), "w").close()
+    argv = ["retain", "--root", root, "--namespace", namespace, "--name", name, "--retention", retention, work]
+    if main(argv) != 0:
+        sys.exit(f"sandkeep retain {name} failed")
+"""
+
+
+def retain_many(bed: LocalBed, job: str, names: list[str], retention: str, files: int = 1) -> None:
+    """One Job writing a workspace of `files` files for each name and retaining it (`sandkeep retain`)."""
+    args = [str(bed.root), NS, retention, str(files), str(bed.disk / "jobs"), *names]
+    run_job(bed, job, shlex.join(["python", "-c", RETAIN_MANY, *args]) + " >/dev/null", timeout=600)
+
+
+def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_sandbox(
+    releases: tuple[LocalBed, Release, Release],
+) -> None:
+    bed, previous, current = releases
+    eventually(lambda: rolled_to(bed, previous.image), f"the previous release {previous.version} running", timeout=240)
+
+    kept = [f"kept-{i}" for i in range(KEPT)]
+    pinned = [f"pinned-{i}" for i in range(PINNED)]
+    say(f"{KEPT} sandboxes retained for 1h, {PINNED} for 150s then pinned for 2h, one for 60s and held by a Pod")
+    retain_many(bed, "keep", kept, "1h")
+    retain_many(bed, "pin", pinned, "150s")
+    pinned_at = time.monotonic()
+    retain_many(bed, "hold", ["held"], "60s")  # the holder Pod runs before it expires
+    eventually(lambda: len(sandboxes(bed)) == KEPT + PINNED + 1, "every sandbox adopted", timeout=240, every=3)
+    holder = hostpath_holder(bed, "holder", bed.root / NS / "held" / "workspace")
+    bed.kubectl("apply", "-f", "-", input=json.dumps(holder))
+    for name in pinned:
+        bed.kubectl("annotate", f"rsb/{name}", "-n", NS, f"{c.ANN_PIN_FOR}=2h")
+    eventually(lambda: phase(bed, "held") == "Held", "the expired sandbox held by the Pod", timeout=120)
+    eventually(
+        lambda: all(phase(bed, n) == "Pinned" for n in pinned), "the pins taken by the old controller", timeout=120
+    )
+
+    say("one more sandbox retained for 10s with one immutable file: its deletion starts and cannot finish yet")
+    retain_many(bed, "delete", ["deleting"], "10s", files=100)
+    deleting = bed.root / NS / "deleting"
+    bed.on_node(f"chattr +i '{deleting}/workspace/f0'")
+    tombstone = eventually(bed.tombstones, "the delete under way (a tombstone)", timeout=120, every=0.5)
+
+    handover, upgrade, rollback = doc_blocks(OPERATIONS, "Upgrade")
+    run_doc(bed, handover, current.version)
+    out = run_doc(bed, upgrade, current.version)
+    assert "has been upgraded" in out, out
+    eventually(lambda: rolled_to(bed, current.image), f"this release {current.version} running", timeout=300)
+
+    assert bed.tombstones() == tombstone and rsb(bed, "deleting") is not None, "the deletion in flight left as is"
+    say("chattr -i: the new agent finishes the deletion the old one started")
+    bed.on_node(f"chattr -R -i '{bed.root}'")
+    eventually(lambda: rsb(bed, "deleting") is None, "the deletion in flight finished", timeout=240)
+    assert not bed.exists(deleting) and not bed.tombstones()
+    # Past the pinned sandboxes' 150 s: a lost pin would delete them now.
+    time.sleep(max(0.0, 150 + 15 - (time.monotonic() - pinned_at)))
+    time.sleep(10)  # several passes of the new agent and controller
+    objects = sandboxes(bed)
+    assert set(objects) == {*kept, *pinned, "held"}, "a sandbox that should stay is gone"
+    assert {n: phase(bed, n) for n in pinned} == dict.fromkeys(pinned, "Pinned")
+    assert phase(bed, "held") == "Held"
+    missing = [n for n in objects if not bed.exists(bed.root / NS / n)]
+    assert missing == [], f"directories gone from the node: {missing}"
+    say("every RetainedSandbox replaced as it is, dry-run: each still valid under this release's CRD")
+    listed = bed.kubectl("get", "rsb", "-n", NS, "-o", "json").stdout
+    replaced = bed.kubectl("replace", "--dry-run=server", "-f", "-", input=listed, timeout=120).stdout
+    assert replaced.count("replaced (server dry run)") == len(objects), replaced
+
+    say("helm rollback, as docs/operations.md says: the previous release again, every sandbox still there")
+    run_doc(bed, rollback, current.version)
+    eventually(lambda: rolled_to(bed, previous.image), "the previous release running again", timeout=300)
+    time.sleep(10)
+    assert set(sandboxes(bed)) == {*kept, *pinned, "held"}
+    assert {n: phase(bed, n) for n in pinned} == dict.fromkeys(pinned, "Pinned")
+
+    say("delete the holder: the rolled-back agent deletes the expired sandbox it held")
+    bed.kubectl("delete", "pod", "holder", "-n", NS, "--wait=true")
+    eventually(lambda: rsb(bed, "held") is None, "the released sandbox deleted", timeout=120)
+    assert not bed.exists(bed.root / NS / "held")
