@@ -254,7 +254,31 @@ class Component:
             self._log_file = None
 
 
-class LocalCluster:
+class Lifecycle:
+    """`with X(...) as x:` starts it and stops it, also on an error, which marks it failed (a failed one's
+    files may be kept for a look: SANDKEEP_KEEP_CLUSTER_DIR)."""
+
+    failed = False
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is not None:
+            self.failed = True
+        self.stop()
+
+
+class LocalCluster(Lifecycle):
     """etcd + kube-apiserver on 127.0.0.1, with an admin kubeconfig, as a context manager.
 
     `workdir` is the parent of the cluster's own temporary directory (default: the system temp dir);
@@ -303,16 +327,6 @@ class LocalCluster:
         return self._path("pki/ca.crt")
 
     # --- lifecycle ------------------------------------------------------------------------------------
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is not None:
-            self.failed = True
-        self.stop()
 
     def start(self, timeout: float = 90.0, attempts: int = 3) -> None:
         """Start etcd, kube-apiserver and kube-controller-manager; return once all three are ready.

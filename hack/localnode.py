@@ -39,13 +39,13 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Self
+from typing import IO
 
 from hack.localcluster import (
     SERVICE_IP,
     ClusterError,
     Component,
+    Lifecycle,
     LocalCluster,
     ToolsMissingError,
     _tail,
@@ -173,7 +173,7 @@ def _tar(files: dict[str, tuple[bytes, int]]) -> bytes:
     return out.getvalue()
 
 
-class LocalNode:
+class LocalNode(Lifecycle):
     """One real Node, `name`, joined to a started LocalCluster (which must be in node_mode)."""
 
     def __init__(self, cluster: LocalCluster, name: str = "sandkeep-node", tools: Path | None = None) -> None:
@@ -209,17 +209,6 @@ class LocalNode:
         if self.dir is None:
             raise ClusterError("the node is not started")
         return self.dir / name
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is not None:
-            self.failed = True
-        self.stop()
 
     # --- start ----------------------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> None:

@@ -23,15 +23,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
 import yaml
 
-from hack.localcluster import ClusterError, Component, _tail, free_port, spawn, tools_bin
+from hack.localcluster import ClusterError, Component, Lifecycle, _tail, free_port, spawn, tools_bin
 
 
-class LocalRegistry:
+class LocalRegistry(Lifecycle):
     """One `registry serve` on `addr` (default 127.0.0.1 and a free port), its blobs under `workdir/registry`."""
 
     def __init__(self, workdir: Path, addr: str | None = None) -> None:
@@ -42,15 +40,6 @@ class LocalRegistry:
     @property
     def url(self) -> str:
         return f"http://{self.host}"
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def start(self, timeout: float = 30.0) -> None:
         binary = tools_bin(("registry",)) / "registry"
