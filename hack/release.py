@@ -7,7 +7,10 @@
 2. The chart: `charts/sandkeep` copied into a staging directory with every symlink replaced by the file it
    names (`files/crds`), `version` and `appVersion` set to VERSION, the image's default set to
    REGISTRY/sandkeep at that digest; `helm package`, then `helm push` to oci://REGISTRY/charts.
-3. Prints what it pushed: the image by digest, and the chart by version and digest.
+3. The kubectl plugin (unless --no-plugin): `hack/plugin_zipapp.py`'s single-file archive per platform and
+   krew's manifest `sandkeep.yaml` for them, in --out (the archives are to be served from --plugin-uri-base,
+   a GitHub release's downloads by default); built from this checkout only.
+4. Prints what it pushed: the image by digest, the chart by version and digest; and the plugin's files.
 
 A user then installs with `helm install sandkeep oci://REGISTRY/charts/sandkeep --version VERSION`.
 `--source` releases another checkout (the upgrade test releases an earlier commit of main with this script);
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hack import plugin_zipapp
 from hack.localcluster import REPO, tools_bin
 
 RELEASE_TOOLS = ("helm", "crane")
@@ -46,13 +50,19 @@ class Release:
     chart: str  # oci://REGISTRY/charts/sandkeep
     chart_digest: str
     package: Path
+    plugin: Path | None = None  # krew's manifest, beside the plugin's archives
 
     def lines(self) -> list[str]:
-        return [
+        lines = [
             f"image  {self.image}",
             f"chart  {self.chart} --version {self.version} ({self.chart_digest})",
             f"install: helm install sandkeep {self.chart} --version {self.version} --namespace sandkeep",
         ]
+        if self.plugin is not None:
+            archives = self.plugin.parent.glob(f"{plugin_zipapp.PLUGIN}-{self.version}-*.tar.gz")
+            lines += [f"plugin {path}" for path in sorted(archives)]
+            lines.append(f"krew: kubectl krew install --manifest={self.plugin} (its archives served at their uri)")
+        return lines
 
 
 def _run(cmd: Sequence[str], env: dict[str, str] | None = None) -> str:
@@ -146,15 +156,24 @@ def release(
     source: Path = REPO,
     image_cache: Path | None = None,
     out: Path | None = None,
+    plugin_uri_base: str | None = None,
 ) -> Release:
-    """Build, push and package one release; see the module's docstring."""
+    """Build, push and package one release; see the module's docstring. With PLUGIN_URI_BASE, also the
+    kubectl plugin's archives and krew manifest, for archives served from there."""
     if not SEMVER.match(version):
         raise ValueError(f"{version!r} is no SemVer version (x.y.z or x.y.z-pre)")
+    if plugin_uri_base is not None and source.resolve() != REPO:
+        raise ValueError("the kubectl plugin is built from this checkout only: --no-plugin with --source")
     tools_bin(RELEASE_TOOLS)  # fail before the image build when a tool is missing
+    out = out or REPO / ".cache" / "release"
     image = push_image(build_image(source, image_cache), registry, version, plain_http)
-    package = package_chart(source, version, image, out or REPO / ".cache" / "release")
+    package = package_chart(source, version, image, out)
     chart, chart_digest = push_chart(package, registry, plain_http)
-    return Release(version, image, chart, chart_digest, package)
+    plugin = None
+    if plugin_uri_base is not None:
+        uri_base = plugin_uri_base.format(version=version)
+        plugin = plugin_zipapp.build(version, out, sorted(plugin_zipapp.PLATFORMS), uri_base)
+    return Release(version, image, chart, chart_digest, package, plugin)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,11 +184,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--source", type=Path, default=REPO, help="the checkout to release (default: this one)")
     parser.add_argument("--image-cache", type=Path, help="SANDKEEP_TOOLS_DIR for that checkout's hack/image.sh")
     parser.add_argument("--out", type=Path, help="where the chart package is written (default .cache/release)")
+    parser.add_argument("--no-plugin", action="store_true", help="skip the kubectl plugin's archives and manifest")
+    parser.add_argument(
+        "--plugin-uri-base",
+        default=plugin_zipapp.URI_BASE,
+        help="where the plugin's archives will be served, for krew's manifest ({version} is replaced)",
+    )
     args = parser.parse_args(argv)
     try:
         source = args.source.resolve()
-        pushed = release(args.version, args.registry, args.plain_http, source, args.image_cache, args.out)
-    except (RuntimeError, ValueError) as e:
+        uri_base = None if args.no_plugin else args.plugin_uri_base
+        pushed = release(args.version, args.registry, args.plain_http, source, args.image_cache, args.out, uri_base)
+    except (RuntimeError, ValueError, subprocess.CalledProcessError) as e:
         print(f"release failed: {e}", file=sys.stderr)
         return 1
     print("\n".join(pushed.lines()))

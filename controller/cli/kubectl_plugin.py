@@ -16,6 +16,8 @@ the session's Pod runs in the sandbox's own namespace, so exec is the user's own
 
 Here: the command line, `ls` (and its table), `pin`, `unpin`, `doctor`. `open` and `cp`, which go through a
 session, are `kubectl_open.py`'s; what every command shares (the cluster, `Refused`, signals) `kubectl_target.py`'s.
+Called as `kubectl_complete-sandkeep` (a link to this program), it completes a command line for the shell
+instead (`kubectl_complete.py`). `hack/plugin_zipapp.py` builds it as one file for krew.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import NoReturn
 
 import yaml
 
 from controller import __version__
 from controller.api.kube import KubeError
-from controller.cli import doctor
+from controller.cli import doctor, kubectl_complete
 from controller.cli.kubectl_open import DEFAULT_LIFETIME, cmd_cp, cmd_open
 from controller.cli.kubectl_target import RESOURCE, Interrupted, Refused, Target, connect, get_sandbox, signals_raise
 from controller.node import untar
@@ -295,6 +298,8 @@ VERBS: dict[str, Callable[[Target, argparse.Namespace], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if Path(sys.argv[0]).name.startswith(kubectl_complete.EXECUTABLE):  # kubectl's completion convention
+        return kubectl_complete.main(parser(), argv)
     command: list[str] = []
     if "--" in argv:  # `open NAME -- CMD...`: everything after `--` is the command, flags and all
         at = argv.index("--")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local control plane's tools (kube-apiserver, kube-controller-manager, kubectl, etcd), the real
 # node's (kubelet, kube-scheduler), helm, promtool, the Prometheus server, the OCI registry (CNCF Distribution)
-# and crane (pushes the image to it) from the pinned wrapper modules beside this script, into a versioned cache. Names given as arguments build only those.
+# crane (pushes the image to it) and krew (installs the kubectl plugin as a user does) from the pinned wrapper modules beside this script, into a versioned cache. Names given as arguments build only those.
 #
 # Idempotent: each tool lands in $SANDKEEP_TOOLS_DIR/<name>-<key>/, where <key> hashes its
 # wrapper's go.mod and go.sum, its package and its link flags, and is skipped when already built. A second run
@@ -65,7 +65,7 @@ for p in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
 	helm_stamp+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
 done
 
-want=${*:-kube-apiserver kube-controller-manager kubectl etcd kubelet kube-scheduler helm promtool prometheus registry crane}
+want=${*:-kube-apiserver kube-controller-manager kubectl etcd kubelet kube-scheduler helm promtool prometheus registry crane krew}
 
 build_tool() {
 	case $1 in
@@ -80,6 +80,7 @@ build_tool() {
 	prometheus) build promtool prometheus github.com/prometheus/prometheus/cmd/prometheus ;;
 	registry) build registry registry github.com/distribution/distribution/v3/cmd/registry ;;
 	crane) build crane crane github.com/google/go-containerregistry/cmd/crane ;;
+	krew) build krew kubectl-krew sigs.k8s.io/krew/cmd/krew ;;
 	esac
 }
 
@@ -97,6 +98,7 @@ for tool in $want; do
 	promtool | prometheus) lane=prometheus ;;
 	registry) lane=registry ;;
 	crane) lane=crane ;;
+	krew) lane=krew ;;
 	*) log "unknown tool: $tool"; exit 2 ;;
 	esac
 	[[ -v lane_tools[$lane] ]] || lanes+=("$lane")
