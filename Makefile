@@ -15,7 +15,7 @@ PYTEST_WORKERS ?= 2
 .PHONY: all venv protos deps demo-deps tools demo-tools lint types test test-fast e2e demo demo-node node cluster bench clean image \
 	release registry
 # What the demo runs; `make tools` adds kubelet, kube-scheduler, helm, promtool, prometheus, the OCI registry and
-# crane for the tests and `make release`.
+# crane for the tests and `make release`, and krew (tests/apiserver/test_krew.py).
 DEMO_TOOLS := kube-apiserver kube-controller-manager kubectl etcd
 
 all: test
@@ -42,7 +42,7 @@ demo-deps:
 	bash hack/deps.sh demo
 
 ## Build every Go tool from pinned modules: the control plane's, the real node's (kubelet, kube-scheduler), helm,
-## promtool, prometheus, CNCF Distribution's registry and crane (cached; instant when built).
+## promtool, prometheus, CNCF Distribution's registry, crane and krew (cached; instant when built).
 tools:
 	bash hack/tools/build.sh >/dev/null
 
