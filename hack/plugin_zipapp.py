@@ -63,22 +63,27 @@ EPOCH = (1980, 1, 1, 0, 0, 0)
 
 MAIN = '''\
 """`kubectl sandkeep`, as one file (hack/plugin_zipapp.py builds it)."""
-import importlib.machinery, os, sys, zipfile
+import importlib.machinery, os, shutil, sys, zipfile
 BUILD = {build!r}
+if sys.version_info < (3, 11):
+    sys.exit("error: kubectl-sandkeep needs python3 3.11 or later; this python3 is %d.%d" % sys.version_info[:2])
 archive = os.path.abspath(sys.argv[0])
 cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sandkeep", "kubectl-plugin")
 here = os.path.join(cache, BUILD)
 if not os.path.isdir(here):  # first run of this build: pydantic-core's package, with this interpreter's extension
-    os.makedirs(cache, exist_ok=True)
     ext = importlib.machinery.EXTENSION_SUFFIXES[0]
     with zipfile.ZipFile(archive) as z:
         names = [n for n in z.namelist() if n.startswith("{staged}/") and (n.endswith(ext) or not n.endswith(".so"))]
-        staging = here + ".%d" % os.getpid()
+        if not any(n.endswith(ext) for n in names):
+            sys.exit("error: this kubectl-sandkeep carries pydantic-core for CPython %s only, not for this "
+                     "python3 (%s); use the archive for this platform, or another python3" % ({pythons!r}, ext))
+        staging = "%s.%d" % (here, os.getpid())
         z.extractall(staging, names)
     try:
         os.rename(os.path.join(staging, "{staged}"), here)
     except OSError:  # another run got there first
         pass
+    shutil.rmtree(staging, ignore_errors=True)
 sys.path.insert(0, here)
 from controller.cli.kubectl_plugin import main
 sys.exit(main())
@@ -175,7 +180,7 @@ def zipapp(version: str, platform: str, pythons: Sequence[str] = PYTHONS) -> byt
     build = f"{version}-{digest.hexdigest()[:16]}"
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compresslevel=9) as z:
-        _add(z, "__main__.py", MAIN.format(build=build, staged=STAGED).encode())
+        _add(z, "__main__.py", MAIN.format(build=build, staged=STAGED, pythons=" ".join(pythons)).encode())
         for name, data in payload:
             _add(z, name, data)
     return b"#!/usr/bin/env python3\n" + buf.getvalue()

@@ -99,8 +99,9 @@ def test_kubectl_sandkeep_ls_runs_from_krew_with_no_venv(cluster: Any, namespace
     assert ls.returncode == 0, ls.stderr
     header, row = ls.stdout.splitlines()
     assert header.split()[:3] == ["NAME", "NODE", "PHASE"] and row.split()[:2] == ["run-krew", "node-a"]
-    # the extracted compiled module sits in the user's cache, one directory per build
-    assert list((Path(installed["HOME"]) / ".cache" / "sandkeep" / "kubectl-plugin").iterdir())
+    # the extracted compiled module sits in the user's cache: one directory for the build, no staging left
+    (extracted,) = (Path(installed["HOME"]) / ".cache" / "sandkeep" / "kubectl-plugin").iterdir()
+    assert extracted.name.startswith(f"{VERSION}-") and (extracted / "pydantic_core" / "__init__.py").is_file()
 
 
 def test_kubectl_completes_the_plugins_commands_and_sandbox_names(
