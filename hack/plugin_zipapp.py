@@ -18,6 +18,9 @@ cannot import an extension from inside a zip, so on its first run the zipapp ext
 with only the extension for the running interpreter, into `$XDG_CACHE_HOME/sandkeep/kubectl-plugin/BUILD`
 (BUILD hashes the archive's contents) and imports it from there. The other compiled extensions in this venv
 (PyYAML's `_yaml`, charset-normalizer's mypyc modules) are left out: those packages fall back to pure Python.
+Python writes no bytecode for modules in a zip, so the first run of each CPython also writes every module
+compiled, with the data files, to `BUILD/cpython-3XX.zip` (about 18 MB, 5 s once) and imports from that:
+a run then starts as fast as the venv's (0.5 s for `--version` here, against 1.4 to 2.4 s from the sources).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ EPOCH = (1980, 1, 1, 0, 0, 0)
 
 MAIN = '''\
 """`kubectl sandkeep`, as one file (hack/plugin_zipapp.py builds it)."""
-import importlib.machinery, os, shutil, sys, zipfile
+import importlib.machinery, importlib.util, marshal, os, shutil, sys, zipfile
 BUILD = {build!r}
 if sys.version_info < (3, 11):
     sys.exit("error: kubectl-sandkeep needs python3 3.11 or later; this python3 is %d.%d" % sys.version_info[:2])
@@ -84,7 +87,25 @@ if not os.path.isdir(here):  # first run of this build: pydantic-core's package,
     except OSError:  # another run got there first
         pass
     shutil.rmtree(staging, ignore_errors=True)
-sys.path.insert(0, here)
+# Python writes no bytecode for a zip, so each run would compile every module again (about a second): the
+# first run of each CPython writes them, compiled, with the data files, to a zip of its own.
+code = os.path.join(here, sys.implementation.cache_tag + ".zip")
+if not os.path.exists(code):
+    try:
+        partial = "%s.%d" % (code, os.getpid())
+        with zipfile.ZipFile(archive) as z, zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as out:
+            for n in z.namelist():
+                if n.startswith("{staged}/") or n == "__main__.py" or n.endswith("/"):
+                    continue
+                data = z.read(n)
+                if n.endswith(".py"):
+                    compiled = compile(data, os.path.join(archive, n), "exec", dont_inherit=True)
+                    data, n = importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(compiled), n + "c"
+                out.writestr(n, data)
+        os.replace(partial, code)
+    except OSError:  # a cache it cannot write: run from the sources
+        code = archive
+sys.path[0:0] = [here, code]
 from controller.cli.kubectl_plugin import main
 sys.exit(main())
 '''
@@ -174,7 +195,7 @@ def zipapp(version: str, platform: str, pythons: Sequence[str] = PYTHONS) -> byt
     # importlib.metadata finds this in the zip, so `kubectl sandkeep --version` names the release.
     metadata = f"Metadata-Version: 2.1\nName: sandkeep\nVersion: {version}\n"
     payload.append((f"sandkeep-{version}.dist-info/METADATA", metadata.encode()))
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(MAIN.encode())
     for name, data in payload:
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     build = f"{version}-{digest.hexdigest()[:16]}"

@@ -102,6 +102,7 @@ def test_kubectl_sandkeep_ls_runs_from_krew_with_no_venv(cluster: Any, namespace
     # the extracted compiled module sits in the user's cache: one directory for the build, no staging left
     (extracted,) = (Path(installed["HOME"]) / ".cache" / "sandkeep" / "kubectl-plugin").iterdir()
     assert extracted.name.startswith(f"{VERSION}-") and (extracted / "pydantic_core" / "__init__.py").is_file()
+    assert (extracted / f"cpython-{python3_version().replace('.', '')}.zip").is_file()  # the compiled modules
 
 
 def test_kubectl_completes_the_plugins_commands_and_sandbox_names(
