@@ -53,9 +53,6 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kube-qps", type=float, help="API requests per second on average (default 20)")
     parser.add_argument("--kube-burst", type=int, help="API requests at once above the average (default 40)")
     parser.add_argument(
-        "--sessions-namespace", help="namespace whose Pods are SandboxSessions to verify (default: none)"
-    )
-    parser.add_argument(
         "--pressure-min-free-bytes", type=int, help="also release while fewer bytes than this are available (default 0)"
     )
     parser.add_argument(

@@ -52,9 +52,6 @@ class AgentSettings(Settings):
     # once, or every agent of a large cluster restarting together, stays a steady trickle per node.
     kube_qps: KubeQps = 20.0
     kube_burst: Annotated[int, Field(ge=1)] = 40
-    # The namespace the controller runs SandboxSession Pods in: only its Pods are verified for a session
-    # (controller/agent/sessions.py). Empty: sessions are not verified here, so none is ever granted.
-    sessions_namespace: str = ""
     # How long one sandbox's size may take to measure (one thread measures them all, one after another):
     # past it the bytes counted so far are reported, with condition SizePartial (SizeTooSlow). 0: no limit.
     size_budget: HumanDuration = timedelta(minutes=2)
