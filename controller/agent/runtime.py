@@ -49,7 +49,7 @@ from controller.node.reaper import Hooks, Reaper
 from controller.node.store import Root, Tombstone
 from controller.observe import logs, metrics
 from controller.rules import objects
-from controller.rules.contracts import FINALIZER, Reason
+from controller.rules.contracts import FINALIZER, Queue, Reason
 from controller.rules.objects import Obj
 
 log = logging.getLogger("sandkeep.agent")
@@ -74,6 +74,7 @@ class Agent(Deletion, Heartbeat):
         self.m = agent_metrics
         self.state = AgentState()
         self.queue: WorkQueue[Key] = WorkQueue()  # a held or failed key comes back with per-key backoff
+        self.queue.instrument(agent_metrics.queues, Queue.AGENT)
         self.loop: asyncio.AbstractEventLoop | None = None
         # A delete's Deleting report, waiting (a timer) or under way (its apply), until its outcome is said.
         self.deleting = {}

@@ -334,3 +334,36 @@ M_ROOT_AVAIL = "sandkeep_root_filesystem_avail_bytes"  # gauge {node}
 M_HEARTBEAT = "sandkeep_agent_heartbeat_timestamp_seconds"  # gauge {node}
 M_PRESSURE_UNRELIEVED = "sandkeep_pressure_unrelieved"  # gauge {node}: 1 while above high with nothing releasable
 M_PRESSURE_RELEASES = "sandkeep_pressure_releases_total"  # counter {node}: delete requests for disk pressure
+
+# controller-runtime's series, under its exact names and labels (sigs.k8s.io/controller-runtime pkg/metrics and
+# pkg/internal/controller/metrics), so the dashboards written for Go operators read sandkeep's too. A queue's
+# `name` and `controller` labels are both its name (a `Queue`); the controller's reconciles carry it as `controller`.
+M_RECONCILE_TOTAL = "controller_runtime_reconcile_total"  # counter {controller, result}
+M_RECONCILE_TIME = "controller_runtime_reconcile_time_seconds"  # histogram {controller}
+M_WORKQUEUE_DEPTH = "workqueue_depth"  # gauge {name, controller, priority}: keys waiting
+M_WORKQUEUE_ADDS = "workqueue_adds_total"  # counter {name, controller}
+M_WORKQUEUE_QUEUE_DURATION = "workqueue_queue_duration_seconds"  # histogram {name, controller}: queued -> taken
+M_WORKQUEUE_WORK_DURATION = "workqueue_work_duration_seconds"  # histogram {name, controller}: taken -> done
+M_WORKQUEUE_RETRIES = "workqueue_retries_total"  # counter {name, controller}: every add_after, as client-go counts
+M_WORKQUEUE_UNFINISHED = "workqueue_unfinished_work_seconds"  # gauge {name, controller}: work under way, summed
+M_WORKQUEUE_LONGEST = "workqueue_longest_running_processor_seconds"  # gauge {name, controller}
+
+
+class Queue(StrEnum):
+    """The work queues, by name: the `name`/`controller` of the `workqueue_*` series, the `controller` of the
+    reconcile series and the `component` of sandkeep_reconcile_errors_total."""
+
+    CONTROLLER = "controller"  # the controller's RetainedSandboxes
+    QUOTA = "quota"  # the controller's namespaces whose quota to check
+    SESSIONS = "sessions"  # the controller's SandboxSessions
+    AGENT = "agent"  # an agent's RetainedSandboxes of its node
+
+
+class ReconcileResult(StrEnum):
+    """`controller_runtime_reconcile_total{result}`, controller-runtime's values (sandkeep never says `requeue`:
+    a reconcile asks for its key again at an instant, `requeue_after`)."""
+
+    SUCCESS = "success"
+    ERROR = "error"
+    REQUEUE = "requeue"
+    REQUEUE_AFTER = "requeue_after"

@@ -438,12 +438,20 @@ def test_the_quarantine_clock_survives_a_restart_and_a_zero_grace_never_deletes(
 def test_kubectl_delete_removes_the_directory_and_then_the_object(cluster, namespace, nodes, agents):
     n1, _ = nodes
     path = n1.retain(namespace, "run-del")
-    agents(n1)
+    a = agents(n1)
     adopted(cluster, namespace, "run-del")
     delete(cluster, namespace, "run-del")
     wait_for(lambda: get(cluster, namespace, "run-del") is None, what="object gone")
     assert not path.exists()
     assert tombstones(n1) == []
+
+    # its queue's controller-runtime series (issue 26 item 7): the watch's events were queued and worked on
+    def sample(name: str) -> re.Match[str] | None:
+        return re.search(rf'{name}\{{[^}}]*name="{c.Queue.AGENT}"[^}}]*\}} (\d+)', a.metrics())
+
+    worked = wait_for(lambda: sample(c.M_WORKQUEUE_WORK_DURATION + "_count"))
+    added = sample(c.M_WORKQUEUE_ADDS)
+    assert added is not None and int(added.group(1)) >= int(worked.group(1)) >= 1
 
 
 def test_deleting_a_namespace_deletes_its_sandboxes_from_disk_and_the_namespace_goes_away(

@@ -175,7 +175,7 @@ class Controller:
         self._log.close()
 
 
-def metric_value(text: str, name: str, **labels: str) -> float:
+def metric_value(text: str, name: str, /, **labels: str) -> float:
     """The value of one sample in Prometheus text (0 when absent)."""
     for line in text.splitlines():
         if not line.startswith(name):
