@@ -29,7 +29,12 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", help="this node's name (env SANDKEEP_NODE)")
     parser.add_argument("--root", help="the node's sandbox root (env SANDKEEP_ROOT)")
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
-    parser.add_argument("--namespace", help="namespace of the heartbeat Lease (env SANDKEEP_NAMESPACE)")
+    flags.add_renamed(
+        parser,
+        "--lease-namespace",
+        "--namespace",
+        help="namespace of the heartbeat Lease (env SANDKEEP_LEASE_NAMESPACE)",
+    )
     parser.add_argument("--metrics-port", type=int, help="port for /metrics /healthz /readyz (0: any free port)")
     parser.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
     parser.add_argument("--scan-interval", help="time between full passes (default 30s)")

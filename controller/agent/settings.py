@@ -6,9 +6,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
-from controller.rules.flags import HumanDuration, KubeQps
+from controller.rules.flags import RENAMED_ENV, HumanDuration, KubeQps
 from controller.rules.models import Settings
 from controller.rules.pressure import Watermarks
 
@@ -28,7 +28,11 @@ class AgentSettings(Settings):
     node: str = ""
     root: Path = Path("/var/lib/sandkeep")
     kubeconfig: str | None = None
-    namespace: str = "sandkeep-system"  # where the heartbeat Lease lives
+    # Where the heartbeat Lease lives (env SANDKEEP_LEASE_NAMESPACE; SANDKEEP_NAMESPACE, its old name, is
+    # still read for one release).
+    lease_namespace: str = Field(
+        "sandkeep-system", validation_alias=AliasChoices("lease_namespace", "SANDKEEP_LEASE_NAMESPACE", *RENAMED_ENV)
+    )
     metrics_port: int = 9102
     metrics_host: str = "127.0.0.1"
     scan_interval: HumanDuration = timedelta(seconds=30)

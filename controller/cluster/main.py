@@ -31,7 +31,9 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
     )
     metrics_ = metrics.ControllerMetrics()
     ctl = Controller(kube, settings, metrics_)
-    elector = LeaderElector(kube, settings.namespace, c.CONTROLLER_LEASE, settings.identity, settings.lease_duration)
+    elector = LeaderElector(
+        kube, settings.lease_namespace, c.CONTROLLER_LEASE, settings.identity, settings.lease_duration
+    )
 
     statuses: set[asyncio.Task[None]] = set()
 
@@ -62,7 +64,7 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
         log,
         "controller_started",
         identity=elector.identity,
-        lease=f"{settings.namespace}/{c.CONTROLLER_LEASE}",
+        lease=f"{settings.lease_namespace}/{c.CONTROLLER_LEASE}",
         metrics=f"http://{settings.metrics_host}:{server.server_port}/metrics",
         watch=",".join(settings.watch_namespaces) or "cluster",
     )
@@ -92,7 +94,9 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
 # --- the command -----------------------------------------------------------------------------------------
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", help="kubeconfig path (default: in-cluster, else $KUBECONFIG)")
-    parser.add_argument("--namespace", help="namespace of the leader Lease (env SANDKEEP_NAMESPACE)")
+    flags.add_renamed(
+        parser, "--lease-namespace", "--namespace", help="namespace of the leader Lease (env SANDKEEP_LEASE_NAMESPACE)"
+    )
     parser.add_argument(
         "--watch-namespace",
         action="append",

@@ -7,12 +7,12 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from controller.cluster.session_decide import DEFAULT_RESOURCES, MAX_ID, SessionSettings
 from controller.rules import contracts as c
 from controller.rules import models
-from controller.rules.flags import HumanDuration, HumanSize, JsonList, JsonObject, KubeQps
+from controller.rules.flags import RENAMED_ENV, HumanDuration, HumanSize, JsonList, JsonObject, KubeQps
 from controller.rules.policy import Ceiling, Policy, Quota
 
 COMPONENT = "sandkeep-controller"
@@ -24,7 +24,11 @@ class ControllerSettings(models.Settings):
     """The controller's settings (`SANDKEEP_*` env vars; flags override them)."""
 
     node_grace: HumanDuration = timedelta(minutes=10)  # a node gone this long: its sandboxes are Lost
-    namespace: str = "sandkeep-system"  # where the leader Lease lives
+    # Where the leader Lease lives (env SANDKEEP_LEASE_NAMESPACE; SANDKEEP_NAMESPACE, its old name, is
+    # still read for one release).
+    lease_namespace: str = Field(
+        "sandkeep-system", validation_alias=AliasChoices("lease_namespace", "SANDKEEP_LEASE_NAMESPACE", *RENAMED_ENV)
+    )
     kubeconfig: str | None = None
     metrics_port: int = 8080
     metrics_host: str = "127.0.0.1"

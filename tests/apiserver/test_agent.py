@@ -113,7 +113,7 @@ class AgentProcess:
             "--node": node.name,
             "--root": str(node.root.path),
             "--kubeconfig": str(kubeconfig or cluster.kubeconfig),
-            "--namespace": namespace,
+            "--lease-namespace": namespace,
             "--metrics-port": "0",
             "--scan-interval": "1s",
             "--stuck-after": "2s",
@@ -370,8 +370,9 @@ def test_unadoptable_entries_are_quarantined_deleted_after_the_grace_held_in_use
     lease = cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace, "-o", "json")
     published = json.loads(json.loads(lease.stdout)["metadata"]["annotations"][c.ANN_QUARANTINE])
     assert published["total"] == 8 and published["grace"] == 8
+    only = ["--install-namespace", namespace, "--sandbox-namespace", namespace]
     doctor = subprocess.run(
-        [*DOCTOR, "--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace, "--sandbox-namespace", namespace],
+        [*DOCTOR, "--kubeconfig", str(cluster.kubeconfig), *only],
         cwd=REPO,
         capture_output=True,
         text=True,

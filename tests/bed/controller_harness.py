@@ -124,7 +124,7 @@ class Controller:
             "controller.cli.sandkeep",
             "controller",
             f"--kubeconfig={cluster.kubeconfig}",
-            f"--namespace={namespace}",
+            f"--lease-namespace={namespace}",
             f"--watch-namespace={namespace}",
             "--metrics-port=0",
             *args,
