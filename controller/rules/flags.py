@@ -140,13 +140,18 @@ def flag_of(info: FieldInfo) -> Flag | None:
 
 
 def _base(annotation: Any) -> Any:
-    """`int` of `int | None`, of `Annotated[int, ...]`, of `Annotated[int, ...] | None`."""
+    """`int` of `int | None`, of `Annotated[int, ...]`, of `Annotated[int, ...] | None`; `str` of a type read
+    from text by its own validator (`HumanSize`: `50Gi`), which argparse must pass on as written."""
     args = [a for a in get_args(annotation) if a is not type(None)]
     if get_origin(annotation) is Annotated:
-        return _base(args[0])
+        return str if _reads_text(annotation.__metadata__) else _base(args[0])
     if args and get_origin(annotation) in (Union, UnionType):
         return _base(args[0])
     return annotation
+
+
+def _reads_text(metadata: Any) -> bool:
+    return any(isinstance(m, BeforeValidator) for m in metadata)
 
 
 def shown_default(info: FieldInfo, declared: Flag) -> str | None:
@@ -176,7 +181,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         option = declared.name or "--" + field.replace("_", "-")
         shown = shown_default(info, declared)
         kwargs: dict[str, Any] = {"help": declared.help + (f" (default {shown})" if shown else "")}
-        base = _base(info.annotation)
+        base = str if _reads_text(info.metadata) else _base(info.annotation)
         if declared.repeat:
             kwargs["action"] = "append"
         elif base is bool:

@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controller.rules.contracts import ORIGIN_CONTAINERS_MAX, ORIGIN_LABELS, Outcome
 from controller.rules.durations import instant_or_none
-from controller.rules.flags import HumanDuration
+from controller.rules.flags import Flag, HumanDuration
 from controller.rules.policy import Ceiling, Facts, Policy
 
 # Whole-string matches: `$` also matches before a final newline, which let `ns\n` pass as a namespace.
@@ -209,11 +209,20 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SANDKEEP_", extra="ignore")
 
-    retention: HumanDuration = timedelta(hours=72)
-    max_pin: HumanDuration = timedelta(days=30)
-    max_retention: HumanDuration = timedelta(days=90)  # the ceiling no namespace policy can exceed
-    max_pin_ceiling: HumanDuration = timedelta(days=90)
-    dry_run: bool = False
+    retention: Annotated[
+        HumanDuration, Flag("cluster default retention window, e.g. 72h", value="settings.retention")
+    ] = timedelta(hours=72)
+    max_pin: Annotated[HumanDuration, Flag("cluster default longest pin, e.g. 30d", value="settings.maxPin")] = (
+        timedelta(days=30)
+    )
+    # the ceiling no namespace policy can exceed
+    max_retention: Annotated[
+        HumanDuration, Flag("ceiling no namespace policy can exceed", value="settings.maxRetention")
+    ] = timedelta(days=90)
+    max_pin_ceiling: Annotated[
+        HumanDuration, Flag("pin ceiling no namespace policy can exceed", value="settings.maxPinCeiling")
+    ] = timedelta(days=90)
+    dry_run: Annotated[bool, Flag("decide and report, delete nothing", value="settings.dryRun")] = False
 
     def policy(self) -> Policy:
         return Policy(self.retention, self.max_pin, self.dry_run)
