@@ -20,6 +20,11 @@ COMPONENT = "sandkeep-controller"
 SEAM_ENV = "SANDKEEP_TEST_BEFORE_DELETE_DIR"
 
 
+def _bound(bound: c.SessionBound, text: str) -> Flag:
+    """The flag of a bound on sessions (issue 25): its flag and chart value `sessions.<value>` are contracts."""
+    return Flag(text, value=f"sessions.{bound.value}", name=bound.flag)
+
+
 class ControllerSettings(models.Settings):
     """The controller's settings (`SANDKEEP_*` env vars; flags override them), each declared once: its type,
     default, env var, flag (`Flag`, from which main.py's parser is built) and chart value."""
@@ -109,30 +114,17 @@ class ControllerSettings(models.Settings):
         str, Flag("the policy that binding must bind", name=c.SESSIONS_ADMISSION_POLICY, shown="the binding's name")
     ] = ""
     sessions_max_per_user: Annotated[
-        int,
-        Field(ge=0),
-        Flag(
-            "live sessions one user may have, cluster-wide",
-            value="sessions.maxPerUser",
-            name=c.SESSIONS_MAX_PER_USER.flag,
-        ),
+        int, Field(ge=0), _bound(c.SESSIONS_MAX_PER_USER, "live sessions one user may have, cluster-wide")
     ] = c.SESSIONS_MAX_PER_USER.default
     sessions_max_per_namespace: Annotated[
-        int,
-        Field(ge=0),
-        Flag(
-            "live sessions a namespace may have",
-            value="sessions.maxPerNamespace",
-            name=c.SESSIONS_MAX_PER_NAMESPACE.flag,
-        ),
+        int, Field(ge=0), _bound(c.SESSIONS_MAX_PER_NAMESPACE, "live sessions a namespace may have")
     ] = c.SESSIONS_MAX_PER_NAMESPACE.default
     sessions_min_owner_id: Annotated[
         int,
         Field(ge=1),
-        Flag(
+        _bound(
+            c.SESSIONS_MIN_OWNER_ID,
             "lowest workspace owner uid/gid a session runs as; lower ones run as --sessions-run-as-user",
-            value="sessions.minOwnerId",
-            name=c.SESSIONS_MIN_OWNER_ID.flag,
         ),
     ] = c.SESSIONS_MIN_OWNER_ID.default
     sessions_allowed_images: Annotated[
