@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import UnionType
@@ -170,20 +170,26 @@ def shown_default(info: FieldInfo, declared: Flag) -> str | None:
     return None  # an empty text, list or object: the help says what empty means
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
+def add_settings_arguments(
+    parser: argparse.ArgumentParser, cls: type[BaseSettings], without: Collection[str] = ()
+) -> None:
     """One flag per field of `cls` that declares a `Flag`, in field order: `--<field-name>` (or its `name`),
     converted as argparse converts (`int`, `float`; a bool is a switch), its default left to the settings
-    (a flag not given is None: `settings_from` keeps the env's or the field's value)."""
+    (a flag not given is None: `settings_from` keeps the env's or the field's value). `without`: fields that
+    are settings (env) only for this command."""
     for field, info in cls.model_fields.items():
         declared = flag_of(info)
-        if declared is None:
+        if declared is None or field in without:
             continue
         option = declared.name or "--" + field.replace("_", "-")
         shown = shown_default(info, declared)
         kwargs: dict[str, Any] = {"help": declared.help + (f" (default {shown})" if shown else "")}
         base = str if _reads_text(info.metadata) else _base(info.annotation)
-        if declared.repeat:
+        if declared.repeat:  # each use one item, converted as the items are (`list[int]`)
             kwargs["action"] = "append"
+            item = next(iter(get_args(base)), str)
+            if item in (int, float):
+                kwargs["type"] = item
         elif base is bool:
             kwargs.update(action="store_true", default=None)
         elif base in (int, float):

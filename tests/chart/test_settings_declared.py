@@ -1,6 +1,7 @@
-"""Settings declared once (issue 26, item 6): the controller's flags are built from its settings' declarations
-(`flags.Flag` on each field of controller/cluster/settings.py), and every chart value a setting names is in the
-chart README's values table with the setting's own default (or null, saying that default in words)."""
+"""Settings declared once (issue 26, item 6): the controller's and the agent's flags are built from their settings'
+declarations (`flags.Flag` on each field of controller/cluster/settings.py and controller/agent/settings.py), and
+every chart value a setting names is in the chart README's values table with the setting's own default (or
+null, saying that default in words)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic_settings import BaseSettings
 
+from controller.agent import command
+from controller.agent.settings import AgentSettings
 from controller.cluster import main
 from controller.cluster.settings import ControllerSettings
 from controller.rules import flags
+from controller.rules.models import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 _ROW = re.compile(r"^\| `(?P<key>[^`]+)` \| (?P<type>\w+) \| `(?P<default>.*)` \| (?P<text>.*) \|$")
@@ -29,24 +34,36 @@ def values_table() -> dict[str, tuple[Any, str]]:
     return rows
 
 
-def parser() -> argparse.ArgumentParser:
+# Each component: its settings, the command that parses them, and the settings that are env only there.
+COMPONENTS: dict[str, tuple[type[BaseSettings], Any, set[str]]] = {
+    "controller": (ControllerSettings, main.add_arguments, set()),
+    "agent": (AgentSettings, command.add_arguments, set(Settings.model_fields)),
+}
+FIELDS = [(name, field) for name, (cls, _, env_only) in COMPONENTS.items() for field in cls.model_fields]
+FIELDS = [(name, field) for name, field in FIELDS if field not in COMPONENTS[name][2]]
+
+
+def parser(component: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    main.add_arguments("controller", p)
+    COMPONENTS[component][1](component, p)
     return p
 
 
-def test_every_controller_setting_has_one_flag_built_from_its_declaration() -> None:
-    fields = ControllerSettings.model_fields
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_every_setting_has_one_flag_built_from_its_declaration(component: str) -> None:
+    cls, _, env_only = COMPONENTS[component]
+    fields = cls.model_fields
     undeclared = [f for f, info in fields.items() if flags.flag_of(info) is None]
     assert undeclared == [], "a setting with no Flag cannot be set from the command line"
-    dests = {a.dest for a in parser()._actions if a.dest != "help"}
-    assert dests == set(fields)
+    dests = {a.dest for a in parser(component)._actions if a.dest != "help"}
+    assert dests == set(fields) - env_only
 
 
-@pytest.mark.parametrize("field", sorted(ControllerSettings.model_fields))
-def test_each_flag_sets_its_setting(field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("component", "field"), FIELDS)
+def test_each_flag_sets_its_setting(component: str, field: str) -> None:
     # The value each flag carries reaches the setting: one that differs from the default, written as a person would.
-    info = ControllerSettings.model_fields[field]
+    cls = COMPONENTS[component][0]
+    info = cls.model_fields[field]
     declared = flags.flag_of(info)
     assert declared is not None
     option = declared.name or "--" + field.replace("_", "-")
@@ -58,6 +75,10 @@ def test_each_flag_sets_its_setting(field: str, monkeypatch: pytest.MonkeyPatch)
         "sessions_tolerations": '[{"key": "k", "operator": "Exists"}]',
         "kube_qps": "5",
         "identity": "me",
+        "root": "/r",
+        "ignore_pids": "7",
+        "pressure_high": "90",
+        "pressure_low": "70",
     }
     default = info.get_default(call_default_factory=True)
     if isinstance(default, bool):
@@ -67,19 +88,21 @@ def test_each_flag_sets_its_setting(field: str, monkeypatch: pytest.MonkeyPatch)
         if text is None:
             text = {int: "7", str: "x", type(None): "9"}.get(type(default), "5h" if "bytes" not in field else "5Gi")
         args = [option, text]
-    got = getattr(flags.settings_from(ControllerSettings, parser().parse_args(args)), field)
+    got = getattr(flags.settings_from(cls, parser(component).parse_args(args)), field)
     assert got != default, f"{' '.join(args)} left {field} at its default"
 
 
-def test_the_chart_values_table_matches_the_settings_it_sets() -> None:
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_the_chart_values_table_matches_the_settings_it_sets(component: str) -> None:
     table = values_table()
-    declared = flags.chart_values(ControllerSettings)
-    assert len(declared) >= 20, "the controller's chart values are declared on its settings"
+    cls, _, env_only = COMPONENTS[component]
+    declared = {f: v for f, v in flags.chart_values(cls).items() if f not in env_only}
+    assert len(declared) >= 10, "the component's chart values are declared on its settings"
     for field, key in declared.items():
         assert key in table, f"{field}: chart value {key} is not in the values table"
         chart, text = table[key]
-        default = ControllerSettings.model_fields[field].get_default(call_default_factory=True)
+        default = cls.model_fields[field].get_default(call_default_factory=True)
         if chart is None and default is not None:  # left null: the setting's own default applies, and says so
             assert f"({default})" in text, f"{key} is null: its description must name {field}'s default {default}"
             continue
-        assert getattr(ControllerSettings(**{field: chart}), field) == default, f"{key}: {chart!r} vs {default!r}"
+        assert getattr(cls(**{field: chart}), field) == default, f"{key}: {chart!r} vs {default!r}"
