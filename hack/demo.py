@@ -383,7 +383,7 @@ def start_components(demo: Demo) -> None:
             f"(This machine has {len(ignore)} process(es) even root cannot inspect; an agent would hold every "
             "sandbox as 'use cannot be ruled out', so they are vouched for with --ignore-pid.)"
         )
-    common = [f"--kubeconfig={kubeconfig}", f"--namespace={SYSTEM_NAMESPACE}", "--metrics-port=0"]
+    common = [f"--kubeconfig={kubeconfig}", f"--lease-namespace={SYSTEM_NAMESPACE}", "--metrics-port=0"]
     controller_args = [*demo.sandkeep, "controller", *common, "--lease-duration=5"]
     controller = demo.start("controller", controller_args, logs / "controller.log")
     timing = ["--scan-interval=1s", "--stuck-after=3s", "--orphan-timeout=3s"]

@@ -1,10 +1,10 @@
 """What every part of the `Agent` class works on (`AgentBase`): its attributes, set once by `Agent.__init__`,
-and the few steps the passes, the deletions and the session checks all take (the Pods on this node, a key's
+and the few steps the passes and the deletions all take (the Pods on this node, a key's
 retry with backoff, many keys at a time, a failure said and retried).
 
 The Agent is one object in parts, each a class of its own module by job: `runtime.py` (the watch, the
-queue, the passes, one object), `deletion.py` (the shared deletion pipeline in the reap threads, in-use),
-`heartbeat.py` (the Lease, health) and `session_status.py` (`status.sessions`).
+queue, the passes, one object), `deletion.py` (the shared deletion pipeline in the reap threads, in-use) and
+`heartbeat.py` (the Lease, health).
 """
 
 from __future__ import annotations

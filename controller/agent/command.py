@@ -21,48 +21,15 @@ from controller.node.store import Root, RootRefused
 from controller.observe import logs, metrics
 from controller.rules import flags
 from controller.rules.contracts import Reason
+from controller.rules.models import Settings
 
 log = logging.getLogger("sandkeep.agent")
 
 
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--node", help="this node's name (env SANDKEEP_NODE)")
-    parser.add_argument("--root", help="the node's sandbox root (env SANDKEEP_ROOT)")
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
-    parser.add_argument("--namespace", help="namespace of the heartbeat Lease (env SANDKEEP_NAMESPACE)")
-    parser.add_argument("--metrics-port", type=int, help="port for /metrics /healthz /readyz (0: any free port)")
-    parser.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
-    parser.add_argument("--scan-interval", help="time between full passes (default 30s)")
-    parser.add_argument("--stuck-after", help="age at which a tombstone counts as stuck (default 10m)")
-    parser.add_argument("--relog-every", help="how often a stuck tombstone is logged again (default 24h)")
-    parser.add_argument("--orphan-timeout", help="how long a killed orphan command may take to end (default 10s)")
-    parser.add_argument("--lock-wait", help="give up after waiting this long for the root lock (default: forever)")
-    parser.add_argument(
-        "--quarantine-grace",
-        help="how long the agent watches an entry no object can own (no or a bad manifest, a missing namespace, "
-        "a link, a bad name) before deleting it (default 24h; 0: never delete, only report)",
-    )
-    parser.add_argument("--ignore-pid", type=int, action="append", dest="ignore_pids", help="a pid vouched for")
-    parser.add_argument(
-        "--pressure-high",
-        type=float,
-        help="used percent of the root's filesystem above which sandboxes are released "
-        "(default 85, below the kubelet's eviction at nodefs.available<10%%; 100: never)",
-    )
-    parser.add_argument("--pressure-low", type=float, help="used percent releasing stops under (default 80)")
-    parser.add_argument("--kube-qps", type=float, help="API requests per second on average (default 20)")
-    parser.add_argument("--kube-burst", type=int, help="API requests at once above the average (default 40)")
-    parser.add_argument(
-        "--sessions-namespace", help="namespace whose Pods are SandboxSessions to verify (default: none)"
-    )
-    parser.add_argument(
-        "--pressure-min-free-bytes", type=int, help="also release while fewer bytes than this are available (default 0)"
-    )
-    parser.add_argument(
-        "--size-budget",
-        help="how long measuring one sandbox may take; past it the bytes counted so far are reported, with "
-        "condition SizePartial (default 2m; 0: no limit)",
-    )
+    """Every flag from its setting's declaration (settings.py: `Flag`); the policy settings it shares with the
+    controller are env only here."""
+    flags.add_settings_arguments(parser, AgentSettings, without=Settings.model_fields)
 
 
 def settings_from(args: argparse.Namespace) -> AgentSettings:

@@ -44,7 +44,9 @@ class Heartbeat(AgentBase):
         """Renew this node's Lease; publish, for `doctor`, the stuck tombstones no object owns, the disk
         pressure nothing can relieve and the quarantined entries, when they change."""
         try:
-            await asyncio.to_thread(leases.renew_heartbeat, self.kube, self.s.namespace, self.s.node, self.identity)
+            await asyncio.to_thread(
+                leases.renew_heartbeat, self.kube, self.s.lease_namespace, self.s.node, self.identity
+            )
             said = {
                 c.ANN_ORPHAN_TOMBSTONES: json.dumps(orphan_report(self.reaper), sort_keys=True),
                 c.ANN_PRESSURE: self.relief.published,
@@ -56,7 +58,7 @@ class Heartbeat(AgentBase):
                 await asyncio.to_thread(
                     self.kube.request,
                     "PATCH",
-                    leases.lease_path(self.s.namespace, leases.heartbeat_name(self.s.node)),
+                    leases.lease_path(self.s.lease_namespace, leases.heartbeat_name(self.s.node)),
                     body=patch,
                     content_type="application/merge-patch+json",
                 )

@@ -9,8 +9,7 @@ every object, relief, quarantine, metrics, the heartbeat. Between passes, queued
 size changes, retries with per-key backoff) are processed.
 
 The Agent is one object in parts (`base.AgentBase` declares what they share): this module is the watch, the
-queue, the passes and one object; `deletion.py` the pipeline and in-use, `heartbeat.py` the Lease and health,
-`session_status.py` `status.sessions`.
+queue, the passes and one object; `deletion.py` the pipeline and in-use, `heartbeat.py` the Lease and health.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from controller.agent.heartbeat import Heartbeat
 from controller.agent.quarantine import Quarantine
 from controller.agent.relief import Relief
 from controller.agent.report import Reporter
-from controller.agent.session_status import SessionStatus
 from controller.agent.settings import (
     BATCH,
     PARALLEL,
@@ -51,13 +49,13 @@ from controller.node.reaper import Hooks, Reaper
 from controller.node.store import Root, Tombstone
 from controller.observe import logs, metrics
 from controller.rules import objects
-from controller.rules.contracts import FINALIZER, Reason
+from controller.rules.contracts import FINALIZER, Queue, Reason
 from controller.rules.objects import Obj
 
 log = logging.getLogger("sandkeep.agent")
 
 
-class Agent(Deletion, Heartbeat, SessionStatus):
+class Agent(Deletion, Heartbeat):
     """The node agent: its parts are `AgentBase`'s (base.py); this one is the watch, the queue, the passes and one
     object."""
 
@@ -76,6 +74,7 @@ class Agent(Deletion, Heartbeat, SessionStatus):
         self.m = agent_metrics
         self.state = AgentState()
         self.queue: WorkQueue[Key] = WorkQueue()  # a held or failed key comes back with per-key backoff
+        self.queue.instrument(agent_metrics.queues, Queue.AGENT)
         self.loop: asyncio.AbstractEventLoop | None = None
         # A delete's Deleting report, waiting (a timer) or under way (its apply), until its outcome is said.
         self.deleting = {}
@@ -202,8 +201,8 @@ class Agent(Deletion, Heartbeat, SessionStatus):
         self.m.scan_duration.labels(self.s.node).observe(time.monotonic() - t0)
         keys = {(e.namespace, e.name): e.path for e in scan.sandboxes}
         self.state.present = set(keys)
-        listed = await asyncio.to_thread(self._pods)
-        pods = self._pod_paths(listed) or []  # a deletion asks again, and holds without them
+        # a deletion asks again, and holds without them
+        pods = self._pod_paths(await asyncio.to_thread(self._pods)) or []
         held, unknown = await asyncio.to_thread(self.volumes.reopened)
         usage = await asyncio.to_thread(scan_usage, keys, pods, Path("/proc"), self.ignore, held, unknown)
         self.m.inuse_scans.labels(self.s.node).inc()
@@ -212,7 +211,6 @@ class Agent(Deletion, Heartbeat, SessionStatus):
         self.sizer.request(keys)
         self._prune(set(keys))
         await self.process_many(list(self.state.objects))
-        await self.verify_sessions(listed)
         await self.relief.relieve()
         await self.quarantine.tend(scan.strays, refused)
         self.report.node_metrics(scan.tombstones, self.reaper)
@@ -244,8 +242,6 @@ class Agent(Deletion, Heartbeat, SessionStatus):
         the pipeline's looks together, so a wave of deletions shares one /proc pass instead of one each.
         A failed key is retried with backoff and said (`raising`: the error is raised instead)."""
         steps: dict[Key, tuple[Obj, Tombstone | None, Step]] = {}
-        if asked := self._unverified(keys):
-            await self.verify_sessions(await asyncio.to_thread(self._pods), asked)
 
         async def look(key: Key) -> None:
             obj = self.state.objects.get(key)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from controller.agent.sessions import workspace_stat
+from controller.node.nofollow import open_no_symlinks
 from controller.node.store import Root
 from controller.node.treesize import TreeSize
 from controller.observe import logs
+from controller.rules import contracts as c
 
 Key = tuple[str, str]
 log = logging.getLogger("sandkeep.agent")
@@ -29,6 +32,20 @@ def measure(root: Root, namespace: str, name: str, budget: float | None = None) 
         return root.usage(namespace, name, budget)
     except (OSError, ValueError):
         return TreeSize(0, 0)
+
+
+def workspace_stat(root: Path, namespace: str, name: str) -> os.stat_result | OSError | None:
+    """The sandbox's workspace as fstat sees it, no link followed anywhere; None: it is not there."""
+    try:
+        fd = open_no_symlinks(root / namespace / name / c.WORKSPACE_DIR)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:  # ELOOP (a link on the way) is an answer too: it is not the sandbox's
+        return None if err.errno == errno.ELOOP else err
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
 
 
 def owner(root: Root, namespace: str, name: str) -> tuple[int, int] | None:

@@ -13,6 +13,10 @@ Used by the controller and the agent alike; they hold one, they do not contain o
 - `add_rate_limited(key)` is `add_after` with per-key exponential backoff (base, 2x base, ... up to
   max); `forget(key)` resets it once the key succeeds; `drop(key)` also cancels its pending
   `add_after` (the object is gone), so the queue's memory follows the live keys.
+- `instrument(metrics, name)` exports it as client-go's MetricsProvider does, under controller-runtime's
+  names (`workqueue_*{name,controller}`, observe/metrics.py `QueueMetrics`): adds, the time a key waits
+  queued and the time it is worked on, retries (every `add_after`, as client-go counts them); the depth and
+  the work still under way are read when scraped (`depths`, `running`).
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
 from collections.abc import Hashable
 from typing import Generic, TypeVar
+
+from controller.observe.metrics import QueueInstruments, QueueMetrics
 
 K = TypeVar("K", bound=Hashable)
 
@@ -36,13 +43,19 @@ class WorkQueue(Generic[K]):
         self.max_delay = max_delay
         self._ready: asyncio.PriorityQueue[tuple[int, int, K]] = asyncio.PriorityQueue()
         self._queued: dict[K, int] = {}  # key -> the priority it is queued with
-        self._active: set[K] = set()
+        self._added: dict[K, float] = {}  # key -> when it was queued (monotonic), while it is
+        self._active: dict[K, float] = {}  # key being processed -> when it was taken (monotonic)
         self._seq = itertools.count()
         self._later: list[tuple[float, int, K]] = []  # heap of (due on the loop clock, seq, key)
         self._due: dict[K, tuple[float, int]] = {}  # key -> (its earliest due time, priority then)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._failures: dict[K, int] = {}
+        self._m: QueueInstruments | None = None
+
+    def instrument(self, metrics: QueueMetrics, name: str) -> None:
+        """Export this queue's series as `name` (its `name` and `controller` labels)."""
+        self._m = metrics.watch(name, self)
 
     # --- the verbs ---------------------------------------------------------------------------------
 
@@ -50,12 +63,18 @@ class WorkQueue(Generic[K]):
         """Queue `key` now (once); a key being processed is queued again when it is done."""
         if self._queued.get(key, _NOT_QUEUED) <= priority:
             return
+        if key not in self._queued:  # a new add (a queued key's priority raised is not one)
+            self._added[key] = time.monotonic()
+            if self._m is not None:
+                self._m.adds.inc()
         self._queued[key] = priority
         if key not in self._active:
             self._ready.put_nowait((priority, next(self._seq), key))
 
     def add_after(self, key: K, seconds: float, priority: int = 0) -> None:
         """Queue `key` in `seconds`; an earlier pending request for it wins over a later one."""
+        if self._m is not None:
+            self._m.retries.inc()
         if seconds <= 0:
             self.add(key, priority)
             return
@@ -96,8 +115,7 @@ class WorkQueue(Generic[K]):
             _priority, _seq, key = await self._ready.get()
             if key not in self._queued or key in self._active:
                 continue  # a stale entry: queued again with a higher priority, or being processed
-            del self._queued[key]
-            self._active.add(key)
+            self._take(key)
             return key
 
     def get_ready(self, limit: int) -> list[K]:
@@ -108,13 +126,22 @@ class WorkQueue(Generic[K]):
             _priority, _seq, key = self._ready.get_nowait()
             if key not in self._queued or key in self._active:
                 continue
-            del self._queued[key]
-            self._active.add(key)
+            self._take(key)
             out.append(key)
         return out
 
+    def _take(self, key: K) -> None:
+        del self._queued[key]
+        now = time.monotonic()
+        added = self._added.pop(key, now)
+        self._active[key] = now
+        if self._m is not None:
+            self._m.latency.observe(now - added)
+
     def done(self, key: K) -> None:
-        self._active.discard(key)
+        started = self._active.pop(key, None)
+        if started is not None and self._m is not None:
+            self._m.work.observe(time.monotonic() - started)
         if key in self._queued:
             self._ready.put_nowait((self._queued[key], next(self._seq), key))
 
@@ -125,6 +152,22 @@ class WorkQueue(Generic[K]):
     def waiting(self) -> int:
         """Keys with a pending `add_after`."""
         return len(self._due)
+
+    # --- read when scraped, from the metrics server's thread (each a one-step copy of a dict) ---------------
+
+    def depths(self) -> dict[int, int]:
+        """Keys waiting to be taken, by priority (a key queued again while it is processed waits for `done`)."""
+        active = set(list(self._active))
+        out: dict[int, int] = {}
+        for key, priority in list(self._queued.items()):
+            if key not in active:
+                out[priority] = out.get(priority, 0) + 1
+        return out
+
+    def running(self) -> list[float]:
+        """Seconds each key being processed has been at it."""
+        now = time.monotonic()
+        return [now - started for started in list(self._active.values())]
 
     # --- the timer ---------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ disk and never changes an object.
 
 The install's namespace is found, not assumed: sandkeep's Leases (the agents' heartbeats, labelled
 `app.kubernetes.io/managed-by=sandkeep`, and the controller's `sandkeep-controller`) are looked up
-cluster-wide, and the one namespace holding a live one is the install's (`--namespace` still wins).
+cluster-wide, and the one namespace holding a live one is the install's (`--install-namespace` still wins).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from controller.api import kube, leases
 from controller.api.kube import Kube
 from controller.node.store import parse_tombstone
 from controller.rules import contracts as c
-from controller.rules import objects
+from controller.rules import flags, objects
 from controller.rules.durations import Invalid, format_duration, instant_or_none, parse_duration
 from controller.rules.objects import Obj
 from controller.rules.sizes import human_size
@@ -296,9 +296,9 @@ def sandkeep_leases(client: Kube) -> dict[str, list[leases.LeaseState]]:
 
 def _install_notes(install: Install, explicit: bool) -> list[str]:
     if explicit:
-        return [f"Heartbeat Leases read from namespace {install.namespace} (--namespace)."]
+        return [f"Heartbeat Leases read from namespace {install.namespace} (--install-namespace)."]
     if install.namespace is None:
-        return ["No sandkeep Lease in any namespace: is sandkeep installed? (--namespace names its namespace)"]
+        return ["No sandkeep Lease in any namespace: is sandkeep installed? (--install-namespace names its namespace)"]
     notes = [f"Heartbeat Leases read from namespace {install.namespace} (found: it holds sandkeep's live Leases)."]
     if install.leftovers:
         notes.append(
@@ -325,7 +325,7 @@ def examine(
         if install.ambiguous:
             raise DoctorError(
                 f"namespaces {', '.join(install.ambiguous)} all hold live sandkeep Leases; "
-                "name the one to read with --namespace"
+                "name the one to read with --install-namespace"
             )
         heartbeats = leases.agent_heartbeats(client, install.namespace) if install.namespace else {}
     except DoctorError:
@@ -341,7 +341,7 @@ def cannot_read(err: Exception) -> DoctorError:
     """A bad kubeconfig, no route, no access: all the same to a person reading doctor's answer."""
     return DoctorError(
         f"cannot read the cluster: {err}; check --kubeconfig and your access "
-        "(finding the install lists Leases cluster-wide; --namespace reads one namespace only)"
+        "(finding the install lists Leases cluster-wide; --install-namespace reads one namespace only)"
     )
 
 
@@ -373,9 +373,10 @@ def as_json(report: Report) -> str:
 
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
-    parser.add_argument(
+    flags.add_renamed(
+        parser,
+        "--install-namespace",
         "--namespace",
-        default=None,
         help="namespace sandkeep is installed in (default: found from its Leases, cluster-wide)",
     )
     parser.add_argument("--stale-after", default="2m", help="a heartbeat older than this is stale (default 2m)")
@@ -394,7 +395,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         except Exception as err:  # a kubeconfig that does not load
             raise cannot_read(err) from err
         report = examine(
-            client, stale_after, install_namespace=args.namespace, sandbox_namespace=args.sandbox_namespace
+            client, stale_after, install_namespace=args.install_namespace, sandbox_namespace=args.sandbox_namespace
         )
     except DoctorError as err:
         print(f"sandkeep doctor: {err}", file=sys.stderr)

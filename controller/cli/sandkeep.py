@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 from controller import __version__
 from controller.observe import logs
+from controller.rules import flags
+
+log = logging.getLogger("sandkeep")
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -59,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # $SANDKEEP_LOG_FORMAT names neither format
         print(f"sandkeep: {err} ($SANDKEEP_LOG_FORMAT)", file=sys.stderr)
         return 2
+    for old, new in flags.deprecated_uses(args, os.environ).items():
+        logs.say(log, "deprecated_spelling", level=logging.WARNING, used=old, use=new, until="the next release")
     module = importlib.import_module(COMMANDS[args.command][0])
     code: int = module.run(args.command, args)
     return code

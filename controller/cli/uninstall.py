@@ -30,7 +30,7 @@ from controller.api import kube
 from controller.api.kube import Kube, KubeError
 from controller.observe import logs
 from controller.rules import contracts as c
-from controller.rules import objects
+from controller.rules import flags, objects
 from controller.rules.durations import Invalid, parse_duration
 from controller.rules.objects import Obj, finalizers
 
@@ -135,7 +135,7 @@ def release_all(client: Kube) -> int:
 
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
-    parser.add_argument("--namespace", required=True, help="the namespace sandkeep is installed in")
+    flags.add_renamed(parser, "--install-namespace", "--namespace", help="the namespace sandkeep is installed in")
     parser.add_argument("--agent-daemonset", required=True, help="the name of the agents' DaemonSet")
     parser.add_argument(
         "--sandboxes",
@@ -148,6 +148,9 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
 
 
 def run(command: str, args: argparse.Namespace) -> int:
+    if not args.install_namespace:  # required, in either spelling
+        print("sandkeep uninstall: --install-namespace is required", file=sys.stderr)
+        return 2
     timeout = parse_duration(args.timeout)
     if isinstance(timeout, Invalid):
         print(f"sandkeep uninstall: --timeout {timeout}", file=sys.stderr)
@@ -171,9 +174,9 @@ def run(command: str, args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
-        if not stop_agents(client, args.namespace, args.agent_daemonset, seconds):
+        if not stop_agents(client, args.install_namespace, args.agent_daemonset, seconds):
             print(
-                f"sandkeep uninstall: the agents ({args.namespace}/{args.agent_daemonset}) did not stop within "
+                f"sandkeep uninstall: the agents ({args.install_namespace}/{args.agent_daemonset}) did not stop within "
                 f"{args.timeout}; no finalizer was removed, since a running agent adds its finalizer back",
                 file=sys.stderr,
             )

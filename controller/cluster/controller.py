@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from functools import partial
@@ -71,6 +72,10 @@ class Controller:
         if session_settings is not None:
             rec = self.reconciler
             self.sessions = Sessions(kube, session_settings, rec.expired, rec.max_pin, rec.past_max_age)
+        self.queue.instrument(metrics_.queues, c.Queue.CONTROLLER)
+        self.quota.queue.instrument(metrics_.queues, c.Queue.QUOTA)
+        if self.sessions is not None:
+            self.sessions.queue.instrument(metrics_.queues, c.Queue.SESSIONS)
 
     # --- feeding the view ----------------------------------------------------------------------------------
     def on_sandbox(self, event_type: str | None, obj: Obj) -> None:
@@ -211,42 +216,50 @@ class Controller:
         def failed(key: Key) -> dict[str, Any]:
             return {"object": f"{key[0]}/{key[1]}"}
 
-        await self._serve(self.queue, self.reconciler.reconcile, "controller", "reconcile_failed", failed)
+        await self._serve(self.queue, self.reconciler.reconcile, c.Queue.CONTROLLER, "reconcile_failed", failed)
 
     async def quota_worker(self) -> None:
         def failed(namespace: str) -> dict[str, Any]:
             return {"reason": c.Reason.QUOTA_EXCEEDED, "namespace": namespace}
 
-        await self._serve(self.quota.queue, self.quota.enforce, "quota", "quota_failed", failed)
+        await self._serve(self.quota.queue, self.quota.enforce, c.Queue.QUOTA, "quota_failed", failed)
 
     async def sessions_worker(self) -> None:
         assert self.sessions is not None
-        await self._serve(self.sessions.queue, self.sessions.reconcile, "sessions", "session_failed", _session_fields)
+        await self._serve(
+            self.sessions.queue, self.sessions.reconcile, c.Queue.SESSIONS, "session_failed", _session_fields
+        )
 
     async def _serve(
         self,
         queue: WorkQueue[Q],
         handle: Callable[[Q], Awaitable[Result | None]],
-        component: str,
+        component: c.Queue,
         event: str,
         fields: Callable[[Q], dict[str, Any]],
     ) -> None:
         """One worker of `queue`: `handle` each item, and queue it again when its result asks; a failed one
         is retried with exponential backoff, the error counted (`component`) and logged (`event`, with
-        `fields` of the item) once per attempt."""
+        `fields` of the item) once per attempt. Each reconcile is timed and counted by its result, as
+        controller-runtime does (`controller_runtime_reconcile_*{controller=component}`)."""
         while True:
             item = await queue.get()
+            started, outcome = time.monotonic(), c.ReconcileResult.SUCCESS
             try:
                 result = await handle(item)
                 if result is not None and result.requeue_at is not None:
                     _add_at(queue, item, result.requeue_at)
+                    outcome = c.ReconcileResult.REQUEUE_AFTER
                 queue.forget(item)
             except Exception as err:
+                outcome = c.ReconcileResult.ERROR
                 delay = queue.add_rate_limited(item)
                 self.metrics.reconcile_errors.labels(component=component).inc()
                 said = fields(item)
                 logs.say(log, event, level=logging.WARNING, **said, error=str(err)[:300], retry_in=f"{delay:.1f}s")
             finally:
+                self.metrics.reconcile_time.labels(component).observe(time.monotonic() - started)
+                self.metrics.reconcile_total.labels(component, outcome).inc()
                 queue.done(item)
 
     def idle(self) -> bool:

@@ -31,7 +31,9 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
     )
     metrics_ = metrics.ControllerMetrics()
     ctl = Controller(kube, settings, metrics_)
-    elector = LeaderElector(kube, settings.namespace, c.CONTROLLER_LEASE, settings.identity, settings.lease_duration)
+    elector = LeaderElector(
+        kube, settings.lease_namespace, c.CONTROLLER_LEASE, settings.identity, settings.lease_duration
+    )
 
     statuses: set[asyncio.Task[None]] = set()
 
@@ -62,7 +64,7 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
         log,
         "controller_started",
         identity=elector.identity,
-        lease=f"{settings.namespace}/{c.CONTROLLER_LEASE}",
+        lease=f"{settings.lease_namespace}/{c.CONTROLLER_LEASE}",
         metrics=f"http://{settings.metrics_host}:{server.server_port}/metrics",
         watch=",".join(settings.watch_namespaces) or "cluster",
     )
@@ -91,72 +93,8 @@ async def serve(settings: ControllerSettings, ready: asyncio.Event | None = None
 
 # --- the command -----------------------------------------------------------------------------------------
 def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kubeconfig", help="kubeconfig path (default: in-cluster, else $KUBECONFIG)")
-    parser.add_argument("--namespace", help="namespace of the leader Lease (env SANDKEEP_NAMESPACE)")
-    parser.add_argument(
-        "--watch-namespace",
-        action="append",
-        dest="watch_namespaces",
-        help="watch only this namespace (repeatable; default: the whole cluster)",
-    )
-    parser.add_argument("--metrics-port", type=int, help="port of /metrics and /healthz (0 = any free port)")
-    parser.add_argument("--metrics-host", help="address to serve metrics on (default 127.0.0.1)")
-    parser.add_argument("--retention", help="cluster default retention window, e.g. 72h")
-    parser.add_argument("--max-pin", help="cluster default longest pin, e.g. 30d")
-    for outcome in c.Outcome:  # --retention-failed, ...: the window of sandboxes whose job ended so (issue 28)
-        parser.add_argument(f"--retention-{outcome.lower()}", help=f"cluster default retention of {outcome} jobs")
-    parser.add_argument("--max-retention", help="ceiling no namespace policy can exceed")
-    parser.add_argument("--max-pin-ceiling", help="pin ceiling no namespace policy can exceed")
-    parser.add_argument("--max-age", help="the hard end (default off): every namespace's maxAge and its ceiling")
-    parser.add_argument("--dry-run", action="store_true", default=None, help="decide and report, delete nothing")
-    parser.add_argument("--node-grace", help="how long a node may be gone before its sandboxes are Lost")
-    parser.add_argument("--quota-max-bytes", help="default quota per namespace in bytes (e.g. 50Gi; default none)")
-    parser.add_argument("--quota-max-count", type=int, help="default quota per namespace in sandboxes (default none)")
-    parser.add_argument("--quota-ceiling-bytes", help="bytes quota no namespace policy can exceed (default none)")
-    parser.add_argument("--quota-ceiling-count", type=int, help="count quota no namespace policy can exceed")
-    parser.add_argument("--lease-duration", type=int, help="leader Lease duration in seconds (default 15)")
-    parser.add_argument("--workers", type=int, help="concurrent reconciles (default 8)")
-    parser.add_argument(
-        "--kube-qps",
-        type=float,
-        help="API requests per second on average; negative: no client-side limit (default -1, the server's APF)",
-    )
-    parser.add_argument("--kube-burst", type=int, help="API requests at once above the average (default 200)")
-    parser.add_argument("--identity", help="leader-election identity (default hostname_pid)")
-    parser.add_argument(
-        "--sessions",
-        action="store_true",
-        default=None,
-        help="serve SandboxSessions: a Pod in the sandbox's own namespace (default: off)",
-    )
-    parser.add_argument("--sessions-image", help="image of a session that names none")
-    parser.add_argument("--sessions-max-lifetime", help="longest session lifetime (default 8h)")
-    parser.add_argument("--sessions-run-as-user", type=int, help="uid of a session whose workspace owner is unknown")
-    parser.add_argument(
-        "--sessions-admission-binding", help="ValidatingAdmissionPolicyBinding that proves a session's user"
-    )
-    parser.add_argument(
-        c.SESSIONS_ADMISSION_POLICY, help="the policy that binding must bind (default: the binding's name)"
-    )
-    parser.add_argument(
-        c.SESSIONS_MAX_PER_USER.flag, type=int, help="live sessions one user may have, cluster-wide (default 3)"
-    )
-    parser.add_argument(
-        c.SESSIONS_MAX_PER_NAMESPACE.flag, type=int, help="live sessions a namespace may have (default 20)"
-    )
-    parser.add_argument(
-        c.SESSIONS_MIN_OWNER_ID.flag,
-        type=int,
-        help="lowest workspace owner uid/gid a session runs as; lower ones run as --sessions-run-as-user",
-    )
-    parser.add_argument(
-        c.SESSIONS_ALLOWED_IMAGE,
-        action="append",
-        dest="sessions_allowed_images",
-        help="an image sessions may run besides --sessions-image (repeat for each)",
-    )
-    parser.add_argument(c.SESSIONS_RESOURCES, help="JSON: the session container's requests and limits")
-    parser.add_argument(c.SESSIONS_TOLERATIONS, help="JSON list: the agent's tolerations (bound a session's)")
+    """Every flag from its setting's declaration (settings.py: `Flag`): name, type, help and default once."""
+    flags.add_settings_arguments(parser, ControllerSettings)
 
 
 def settings_from(args: argparse.Namespace) -> ControllerSettings:

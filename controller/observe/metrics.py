@@ -4,17 +4,19 @@ Each component gets its own registry (`ControllerMetrics`, `AgentMetrics`), so a
 controller and two agents in one process and read each one's numbers apart. Names come from
 `contracts`; the alert rules and the dashboard are checked against them. Both registries also carry
 the client library's standard `process_*` (memory, CPU, file descriptors) and `python_info` series and
-`sandkeep_build_info{version,python}`, as every well-kept exporter does.
+`sandkeep_build_info{version,python}`, as every well-kept exporter does, and controller-runtime's work queue
+series (`QueueMetrics`), so the dashboards an SRE already has for Go operators read sandkeep's queues too.
 """
 
 from __future__ import annotations
 
 import platform
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -26,6 +28,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from controller import __version__
 from controller.rules import contracts as c
@@ -33,6 +37,99 @@ from controller.rules import contracts as c
 # Deletions of a real tree take from milliseconds to minutes; lag is seconds unless something is wrong.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LAG_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 900)
+# controller-runtime's own buckets: the work queue's (10 ns to 1,000 s, x10) and a reconcile's (5 ms to 60 s).
+QUEUE_BUCKETS = tuple(1e-8 * 10**i for i in range(12))
+RECONCILE_BUCKETS = (
+    *(0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+    *(1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5, 6, 7, 8, 9, 10, 15, 20, 25, 30, 40, 50, 60),
+)
+QUEUE_LABELS = ["name", "controller"]  # both the queue's name, as controller-runtime labels them
+
+
+class QueueStats(Protocol):
+    """What a work queue says when scraped (api/workqueue.py's `WorkQueue`)."""
+
+    def depths(self) -> dict[int, int]: ...
+
+    def running(self) -> list[float]: ...
+
+
+@dataclass(frozen=True)
+class QueueInstruments:
+    """One queue's children of the pushed series (client-go's MetricsProvider, one queue's half)."""
+
+    adds: Any
+    latency: Any
+    work: Any
+    retries: Any
+
+
+class _QueueCollector(Collector):
+    """The series read from the queues when scraped: depth by priority, unfinished work, longest running."""
+
+    def __init__(self, queues: dict[str, QueueStats]) -> None:
+        self.queues = queues
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            c.M_WORKQUEUE_DEPTH,
+            "Current depth of workqueue by workqueue and priority",
+            labels=[*QUEUE_LABELS, "priority"],
+        )
+        unfinished = GaugeMetricFamily(
+            c.M_WORKQUEUE_UNFINISHED,
+            "How many seconds of work has been done that is in progress and hasn't been observed by work_duration.",
+            labels=QUEUE_LABELS,
+        )
+        longest = GaugeMetricFamily(
+            c.M_WORKQUEUE_LONGEST,
+            "How many seconds has the longest running processor for workqueue been running.",
+            labels=QUEUE_LABELS,
+        )
+        for name, queue in list(self.queues.items()):
+            depths = queue.depths()
+            for priority in sorted({0, 1, *depths}):
+                depth.add_metric([name, name, str(priority)], depths.get(priority, 0))
+            running = queue.running()
+            unfinished.add_metric([name, name], sum(running))
+            longest.add_metric([name, name], max(running, default=0.0))
+        yield from (depth, unfinished, longest)
+
+
+class QueueMetrics:
+    """controller-runtime's `workqueue_*` series on one registry, for every queue `watch`ed by name."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._queues: dict[str, QueueStats] = {}
+        r = registry
+        self.adds = Counter(c.M_WORKQUEUE_ADDS, "Total number of adds handled by workqueue", QUEUE_LABELS, registry=r)
+        self.latency = Histogram(
+            c.M_WORKQUEUE_QUEUE_DURATION,
+            "How long in seconds an item stays in workqueue before being requested",
+            QUEUE_LABELS,
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.work = Histogram(
+            c.M_WORKQUEUE_WORK_DURATION,
+            "How long in seconds processing an item from workqueue takes.",
+            QUEUE_LABELS,
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            c.M_WORKQUEUE_RETRIES, "Total number of retries handled by workqueue", QUEUE_LABELS, registry=r
+        )
+        r.register(_QueueCollector(self._queues))
+
+    def watch(self, name: str, queue: QueueStats) -> QueueInstruments:
+        self._queues[name] = queue
+        return QueueInstruments(
+            self.adds.labels(name, name),
+            self.latency.labels(name, name),
+            self.work.labels(name, name),
+            self.retries.labels(name, name),
+        )
 
 
 def _standard(registry: CollectorRegistry) -> None:
@@ -63,6 +160,17 @@ class ControllerMetrics:
         self.reconcile_errors = Counter(
             c.M_RECONCILE_ERRORS, "Reconcile attempts that failed, by component.", ["component"], registry=r
         )
+        self.queues = QueueMetrics(r)
+        self.reconcile_total = Counter(
+            c.M_RECONCILE_TOTAL, "Total number of reconciliations per controller", ["controller", "result"], registry=r
+        )
+        self.reconcile_time = Histogram(
+            c.M_RECONCILE_TIME,
+            "Length of time per reconciliation per controller",
+            ["controller"],
+            buckets=RECONCILE_BUCKETS,
+            registry=r,
+        )
         self.pins_active = Gauge(c.M_PINS_ACTIVE, "Sandboxes with a valid, unexpired pin.", registry=r)
         self.past_max_age = Gauge(
             c.M_PAST_MAX_AGE,
@@ -90,6 +198,7 @@ class AgentMetrics:
         self.node = node
         self.registry = registry or CollectorRegistry()
         _standard(self.registry)
+        self.queues = QueueMetrics(self.registry)
         gauge = partial(Gauge, registry=self.registry)
         counter = partial(Counter, registry=self.registry)
         histogram = partial(Histogram, registry=self.registry, buckets=DURATION_BUCKETS)

@@ -45,16 +45,14 @@ ANN_ORPHAN_TOMBSTONES = f"{GROUP}/orphan-tombstones"  # on an agent's heartbeat 
 ANN_PRESSURE = f"{GROUP}/pressure"  # on an agent's heartbeat Lease: JSON, the node's unrelieved disk pressure
 ANN_QUARANTINE = f"{GROUP}/quarantine"  # on an agent's heartbeat Lease: JSON, the node's unadoptable entries
 
-# A session's Pod (controller/cluster/sessions.py), in the namespace the chart owns for them: labels the controller
-# selects its Pods, Roles and RoleBindings by, and the one container and mount path the agent verifies.
+# A session's Pod (controller/cluster/sessions.py), in its sandbox's namespace: labels the controller selects its
+# Pods by, and its one container and the path it mounts the sandbox at.
 LABEL_SESSION_UID = f"{GROUP}/session-uid"  # the SandboxSession's uid
-LABEL_SANDBOX_UID = f"{GROUP}/sandbox-uid"  # the RetainedSandbox's uid: how the agent finds a session's Pod
-ANN_SESSION = f"{GROUP}/session"  # on a session's Pod, Role, RoleBinding: `<namespace>/<name>` of the session
+LABEL_SANDBOX_UID = f"{GROUP}/sandbox-uid"  # the RetainedSandbox's uid
+ANN_SESSION = f"{GROUP}/session"  # on a session's Pod: `<namespace>/<name>` of the session
 ANN_SANDBOX = f"{GROUP}/sandbox"  # on a session's Pod: `<namespace>/<name>` of the sandbox it mounts
-ANN_VERIFY_SESSION = f"{GROUP}/verify-session"  # on a sandbox: a session Pod's uid the agent should verify now
 SESSION_CONTAINER = "session"
 SESSION_MOUNT = "/sandbox"  # where a session's container sees the sandbox's workspace
-SESSION_VERIFY_SLOTS = 16  # session Pods per sandbox the agent verifies (status.sessions maxItems); more are refused
 
 
 # What bounds sessions (issue 25): each a controller flag, the chart value `sessions.<value>` and its default.
@@ -152,14 +150,16 @@ class Phase(StrEnum):
 class SessionPhase(StrEnum):
     """`status.phase` of a SandboxSession."""
 
-    PENDING = "Pending"  # accepted; its Pod is being started, or started and not yet verified by the agent
-    RUNNING = "Running"  # its Pod runs on the sandbox's node with the workspace verified; exec is granted
+    PENDING = "Pending"  # accepted; its Pod is being started, or started and its container not yet ready
+    RUNNING = "Running"  # its Pod runs on the sandbox's node, its container ready with the sandbox mounted
     REFUSED = "Refused"  # never started: the reason says why (expired, being deleted, ...)
-    ENDED = "Ended"  # started, then ended: lifetime over, the Pod ended, or the mount was not the sandbox's
+    ENDED = "Ended"  # started, then ended: lifetime over, or the Pod ended
 
 
 class MountCheck(StrEnum):
-    """`status.sessions[].mount` of a RetainedSandbox: what the node agent found a session's Pod mounted."""
+    """`status.sessions[].mount` of a RetainedSandbox: what a node agent found a session's Pod mounted. Agents no
+    longer write `status.sessions` (sessions mount through the CSI driver); the controller still reads it
+    (`objects.observed_of`: phase `Open`, held), so an object written before keeps its meaning."""
 
     VERIFIED = "Verified"  # the container's /sandbox is the sandbox's workspace (same device and inode)
     MISMATCH = "Mismatch"  # it is some other directory: the session is ended, nothing is granted
@@ -302,7 +302,6 @@ class Reason(StrEnum):
     SANDBOX_DELETING = "SandboxDeleting"  # the sandbox is being deleted: a deletion is final
     SESSION_STARTING = "SessionStarting"  # its Pod is being created or started
     SESSION_RUNNING = "SessionRunning"  # its Pod runs, its container ready with the sandbox mounted
-    MOUNT_MISMATCH = "MountMismatch"  # the directory the Pod mounted is not the sandbox's workspace
     LIFETIME_ENDED = "LifetimeEnded"  # the session's lifetime is over: its Pod is deleted
     POD_ENDED = "PodEnded"  # its Pod ended or was deleted
     IMAGE_PULL_FAILED = "ImagePullFailed"  # its Pod's image cannot be pulled (a typo? a private registry?)
@@ -311,7 +310,6 @@ class Reason(StrEnum):
     SESSION_LIMIT = "SessionLimit"  # its user, or its namespace, already has as many live sessions as allowed
     IMAGE_NOT_ALLOWED = "ImageNotAllowed"  # its image is not one of sessions.allowedImages
     POD_REFUSED = "PodRefused"  # the API server refused its Pod: the namespace's quota, LimitRange, Pod Security
-    CGROUPS_UNKNOWN = "CgroupsUnknown"  # the agent cannot read whose cgroup a process is in: no process answers
     # measuring sizes (issue 25, item 8): why a sandbox's sizeBytes is a lower bound (condition SizePartial)
     SIZE_TOO_SLOW = "SizeTooSlow"  # the walk ran past --size-budget: the bytes counted until then
     SIZE_INTERRUPTED = "SizeInterrupted"  # the tree changed under the walk so it could not go on safely
@@ -358,3 +356,36 @@ M_ROOT_AVAIL = "sandkeep_root_filesystem_avail_bytes"  # gauge {node}
 M_HEARTBEAT = "sandkeep_agent_heartbeat_timestamp_seconds"  # gauge {node}
 M_PRESSURE_UNRELIEVED = "sandkeep_pressure_unrelieved"  # gauge {node}: 1 while above high with nothing releasable
 M_PRESSURE_RELEASES = "sandkeep_pressure_releases_total"  # counter {node}: delete requests for disk pressure
+
+# controller-runtime's series, under its exact names and labels (sigs.k8s.io/controller-runtime pkg/metrics and
+# pkg/internal/controller/metrics), so the dashboards written for Go operators read sandkeep's too. A queue's
+# `name` and `controller` labels are both its name (a `Queue`); the controller's reconciles carry it as `controller`.
+M_RECONCILE_TOTAL = "controller_runtime_reconcile_total"  # counter {controller, result}
+M_RECONCILE_TIME = "controller_runtime_reconcile_time_seconds"  # histogram {controller}
+M_WORKQUEUE_DEPTH = "workqueue_depth"  # gauge {name, controller, priority}: keys waiting
+M_WORKQUEUE_ADDS = "workqueue_adds_total"  # counter {name, controller}
+M_WORKQUEUE_QUEUE_DURATION = "workqueue_queue_duration_seconds"  # histogram {name, controller}: queued -> taken
+M_WORKQUEUE_WORK_DURATION = "workqueue_work_duration_seconds"  # histogram {name, controller}: taken -> done
+M_WORKQUEUE_RETRIES = "workqueue_retries_total"  # counter {name, controller}: every add_after, as client-go counts
+M_WORKQUEUE_UNFINISHED = "workqueue_unfinished_work_seconds"  # gauge {name, controller}: work under way, summed
+M_WORKQUEUE_LONGEST = "workqueue_longest_running_processor_seconds"  # gauge {name, controller}
+
+
+class Queue(StrEnum):
+    """The work queues, by name: the `name`/`controller` of the `workqueue_*` series, the `controller` of the
+    reconcile series and the `component` of sandkeep_reconcile_errors_total."""
+
+    CONTROLLER = "controller"  # the controller's RetainedSandboxes
+    QUOTA = "quota"  # the controller's namespaces whose quota to check
+    SESSIONS = "sessions"  # the controller's SandboxSessions
+    AGENT = "agent"  # an agent's RetainedSandboxes of its node
+
+
+class ReconcileResult(StrEnum):
+    """`controller_runtime_reconcile_total{result}`, controller-runtime's values (sandkeep never says `requeue`:
+    a reconcile asks for its key again at an instant, `requeue_after`)."""
+
+    SUCCESS = "success"
+    ERROR = "error"
+    REQUEUE = "requeue"
+    REQUEUE_AFTER = "requeue_after"

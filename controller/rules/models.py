@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controller.rules.contracts import ORIGIN_CONTAINERS_MAX, ORIGIN_LABELS, Outcome
 from controller.rules.durations import instant_or_none
-from controller.rules.flags import HumanDuration
+from controller.rules.flags import Flag, HumanDuration
 from controller.rules.policy import Ceiling, Facts, Policy, Windows
 
 # Whole-string matches: `$` also matches before a final newline, which let `ns\n` pass as a namespace.
@@ -211,19 +211,39 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SANDKEEP_", extra="ignore")
 
-    retention: HumanDuration = timedelta(hours=72)
-    max_pin: HumanDuration = timedelta(days=30)
-    max_retention: HumanDuration = timedelta(days=90)  # the ceiling no namespace policy can exceed
-    max_pin_ceiling: HumanDuration = timedelta(days=90)
-    dry_run: bool = False
+    retention: Annotated[
+        HumanDuration, Flag("cluster default retention window, e.g. 72h", value="settings.retention")
+    ] = timedelta(hours=72)
+    max_pin: Annotated[HumanDuration, Flag("cluster default longest pin, e.g. 30d", value="settings.maxPin")] = (
+        timedelta(days=30)
+    )
+    # the ceiling no namespace policy can exceed
+    max_retention: Annotated[
+        HumanDuration, Flag("ceiling no namespace policy can exceed", value="settings.maxRetention")
+    ] = timedelta(days=90)
+    max_pin_ceiling: Annotated[
+        HumanDuration, Flag("pin ceiling no namespace policy can exceed", value="settings.maxPinCeiling")
+    ] = timedelta(days=90)
+    dry_run: Annotated[bool, Flag("decide and report, delete nothing", value="settings.dryRun")] = False
     # The window per outcome of the job (issue 28) where a SandboxPolicy sets none; None: `retention`.
-    retention_failed: HumanDuration | None = None
-    retention_succeeded: HumanDuration | None = None
-    retention_unknown: HumanDuration | None = None
-
+    retention_failed: Annotated[
+        HumanDuration | None,
+        Flag("cluster default retention of Failed jobs", value="settings.retentionByOutcome.failed"),
+    ] = None
+    retention_succeeded: Annotated[
+        HumanDuration | None,
+        Flag("cluster default retention of Succeeded jobs", value="settings.retentionByOutcome.succeeded"),
+    ] = None
+    retention_unknown: Annotated[
+        HumanDuration | None,
+        Flag("cluster default retention of Unknown jobs", value="settings.retentionByOutcome.unknown"),
+    ] = None
     # The hard end (issue 28): past createdAt + max_age only a live user of a sandbox's directory keeps it. The
     # default of every namespace and the ceiling of every SandboxPolicy's maxAge; None: off.
-    max_age: HumanDuration | None = None
+    max_age: Annotated[
+        HumanDuration | None,
+        Flag("the hard end (default off): every namespace's maxAge and its ceiling", value="settings.maxAge"),
+    ] = None
 
     def policy(self) -> Policy:
         windows = Windows(self.retention_failed, self.retention_succeeded, self.retention_unknown)

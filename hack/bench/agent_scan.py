@@ -100,7 +100,7 @@ def measure_agent(root: Root, count: int, workdir: Path, kube_qps: float | None)
             "--node": "bench-node",
             "--root": str(root.path),
             "--kubeconfig": str(cluster.kubeconfig),
-            "--namespace": "sandkeep-system",
+            "--lease-namespace": "sandkeep-system",
             "--metrics-port": "0",
             "--scan-interval": "5s",
         }

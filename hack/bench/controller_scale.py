@@ -224,7 +224,7 @@ def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
 
     # 2. the controller, as a real process, watching the bench namespaces; first one with nothing to hold
     log_path = Path(tempfile.mkdtemp(prefix="sandkeep-bench-")) / "controller.log"
-    flags = [f"--kubeconfig={cluster.kubeconfig}", f"--namespace={namespaces[0]}", f"--workers={args.workers}"]
+    flags = [f"--kubeconfig={cluster.kubeconfig}", f"--lease-namespace={namespaces[0]}", f"--workers={args.workers}"]
     cmd = [sys.executable, "-m", "controller.cli.sandkeep", "controller", *flags, "--metrics-port=0", "--retention=1h"]
     args.baseline_rss = empty_rss_mib(cluster, cmd, log_path.with_name("empty.log"))
     if args.per_namespace:  # one watch per namespace and resource, as `controller.watchNamespaces` makes it

@@ -385,7 +385,7 @@ class Agent:
             "--node": node,
             "--root": str(root),
             "--kubeconfig": str(kubeconfig),
-            "--namespace": namespace,
+            "--lease-namespace": namespace,
             "--metrics-port": "0",
             "--scan-interval": "1s",
             "--pressure-high": "100",  # the root shares the machine's disk: no release for space

@@ -140,7 +140,7 @@ def main() -> int:
         cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
         cluster.kubectl("create", "namespace", NAMESPACE)
         cluster.create_node(NODE, ready=True)
-        common = [f"--kubeconfig={cluster.kubeconfig}", "--namespace=default", "--metrics-port=0"]
+        common = [f"--kubeconfig={cluster.kubeconfig}", "--lease-namespace=default", "--metrics-port=0"]
         agent_flags = [
             f"--node={NODE}",
             f"--root={workdir / 'root'}",

@@ -250,14 +250,14 @@ def test_the_components_own_writes_are_never_refused(pins: Pins, component: str)
 
 
 # --- sandkeep's own bookkeeping is written by sandkeep alone ----------------------------------------------------
-BOOKKEEPING = (c.ANN_PINNED_AT, c.ANN_VERIFY_SESSION)
+BOOKKEEPING = (c.ANN_PINNED_AT,)
 
 
 def bookkeeping_refused(pins: Pins, name: str, keys: str) -> str:
     return (
         f'Error from server (Forbidden): {c.SANDBOX_PLURAL}.{c.GROUP} "{name}" is forbidden: {DENIED}: '
-        f"{pins.sandbox(name)}: {keys} refused: sandkeep writes its own bookkeeping (when it first saw a pin, "
-        "which session to verify), people do not. To pin, "
+        f"{pins.sandbox(name)}: {keys} refused: sandkeep writes its own bookkeeping (when it first saw a pin), "
+        "people do not. To pin, "
         f"write {pins.fix(name)} (or {c.ANN_PIN_UNTIL}=<RFC 3339 time>)\n"
     )
 
@@ -291,9 +291,7 @@ def test_a_sandbox_created_with_bookkeeping_by_a_person_is_refused(pins: Pins) -
     }
     created = pins.cluster.kubectl("create", "-f", "-", input=json.dumps(body), check=False)
     assert created.returncode != 0
-    assert (
-        f"{c.ANN_PINNED_AT} and {c.ANN_VERIFY_SESSION} refused: sandkeep writes its own bookkeeping" in created.stderr
-    )
+    assert f"{c.ANN_PINNED_AT} refused: sandkeep writes its own bookkeeping" in created.stderr
     assert pins.kube.get_sandbox(pins.namespace, name) is None
 
 

@@ -113,7 +113,7 @@ class AgentProcess:
             "--node": node.name,
             "--root": str(node.root.path),
             "--kubeconfig": str(kubeconfig or cluster.kubeconfig),
-            "--namespace": namespace,
+            "--lease-namespace": namespace,
             "--metrics-port": "0",
             "--scan-interval": "1s",
             "--stuck-after": "2s",
@@ -370,8 +370,9 @@ def test_unadoptable_entries_are_quarantined_deleted_after_the_grace_held_in_use
     lease = cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace, "-o", "json")
     published = json.loads(json.loads(lease.stdout)["metadata"]["annotations"][c.ANN_QUARANTINE])
     assert published["total"] == 8 and published["grace"] == 8
+    only = ["--install-namespace", namespace, "--sandbox-namespace", namespace]
     doctor = subprocess.run(
-        [*DOCTOR, "--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace, "--sandbox-namespace", namespace],
+        [*DOCTOR, "--kubeconfig", str(cluster.kubeconfig), *only],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -438,12 +439,20 @@ def test_the_quarantine_clock_survives_a_restart_and_a_zero_grace_never_deletes(
 def test_kubectl_delete_removes_the_directory_and_then_the_object(cluster, namespace, nodes, agents):
     n1, _ = nodes
     path = n1.retain(namespace, "run-del")
-    agents(n1)
+    a = agents(n1)
     adopted(cluster, namespace, "run-del")
     delete(cluster, namespace, "run-del")
     wait_for(lambda: get(cluster, namespace, "run-del") is None, what="object gone")
     assert not path.exists()
     assert tombstones(n1) == []
+
+    # its queue's controller-runtime series (issue 26 item 7): the watch's events were queued and worked on
+    def sample(name: str) -> re.Match[str] | None:
+        return re.search(rf'{name}\{{[^}}]*name="{c.Queue.AGENT}"[^}}]*\}} (\d+)', a.metrics())
+
+    worked = wait_for(lambda: sample(c.M_WORKQUEUE_WORK_DURATION + "_count"))
+    added = sample(c.M_WORKQUEUE_ADDS)
+    assert added is not None and int(added.group(1)) >= int(worked.group(1)) >= 1
 
 
 def test_deleting_a_namespace_deletes_its_sandboxes_from_disk_and_the_namespace_goes_away(

@@ -348,6 +348,43 @@ def test_an_expired_sandbox_is_deleted(kube: Kube, namespace: str, start: Any) -
     assert metric_value(text, c.M_LEADER) == 1
 
 
+def test_the_controller_exports_controller_runtimes_reconcile_and_workqueue_series(
+    kube: Kube, namespace: str, start: Any
+) -> None:
+    # Issue 26 item 7: the series every SRE dashboard for Go operators reads, scraped from the real process.
+    ctl = start("--retention=1h")
+    kube.create_sandbox(namespace, sandbox("kept"))  # its status written, the key asked for again in an hour
+    kube.create_sandbox(namespace, sandbox("counted", created=-timedelta(hours=2)))  # deleted at once
+    wait_for("the sandbox to be deleted", lambda: gone(kube, namespace, "counted"), timeout=20)
+    wait_for("the other one Retained", lambda: status_of(kube, namespace, "kept").get("phase") == c.Phase.RETAINED)
+
+    def idle(text: str) -> bool:  # the last reconcile done, nothing waiting
+        work = metric_value(text, c.M_WORKQUEUE_WORK_DURATION + "_count", name=c.Queue.CONTROLLER)
+        total = sum(
+            metric_value(text, c.M_RECONCILE_TOTAL, controller=c.Queue.CONTROLLER, result=r) for r in c.ReconcileResult
+        )
+        return work == total and metric_value(text, c.M_WORKQUEUE_UNFINISHED, name=c.Queue.CONTROLLER) == 0
+
+    text = wait_for("the controller's queue idle", lambda: t if idle(t := ctl.metrics()) else None)
+    mine = {"controller": c.Queue.CONTROLLER}
+    waited = metric_value(text, c.M_RECONCILE_TOTAL, **mine, result=c.ReconcileResult.REQUEUE_AFTER)
+    assert waited >= 1, "kept until its deadline: the key asked for again then (requeue_after)"
+    assert metric_value(text, c.M_RECONCILE_TOTAL, **mine, result=c.ReconcileResult.SUCCESS) >= 1, "the DELETE"
+    assert metric_value(text, c.M_RECONCILE_TOTAL, **mine, result=c.ReconcileResult.ERROR) == 0
+    reconciles = sum(metric_value(text, c.M_RECONCILE_TOTAL, **mine, result=r) for r in c.ReconcileResult)
+    assert metric_value(text, c.M_RECONCILE_TIME + "_count", **mine) == reconciles
+    queue = {"name": c.Queue.CONTROLLER, "controller": c.Queue.CONTROLLER}
+    assert metric_value(text, c.M_WORKQUEUE_WORK_DURATION + "_count", **queue) == reconciles
+    assert metric_value(text, c.M_WORKQUEUE_QUEUE_DURATION + "_count", **queue) == reconciles, "each taken once"
+    assert metric_value(text, c.M_WORKQUEUE_ADDS, **queue) == reconciles
+    assert metric_value(text, c.M_WORKQUEUE_RETRIES, **queue) >= 1, "the deadline's delayed add"
+    assert metric_value(text, c.M_WORKQUEUE_DEPTH, **queue, priority="0") == 0, "due in an hour: not in the queue"
+    for priority in ("0", "1"):
+        assert f'{c.M_WORKQUEUE_DEPTH}{{controller="controller",name="controller",priority="{priority}"}} 0.0' in text
+    assert metric_value(text, c.M_WORKQUEUE_LONGEST, **queue) == 0
+    assert f'{c.M_WORKQUEUE_DEPTH}{{controller="quota",name="quota",priority="0"}}' in text, "every queue is named"
+
+
 def test_a_shortened_policy_applies_to_existing_sandboxes(
     kube: Kube, cluster: LocalCluster, namespace: str, start: Any
 ) -> None:

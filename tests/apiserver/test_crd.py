@@ -129,7 +129,8 @@ def test_status_enums_are_the_contracts_enums() -> None:
     assert status["releasePriority"]["enum"] == [p.value for p in c.ReleasePriority]
     reason_pattern = status["conditions"]["items"]["properties"]["reason"]["pattern"]
     assert all(re.match(reason_pattern, r.value) for r in c.Reason)
-    assert status["sessions"]["maxItems"] == c.SESSION_VERIFY_SLOTS, "one entry per verification slot"
+    mount = status["sessions"]["items"]["properties"]["mount"]
+    assert mount["enum"] == [m.value for m in c.MountCheck], "kept so objects written before stay valid"
     origin = version_schema(crd(c.SANDBOX_PLURAL))["properties"]["spec"]["properties"]["origin"]["properties"]
     assert origin["outcome"]["enum"] == [o.value for o in c.Outcome]
     assert origin["containers"]["maxItems"] == c.ORIGIN_CONTAINERS_MAX

@@ -61,7 +61,7 @@ def _run_doctor(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _doctor(cluster: Any, namespace: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return _run_doctor(cluster, "--namespace", namespace, "--sandbox-namespace", namespace, *extra)
+    return _run_doctor(cluster, "--install-namespace", namespace, "--sandbox-namespace", namespace, *extra)
 
 
 def test_doctor_names_stuck_held_lapsing_stale_and_orphans_and_exits_non_zero(cluster, namespace, crd, client):
@@ -211,18 +211,26 @@ def test_doctor_finds_an_install_in_namespace_sandkeep_and_names_leftovers_in_sa
     assert "Heartbeat Leases read from namespace sandkeep (found" in found.stdout
     assert "Expired sandkeep Leases also in namespace sandkeep-system" in found.stdout
 
-    # The flag still wins: told to read the old namespace, doctor reads it and finds node-1 silent there.
-    told = _run_doctor(empty_cluster, "--namespace", "sandkeep-system")
-    assert told.returncode == 1, told.stdout + told.stderr
-    assert "node-1" in told.stdout.split("Agents not reporting")[1].split("\n\n")[0]
-    assert "namespace sandkeep-system (--namespace)" in told.stdout
+    # The flag still wins: told to read the old namespace, doctor reads it and finds node-1 silent there. The
+    # flag's old spelling (--namespace) still works for one release, and is warned about once.
+    for spelling in ("--install-namespace", "--namespace"):
+        told = _run_doctor(empty_cluster, spelling, "sandkeep-system", spelling, "sandkeep-system")
+        assert told.returncode == 1, told.stdout + told.stderr
+        assert "node-1" in told.stdout.split("Agents not reporting")[1].split("\n\n")[0]
+        assert "namespace sandkeep-system (--install-namespace)" in told.stdout
+        warned = [line for line in told.stderr.splitlines() if "deprecated_spelling" in line]
+        if spelling == "--install-namespace":
+            assert warned == [], told.stderr
+        else:
+            [line] = warned  # given twice, said once
+            assert "used=--namespace use=--install-namespace" in line and " warning " in line, line
 
     # A second live install: doctor will not guess which one is meant.
     leases.renew_heartbeat(client, "other", "node-2", "agent-2")
     ambiguous = _run_doctor(empty_cluster)
     assert ambiguous.returncode == 2
     assert "namespaces other, sandkeep all hold live sandkeep Leases" in ambiguous.stderr
-    assert "--namespace" in ambiguous.stderr
+    assert "--install-namespace" in ambiguous.stderr
     client.close()
 
 

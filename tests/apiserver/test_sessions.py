@@ -11,6 +11,7 @@ opened with exec is tested on the real node (tests/node/test_e2e.py).
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import time
@@ -28,7 +29,7 @@ from controller.cluster.session_decide import DEFAULT_RESOURCES, SessionSettings
 from controller.cluster.session_objects import pod_body, run_as, session_tolerations, tolerates
 from controller.cluster.sessions import session_path
 from controller.rules import contracts as c
-from controller.rules.contracts import NOBODY, MountCheck, Reason, SessionPhase
+from controller.rules.contracts import NOBODY, Reason, SessionPhase
 from controller.rules.durations import format_instant
 from hack.localcluster import LocalCluster
 from tests.bed.controller_harness import (
@@ -466,18 +467,6 @@ def test_the_pod_tolerates_no_blanket_and_has_bounded_resources() -> None:
         assert set(resources[kind]) == {"cpu", "memory", "ephemeral-storage"}
 
 
-def test_the_agent_verifies_the_oldest_session_pods_of_a_sandbox_first(tmp_path: Path) -> None:
-    from controller.agent.sessions import entries
-
-    def starting(n: int) -> dict[str, Any]:
-        meta = {"namespace": "sk-sessions", "name": f"session-{n:02}", "uid": f"pod-{n}"}
-        return {"metadata": {**meta, "creationTimestamp": format_instant(NOW + timedelta(seconds=n))}, "status": {}}
-
-    pods = [starting(n) for n in range(c.SESSION_VERIFY_SLOTS + 4)]
-    found = entries(sandbox(), list(reversed(pods)), tmp_path, tmp_path, NOW, {})
-    assert [e["podUID"] for e in found] == [f"pod-{n}" for n in range(c.SESSION_VERIFY_SLOTS)]
-
-
 # --- a real controller, the chart's session objects --------------------------------------------------------
 @pytest.fixture
 def sbed(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Bed]:
@@ -896,33 +885,26 @@ def test_the_controller_may_run_session_pods_in_any_namespace_and_grants_nothing
 
 
 # --- the agent's half, on real directories -----------------------------------------------------------------
-def test_the_agent_reads_a_workspace_by_device_and_inode_never_through_a_link(tmp_path: Path) -> None:
-    from controller.agent.sessions import workspace_of
+def test_the_agent_reads_a_workspaces_owner_never_through_a_link(tmp_path: Path) -> None:
+    # Whom a session runs as (spec.origin's owner, from the sizer): the workspace's own uid and gid, and none
+    # when the workspace, or a directory above it, is a link (what a kubelet would follow, and mount).
+    from controller.agent.sizer import workspace_stat
 
     real = tmp_path / "root" / "team" / "run-1" / c.WORKSPACE_DIR
     real.mkdir(parents=True)
     st = real.stat()
-    assert workspace_of(tmp_path / "root", "team", "run-1") == (st.st_dev, st.st_ino)
+    found = workspace_stat(tmp_path / "root", "team", "run-1")
+    assert isinstance(found, os.stat_result) and (found.st_dev, found.st_ino) == (st.st_dev, st.st_ino)
+    assert (found.st_uid, found.st_gid) == (st.st_uid, st.st_gid)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     swapped = tmp_path / "root" / "team" / "run-2"
     swapped.mkdir()
-    (swapped / c.WORKSPACE_DIR).symlink_to(elsewhere)  # what a kubelet would follow, and mount
-    assert workspace_of(tmp_path / "root", "team", "run-2") is None
+    (swapped / c.WORKSPACE_DIR).symlink_to(elsewhere)
+    assert workspace_stat(tmp_path / "root", "team", "run-2") is None
     (tmp_path / "root" / "linked").symlink_to(tmp_path / "root" / "team")  # a link higher up, too
-    assert workspace_of(tmp_path / "root", "linked", "run-1") is None
-    assert workspace_of(tmp_path / "root", "team", "absent") is None
-
-
-def test_an_unchanged_answer_is_kept_as_it_was_so_a_pending_pod_costs_no_write_per_pass(tmp_path: Path) -> None:
-    from controller.agent.sessions import entries
-
-    sb = sandbox()
-    starting = {"metadata": {"namespace": "sk-sessions", "name": "session-u-1", "uid": "pod-1"}, "status": {}}
-    first = entries(sb, [starting], tmp_path, tmp_path, NOW, {})
-    assert [e["mount"] for e in first] == [MountCheck.UNKNOWN]
-    later = entries(sb, [starting], tmp_path, tmp_path, NOW + timedelta(minutes=5), {"pod-1": first[0]})
-    assert later == first
+    assert workspace_stat(tmp_path / "root", "linked", "run-1") is None
+    assert workspace_stat(tmp_path / "root", "team", "absent") is None
 
 
 def test_a_deleted_session_is_torn_down_only_when_it_was_given_a_pod() -> None:

@@ -86,7 +86,7 @@ class Bed:
 
     def uninstall(self, *args: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "controller.cli.sandkeep", "uninstall", f"--kubeconfig={self.kubeconfig}"]
-        cmd += [f"--namespace={self.namespace}", f"--agent-daemonset={self.daemonset}", *args]
+        cmd += [f"--install-namespace={self.namespace}", f"--agent-daemonset={self.daemonset}", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
 
     def remove(self) -> None:

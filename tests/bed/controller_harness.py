@@ -124,7 +124,7 @@ class Controller:
             "controller.cli.sandkeep",
             "controller",
             f"--kubeconfig={cluster.kubeconfig}",
-            f"--namespace={namespace}",
+            f"--lease-namespace={namespace}",
             f"--watch-namespace={namespace}",
             "--metrics-port=0",
             *args,
@@ -175,7 +175,7 @@ class Controller:
         self._log.close()
 
 
-def metric_value(text: str, name: str, **labels: str) -> float:
+def metric_value(text: str, name: str, /, **labels: str) -> float:
     """The value of one sample in Prometheus text (0 when absent)."""
     for line in text.splitlines():
         if not line.startswith(name):

@@ -615,7 +615,7 @@ def test_container_args_are_accepted_by_the_real_command_line(
         monkeypatch.setenv(name, value)
     settings = module.settings_from(parsed)
     assert settings.retention.total_seconds() == 48 * 3600
-    assert settings.namespace == "sandkeep" and settings.metrics_host == "0.0.0.0"
+    assert settings.lease_namespace == "sandkeep" and settings.metrics_host == "0.0.0.0"
     if command == "agent":
         assert settings.node == "node-a" and str(settings.root) == "/var/lib/sandkeep"
         assert settings.scan_interval.total_seconds() == 15 and settings.stuck_after.total_seconds() == 1200

@@ -1,4 +1,5 @@
-"""The work queue's verbs on a real event loop: dedupe, priorities, add_after, backoff, forget, drop."""
+"""The work queue's verbs on a real event loop: dedupe, priorities, add_after, backoff, forget, drop; and its
+controller-runtime series."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from controller.api.workqueue import WorkQueue
+from controller.observe.metrics import QueueMetrics, series_names
+from controller.rules import contracts as c
 
 T = TypeVar("T")
 
@@ -166,3 +172,72 @@ def test_get_ready_stops_at_its_limit_and_leaves_the_rest_queued() -> None:
         return batch, await drain(q)
 
     assert run(body) == (["k0", "k1"], ["k2", "k3", "k4"])
+
+
+# --- controller-runtime's series (observe/metrics.py QueueMetrics), read as Prometheus reads them ----------------
+def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def _one(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    want = {"name": "q", "controller": "q", **labels}
+    [value] = [v for k, v in _samples(registry, name).items() if dict(k) == want or dict(k) == {**want, "le": "+Inf"}]
+    return value
+
+
+def test_an_instrumented_queue_exports_controller_runtimes_workqueue_series() -> None:
+    registry = CollectorRegistry()
+    metrics = QueueMetrics(registry)
+
+    async def body() -> None:
+        q: WorkQueue[str] = WorkQueue(base_delay=0.01)
+        q.instrument(metrics, "q")
+        for key in ("a", "b", "a", "c"):
+            q.add(key)
+        q.add("c", priority=0)  # raised, not added again
+        assert _samples(registry, c.M_WORKQUEUE_DEPTH) == {
+            (("controller", "q"), ("name", "q"), ("priority", "0")): 1.0,
+            (("controller", "q"), ("name", "q"), ("priority", "1")): 2.0,
+        }
+        assert _one(registry, c.M_WORKQUEUE_ADDS) == 3
+        first = await q.get()
+        assert first == "c"
+        q.add("c")  # queued again while it is processed: it waits for done, and is no depth yet
+        await asyncio.sleep(0.05)
+        assert _one(registry, c.M_WORKQUEUE_DEPTH, priority="1") == 2
+        assert _one(registry, c.M_WORKQUEUE_LONGEST) >= 0.05
+        assert _one(registry, c.M_WORKQUEUE_UNFINISHED) >= 0.05
+        second = await q.get()
+        await asyncio.sleep(0.02)
+        unfinished, longest = _one(registry, c.M_WORKQUEUE_UNFINISHED), _one(registry, c.M_WORKQUEUE_LONGEST)
+        assert unfinished >= longest + 0.01, "summed over both keys under way (the second for 0.02 s)"
+        q.done(first)
+        q.done(second)
+        assert _one(registry, c.M_WORKQUEUE_LONGEST) == 0 and _one(registry, c.M_WORKQUEUE_UNFINISHED) == 0
+        assert _one(registry, c.M_WORKQUEUE_WORK_DURATION + "_count") == 2
+        # the first for 0.05 + 0.02 s, the second 0.02 s
+        assert _one(registry, c.M_WORKQUEUE_WORK_DURATION + "_sum") >= 0.07 + 0.02
+        assert _one(registry, c.M_WORKQUEUE_QUEUE_DURATION + "_count") == 2
+        q.add_rate_limited("b")  # b is queued: still a retry, as client-go counts every AddAfter
+        q.add_after("d", 0.01)
+        assert _one(registry, c.M_WORKQUEUE_RETRIES) == 2
+        await asyncio.sleep(0.03)
+        assert await drain(q) == ["b", "d", "c"]  # b raised to priority 0 when due: not one more add
+        assert _one(registry, c.M_WORKQUEUE_ADDS) == 5  # a, b, c; c again; d when due
+        assert _one(registry, c.M_WORKQUEUE_QUEUE_DURATION + "_count") == 5
+        assert sum(_samples(registry, c.M_WORKQUEUE_DEPTH).values()) == 0
+
+    run(body)
+
+
+def test_every_queue_series_is_served_before_any_queue_exists() -> None:
+    # The names the dashboards and alerts use exist from the first scrape: series_names() sees them.
+    names = series_names()
+    for name in (c.M_WORKQUEUE_DEPTH, c.M_WORKQUEUE_UNFINISHED, c.M_WORKQUEUE_LONGEST, c.M_WORKQUEUE_ADDS):
+        assert name in names
+    assert {c.M_RECONCILE_TOTAL, c.M_RECONCILE_TIME + "_bucket", c.M_WORKQUEUE_QUEUE_DURATION + "_count"} <= names
