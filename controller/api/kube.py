@@ -109,15 +109,25 @@ def micro_time(when: datetime) -> str:
     return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def sandbox_path(namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
-    """The REST path of the RetainedSandbox collection (all namespaces, or one) or of one object."""
+def _path(plural: str, namespace: str | None, name: str | None, subresource: str | None) -> str:
+    """The REST path of one of sandkeep's collections (all namespaces, or one), one object, or its subresource."""
     base = f"/apis/{c.GROUP}/{c.VERSION}"
-    path = f"{base}/namespaces/{quote(namespace)}/{c.SANDBOX_PLURAL}" if namespace else f"{base}/{c.SANDBOX_PLURAL}"
-    if name is not None:
+    path = f"{base}/namespaces/{quote(namespace)}/{plural}" if namespace else f"{base}/{plural}"
+    if name:
         path += f"/{quote(name)}"
-    if subresource is not None:
+    if subresource:
         path += f"/{subresource}"
     return path
+
+
+def sandbox_path(namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+    """The REST path of the RetainedSandbox collection (all namespaces, or one) or of one object."""
+    return _path(c.SANDBOX_PLURAL, namespace, name, subresource)
+
+
+def session_path(namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+    """The API path of SandboxSessions (all, one namespace's, one, or one's subresource)."""
+    return _path(c.SESSION_PLURAL, namespace, name, subresource)
 
 
 def policy_path(namespace: str | None = None, name: str | None = None) -> str:

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from controller.api.kube import Kube, KubeError
+from controller.api.kube import Kube, KubeError, session_path
 from controller.cli.kubectl_target import SESSION_RESOURCE, Refused, Target, get_sandbox, say, signals_deferred
 from controller.cluster.session_decide import job_container
-from controller.cluster.sessions import session_path
 from controller.node import untar
 from controller.rules import contracts as c
 from controller.rules.durations import Invalid, format_duration, parse_duration

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from urllib.parse import quote
 
-from controller.api.kube import Kube, KubeError, now_utc
+from controller.api.kube import Kube, KubeError, now_utc, session_path
 from controller.api.workqueue import WorkQueue
 from controller.cluster.session_decide import (
     LIVE,
@@ -49,23 +49,10 @@ from controller.rules.objects import Obj, key_of
 log = logging.getLogger("sandkeep.sessions")
 
 Key = tuple[str, str]
-SESSIONS_PATH = f"/apis/{c.GROUP}/{c.VERSION}"
 POLL_STARTING = 1.0  # seconds between looks at a starting session's Pod
 POLL_RUNNING = 10.0  # ... at a running one's (its end is noticed within this)
 GUARD_TTL = 5.0  # seconds a sound admission guard is believed without a fresh GET; a weakened one never is
 COLLECT_ALL: Key = ("", "")  # the queue's item for "find the session Pods whose session went" (no real key)
-
-
-def session_path(namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
-    """The API path of SandboxSessions (all, one namespace's, one, or one's subresource)."""
-    path = (
-        f"{SESSIONS_PATH}/namespaces/{quote(namespace)}/{c.SESSION_PLURAL}"
-        if namespace
-        else f"{SESSIONS_PATH}/{c.SESSION_PLURAL}"
-    )
-    if name:
-        path += f"/{quote(name)}"
-    return f"{path}/{subresource}" if subresource else path
 
 
 _PODS = "/api/v1/namespaces/{ns}/pods"

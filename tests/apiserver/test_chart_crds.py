@@ -23,6 +23,8 @@ import yaml
 
 from controller.rules import contracts as c
 from hack.localcluster import LocalCluster
+from hack.registry import LocalRegistry
+from hack.release import package_chart, push_chart
 from tests.bed.chart import CHART, MONITORING_CRDS, NO_HOOKS, helm
 from tests.bed.controller_harness import wait_for
 from tests.bed.own_cluster import own_cluster
@@ -59,18 +61,32 @@ def remove_crds(cluster: LocalCluster) -> None:
     cluster.kubectl("delete", "crd", *CRDS, "--ignore-not-found", "--wait=true", "--timeout=60s", check=False)
 
 
-def readme_helm_commands() -> list[list[str]]:
-    """The helm commands of the chart README's first shell block, split as a shell would split them."""
+def readme_helm_commands(registry: str, version: str) -> list[list[str]]:
+    """The helm commands of the chart README's first shell block, split as a shell would split them, with its
+    REGISTRY and VERSION those of a release pushed to this test's registry (plain HTTP, as only a test's is)."""
     block = (CHART / "README.md").read_text().split("```sh\n", 1)[1].split("```", 1)[0]
     lines = [line for line in block.replace("\\\n", " ").splitlines() if line.startswith("helm ")]
-    return [shlex.split(line) for line in lines]
+    commands = [shlex.split(line.replace("REGISTRY", registry).replace("VERSION", version)) for line in lines]
+    return [[*cmd, "--plain-http"] for cmd in commands]
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """This tree's chart released as VERSION to a real registry (hack/release.py): (its host, the version). The
+    image is never pulled here (no kubelet), so the chart names one by a digest of nothing."""
+    version = "0.0.1-readme.1"
+    with LocalRegistry(tmp_path_factory.mktemp("registry")) as registry:
+        image = f"{registry.host}/sandkeep@sha256:{'0' * 64}"
+        package = package_chart(REPO, version, image, tmp_path_factory.mktemp("package"))
+        push_chart(package, registry.host, plain_http=True)
+        yield registry.host, version
 
 
 def test_the_readme_install_commands_work_as_written_and_uninstall_keeps_the_crds(
-    tools: Path, bare_cluster: LocalCluster
+    tools: Path, bare_cluster: LocalCluster, released: tuple[str, str]
 ) -> None:
     cluster = bare_cluster
-    commands = readme_helm_commands()
+    commands = readme_helm_commands(*released)
     assert [cmd[:2] for cmd in commands] == [["helm", "install"], ["helm", "upgrade"]]
     assert crds_present(cluster) == set()
     try:

@@ -94,7 +94,8 @@ def test_kubectl_sandkeep_ls_runs_from_krew_with_no_venv(cluster: Any, namespace
     assert "VIRTUAL_ENV" not in installed and "PYTHONPATH" not in installed
     listed = kubectl(installed, "plugin", "list")
     assert str(Path(installed["KREW_ROOT"]) / "bin" / "kubectl-sandkeep") in listed.stdout, listed
-    assert kubectl(installed, "sandkeep", "--version").stdout.strip() == f"kubectl-sandkeep {VERSION}"
+    version = kubectl(installed, "sandkeep", "--version")
+    assert version.stdout.strip() == f"kubectl-sandkeep {VERSION}", version.stderr
     ls = kubectl(installed, "sandkeep", f"--kubeconfig={cluster.kubeconfig}", "ls", "-n", namespace)
     assert ls.returncode == 0, ls.stderr
     header, row = ls.stdout.splitlines()

@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube
-from controller.cluster.sessions import session_path
+from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, session_path
 from controller.rules import contracts as c
 from controller.rules.durations import format_instant
 from tests.bed.controller_harness import install_crds, kube_for, wait_for

@@ -24,10 +24,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.api.kube import AGENT_MANAGER
+from controller.api.kube import AGENT_MANAGER, session_path
 from controller.cluster.session_decide import DEFAULT_RESOURCES, SessionSettings, decide, guard_defect, pod_refused
 from controller.cluster.session_objects import pod_body, run_as, session_tolerations, tolerates
-from controller.cluster.sessions import session_path
 from controller.rules import contracts as c
 from controller.rules.contracts import NOBODY, Reason, SessionPhase
 from controller.rules.durations import format_instant
