@@ -91,7 +91,7 @@ def image_allowed(image: str, spec: Obj, sandbox: Obj | None, settings: SessionS
 
 def object_name(session: Obj) -> str:
     """The Pod's name: the session's uid, unique and stable across restarts."""
-    return f"session-{session['metadata']['uid']}"
+    return f"{c.SESSION_POD_PREFIX}{session['metadata']['uid']}"
 
 
 def guard_defect(binding: Obj | None, policy: Obj | None, settings: SessionSettings) -> str | None:

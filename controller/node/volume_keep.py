@@ -32,6 +32,7 @@ from controller.rules.capture import job_id_of, kept_names
 from controller.rules.contracts import WORKSPACE_DIR, Reason
 from controller.rules.durations import format_instant
 from controller.rules.models import Origin
+from controller.rules.objects import reopen_holder
 
 
 class VolumeKeeper(VolumeDir):
@@ -51,7 +52,7 @@ class VolumeKeeper(VolumeDir):
                     unknown.append(f"volume entry {volume.entry}: {volume.why}")
             elif record.sandbox is not None and (record.state is State.PUBLISHED or self.mounted(record, points)):
                 where = self.root.path / record.pod_namespace / record.sandbox
-                holds.append((f"pod {record.pod_namespace}/{record.pod_name} (reopen volume)", where))
+                holds.append((reopen_holder(record.pod_namespace, record.pod_name), where))
         return holds, unknown
 
     def forget(self, entry: str) -> bool | Busy:

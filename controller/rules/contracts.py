@@ -52,6 +52,8 @@ LABEL_SANDBOX_UID = f"{GROUP}/sandbox-uid"  # the RetainedSandbox's uid
 ANN_SESSION = f"{GROUP}/session"  # on a session's Pod: `<namespace>/<name>` of the session
 ANN_SANDBOX = f"{GROUP}/sandbox"  # on a session's Pod: `<namespace>/<name>` of the sandbox it mounts
 SESSION_CONTAINER = "session"
+SESSION_POD_PREFIX = "session-"  # a SandboxSession's Pod is named session-<the session's uid>
+REOPEN_HOLDER = "pod {namespace}/{pod} (reopen volume)"  # a Pod's reopen volume among a sandbox's `heldBy`
 SESSION_MOUNT = "/sandbox"  # where a session's container sees the sandbox's workspace
 
 
@@ -157,9 +159,10 @@ class SessionPhase(StrEnum):
 
 
 class MountCheck(StrEnum):
-    """`status.sessions[].mount` of a RetainedSandbox: what a node agent found a session's Pod mounted. Agents no
-    longer write `status.sessions` (sessions mount through the CSI driver); the controller still reads it
-    (`objects.observed_of`: phase `Open`, held), so an object written before keeps its meaning."""
+    """`status.sessions[].mount` of a RetainedSandbox: what a node agent found a session's Pod mounted. Deprecated:
+    agents no longer write `status.sessions` and the controller no longer reads it (a session's Pod now mounts the
+    sandbox through the CSI driver, and its reopen volume among `heldBy` opens it: `objects.observed_of`); kept in
+    the CRD so objects written before stay valid."""
 
     VERIFIED = "Verified"  # the container's /sandbox is the sandbox's workspace (same device and inode)
     MISMATCH = "Mismatch"  # it is some other directory: the session is ended, nothing is granted

@@ -129,7 +129,7 @@ class Observed:
     """What the agent last reported about the disk (the controller reads it to derive the phase)."""
 
     in_use: bool = False
-    in_session: bool = False  # a SandboxSession's Pod mounts it, the mount verified (`status.sessions`)
+    in_session: bool = False  # a SandboxSession's Pod mounts it: its reopen volume is among `heldBy`
     disk_present: bool | None = None  # None: the agent has not said
 
     @property
@@ -142,9 +142,22 @@ def observed_of(obj: Obj) -> Observed:
     status = obj.get("status") or {}
     present = condition_of(obj, c.Condition.DISK_PRESENT)
     disk = None if present is None else present.get("status") != "False"
-    sessions = status.get("sessions") or []
-    in_session = any(isinstance(s, dict) and s.get("mount") == c.MountCheck.VERIFIED for s in sessions)
+    namespace = (obj.get("metadata") or {}).get("namespace") or ""
+    holders = status.get("heldBy") or []
+    in_session = any(isinstance(h, str) and is_session_holder(h, namespace) for h in holders)
     return Observed(in_use=bool(status.get("inUse")), in_session=in_session, disk_present=disk)
+
+
+def reopen_holder(namespace: str, pod: str) -> str:
+    """How the agent names a Pod's reopen volume among the holders of the sandbox it mounts (`heldBy`)."""
+    return c.REOPEN_HOLDER.format(namespace=namespace, pod=pod)
+
+
+def is_session_holder(holder: str, namespace: str) -> bool:
+    """Whether `holder` is the reopen volume of a SandboxSession's Pod in the sandbox's own namespace: what the
+    agent sees now, each pass, so a session that ended stops opening the sandbox with its Pod's mount."""
+    prefix, _, suffix = reopen_holder(namespace, c.SESSION_POD_PREFIX + "\0").partition("\0")
+    return holder.startswith(prefix) and holder.endswith(suffix) and len(holder) > len(prefix) + len(suffix)
 
 
 def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:

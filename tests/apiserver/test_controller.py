@@ -25,6 +25,7 @@ from controller.cluster.decide import Context, decide, status_changed
 from controller.cluster.main import add_arguments, settings_from
 from controller.rules import contracts as c
 from controller.rules.durations import format_instant, instant_or_none, parse_instant
+from controller.rules.objects import reopen_holder
 from controller.rules.policy import Policy, deadline, phase_of
 from hack.localcluster import LocalCluster, settled_writes, writes_by_resource
 from tests.bed.controller_harness import (
@@ -127,22 +128,28 @@ def test_an_unchanged_sandbox_needs_no_status_write() -> None:
     assert first.wake_at == NOW + HOUR and not first.delete
 
 
-def _session(mount: c.MountCheck) -> dict[str, Any]:
-    return {"pod": "sandkeep-sessions/session-1", "podUID": "u-1", "mount": mount.value}
+def _session(namespace: str = "ns", pod: str = c.SESSION_POD_PREFIX + "u-1") -> dict[str, Any]:
+    """The status the agent reports while a session's Pod mounts the sandbox: its reopen volume holds it."""
+    return {"inUse": True, "heldBy": [reopen_holder(namespace, pod)]}
 
 
-def test_a_verified_session_opens_a_sandbox_keeps_its_pin_and_holds_it_past_its_deadline() -> None:
+def test_a_sessions_reopen_volume_opens_a_sandbox_keeps_its_pin_and_holds_it_past_its_deadline() -> None:
     until = format_instant(NOW + 3 * HOUR)
-    pinned = _obj(**{c.ANN_PIN_UNTIL: until}) | {"status": {"sessions": [_session(c.MountCheck.VERIFIED)]}}
+    pinned = _obj(**{c.ANN_PIN_UNTIL: until}) | {"status": _session()}
     decision = decide(pinned, Context(Policy(retention=2 * HOUR, max_pin=timedelta(days=1))), NOW)
     assert decision.phase is c.Phase.OPEN and decision.status["pinnedUntil"] == until
     assert any(cd["type"] == c.Condition.PINNED and cd["status"] == "True" for cd in decision.status["conditions"])
     expired = decide(_obj() | {"status": pinned["status"]}, Context(Policy(retention=HOUR / 2, max_pin=HOUR)), NOW)
     assert expired.phase is c.Phase.HELD and not expired.delete
     short = Context(Policy(retention=HOUR / 2, max_pin=HOUR))
-    for mount in (c.MountCheck.MISMATCH, c.MountCheck.UNKNOWN):  # only a verified mount opens it
-        other = decide(_obj() | {"status": {"sessions": [_session(mount)]}}, short, NOW)
-        assert other.phase is c.Phase.EXPIRED and other.delete
+    # Another Pod's reopen volume, or a session Pod's of another namespace, holds it (in use) but does not open it.
+    for status in (_session(pod="build-1"), _session(namespace="elsewhere")):
+        other = decide(_obj() | {"status": status}, short, NOW)
+        assert other.phase is c.Phase.HELD and not other.delete
+    # A Verified entry an agent wrote before sessions mounted through the CSI driver is read no more: it
+    # would have opened (and held) the sandbox until someone cleared it.
+    stale = {"sessions": [{"pod": "p", "podUID": "u-1", "mount": c.MountCheck.VERIFIED}]}
+    assert decide(_obj() | {"status": stale}, short, NOW).delete
 
 
 def test_an_expired_sandbox_in_use_is_held_not_deleted() -> None:
@@ -707,8 +714,7 @@ def test_past_its_hard_end_no_pin_or_session_keeps_a_sandbox_and_only_a_live_use
     pinned["metadata"]["annotations"] = {c.ANN_PIN_UNTIL: instant(2 * HOUR), c.ANN_PINNED_AT: instant()}
     kube.create_sandbox(namespace, pinned)
     open_ = kube.create_sandbox(namespace, sandbox("open"))
-    session = {"pod": "sbs-x", "podUID": "u-1", "mount": c.MountCheck.VERIFIED}
-    kube.apply_status(open_, {"inUse": False, "sessions": [session]}, AGENT_MANAGER)
+    kube.apply_status(open_, {"inUse": False, "heldBy": [reopen_holder(namespace, "session-x")]}, AGENT_MANAGER)
     busy = kube.create_sandbox(namespace, sandbox("busy"))
     kube.apply_status(busy, {"inUse": True, "heldBy": ["pid 4242 (cwd)"]}, AGENT_MANAGER)
     status = phase_is(kube, namespace, "pinned", c.Phase.PINNED, timeout=6)

@@ -18,6 +18,7 @@ from controller.cluster.decide import Context, Decision, decide
 from controller.rules import contracts as c
 from controller.rules.contracts import DeadlineSource, Phase, Reason
 from controller.rules.durations import format_instant
+from controller.rules.objects import reopen_holder
 from controller.rules.policy import History, Policy, Windows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def sandbox(
         ann = {c.ANN_PIN_UNTIL: format_instant(NOW + pin), c.ANN_PINNED_AT: format_instant(NOW - D)}
     status: dict[str, Any] = {"inUse": in_use}
     if session:
-        status["sessions"] = [{"pod": "p", "podUID": "u", "mount": c.MountCheck.VERIFIED}]
+        status["heldBy"] = [reopen_holder("ns", c.SESSION_POD_PREFIX + "u")]  # its Pod's reopen volume
     return {"metadata": {"name": "s", "namespace": "ns", "annotations": ann}, "spec": spec, "status": status}
 
 

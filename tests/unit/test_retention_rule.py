@@ -16,7 +16,7 @@ from controller.rules import contracts as c
 from controller.rules.contracts import DeadlineSource, Outcome, Phase, Reason
 from controller.rules.durations import format_instant
 from controller.rules.models import Manifest, Settings
-from controller.rules.objects import namespace_policy, sandbox_facts
+from controller.rules.objects import namespace_policy, reopen_holder, sandbox_facts
 from controller.rules.policy import Ceiling, Facts, Policy, Windows, deadline, effective_policy, phase_of
 from tests.unit.test_policy import facts as policy_facts
 
@@ -188,8 +188,8 @@ def test_nothing_outlives_max_age_unless_in_use(f: Facts, policy: Policy, after)
     assert not verdict.holds(now)  # no pin keeps it from a release for space either
     assert phase_of(verdict, in_session=True) is Phase.EXPIRED
     assert phase_of(verdict, in_use=True, in_session=True) is Phase.HELD
-    for sessions, in_use in (([{"mount": c.MountCheck.VERIFIED}], False), ([], True)):
-        obj = _object(f, sessions=sessions, in_use=in_use)
+    for session, in_use in ((True, False), (False, True)):
+        obj = _object(f, session=session, in_use=in_use)
         decision = decide(obj, Context(policy), now)
         assert decision.delete is not in_use
         expired = next(cd for cd in decision.status["conditions"] if cd["type"] == c.Condition.EXPIRED)
@@ -218,15 +218,16 @@ def test_a_longer_max_age_never_brings_a_deadline_earlier(f: Facts, policy: Poli
     _not_earlier(longer, policy, f, now)
 
 
-def _object(f: Facts, *, sessions: list[dict[str, str]] = (), in_use: bool = False) -> dict[str, object]:  # type: ignore[assignment]
-    """A RetainedSandbox saying what `f` says, its sessions and whether the agent sees it in use."""
+def _object(f: Facts, *, session: bool = False, in_use: bool = False) -> dict[str, object]:
+    """A RetainedSandbox saying what `f` says, whether a session's Pod mounts it, and whether the agent sees it
+    in use."""
     ann = {k: v for k, v in ((c.ANN_PIN_UNTIL, f.pin_until), (c.ANN_PINNED_AT, f.pinned_at)) if v is not None}
     spec: dict[str, object] = {"nodeName": "n", "createdAt": format_instant(f.created_at) if f.created_at else "x"}
     if f.retain_until is not None:
         spec["retainUntil"] = format_instant(f.retain_until)
     if f.outcome is not None:
         spec["origin"] = {"outcome": f.outcome.value}
-    status = {"inUse": in_use, "sessions": [s | {"pod": "p", "podUID": "u"} for s in sessions]}
+    status = {"inUse": in_use, "heldBy": [reopen_holder("ns", c.SESSION_POD_PREFIX + "u")] if session else []}
     return {"metadata": {"name": "s", "namespace": "ns", "annotations": ann}, "spec": spec, "status": status}
 
 
