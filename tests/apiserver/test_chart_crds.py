@@ -174,7 +174,9 @@ def test_helm_upgrade_upgrades_the_crds_and_uninstall_without_keep_removes_them(
         wait_for("the API server to serve the upgraded CRD", lambda: apply_policy()[0] == 0, timeout=30)
         got = cluster.kubectl_json("get", c.POLICY_PLURAL, "p", "-n", ns)
         assert got["spec"]["releasePriority"] == str(c.ReleasePriority.FIRST)
-        helm(tools, "uninstall", release, f"--namespace={ns}", NO_HOOKS, "--wait", kubeconfig=cluster.kubeconfig)
+        # --wait: until the API server has deleted the CRDs and their objects (slow on a loaded machine).
+        uninstall = (release, f"--namespace={ns}", NO_HOOKS, "--wait", "--timeout=5m")
+        helm(tools, "uninstall", *uninstall, kubeconfig=cluster.kubeconfig, timeout=330)
         wait_for("the CRDs to be removed with the release", lambda: crds_present(cluster) == set(), timeout=60)
     finally:
         helm(tools, "uninstall", release, f"--namespace={ns}", NO_HOOKS, kubeconfig=cluster.kubeconfig, check=False)

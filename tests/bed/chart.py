@@ -63,13 +63,13 @@ EVERYTHING_ON = [
 
 
 def helm(
-    tools: Path, *args: str, check: bool = True, kubeconfig: Path | None = None
+    tools: Path, *args: str, check: bool = True, kubeconfig: Path | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     """Run the built helm; raise with its stderr when it fails and `check` is set."""
     cmd = [str(tools / "helm"), *args]
     if kubeconfig is not None:
         cmd.append(f"--kubeconfig={kubeconfig}")
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)  # the README's paths
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)  # the README's paths
     if check and result.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
     return result
