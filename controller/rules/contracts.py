@@ -122,7 +122,16 @@ OUTCOME_FLAG = "--outcome"  # `sandkeep retain --outcome`: the outcome a retaine
 
 # The labels of a captured workspace's Pod copied to its sandbox's `spec.origin.labels`: the pipelines that name
 # the run (a Job's Pods, a Tekton TaskRun's and PipelineRun's, an Argo Workflow's). Only these, so it stays bounded.
-ORIGIN_LABELS = ("job-name", "tekton.dev/taskRun", "tekton.dev/pipelineRun", "workflows.argoproj.io/workflow")
+# The Pod labels a capture records (`spec.origin.labels`) and history limits may group by: a run's own (job-name,
+# taskRun, pipelineRun, workflow) and, for Tekton, what stays the same across runs (its Pipeline and Task).
+ORIGIN_LABELS = (
+    "job-name",
+    "tekton.dev/taskRun",
+    "tekton.dev/pipelineRun",
+    "workflows.argoproj.io/workflow",
+    "tekton.dev/pipeline",
+    "tekton.dev/task",
+)
 ORIGIN_CONTAINERS_MAX = 16  # containers listed in `spec.origin.containers` (the CRD's maxItems)
 
 
