@@ -55,7 +55,9 @@ def previous_source(commit: str = PREVIOUS) -> tuple[Path, Path]:
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
         (cache / "src.complete").touch()
     venv = src / ".venv"  # its hack/protos.sh runs this venv's grpcio-tools
-    if not venv.exists():
+    if venv.is_symlink() and os.readlink(venv) != str(REPO / ".venv"):
+        venv.unlink()  # another checkout's: the cache outlives clones, which may be gone
+    if not venv.is_symlink():
         venv.symlink_to(REPO / ".venv")
     # The Debian base is made by the same recipe (mmdebstrap, about 2 minutes): reuse this tree's.
     (cache / "image").mkdir(exist_ok=True)
