@@ -263,25 +263,36 @@ class VolumeDir:
     @contextlib.contextmanager
     def _slot(self, key: tuple[str, str], op: int) -> Iterator[int]:
         """The lock file, with the sandbox's slot locked (`op`: LOCK_SH or LOCK_EX); yields the slot's offset."""
+        with self._volumes(create=True), self._locked(key, op) as offset:
+            yield offset
+
+    @contextlib.contextmanager
+    def _locked(self, key: tuple[str, str], op: int) -> Iterator[int]:
+        """The slot locked, the volumes directory (and so the lock file) known to exist; yields its offset."""
         digest = hashlib.sha256("/".join(key).encode(errors="surrogateescape")).digest()
         offset = _SLOT_BASE + int.from_bytes(digest[:4]) % _SLOTS * MARK_BYTES
-        with self._volumes(create=True):
-            fd = lock_fd(self.path)
-            fcntl.lockf(fd, op, MARK_BYTES, offset)
-            try:
-                yield offset
-            finally:
-                fcntl.lockf(fd, fcntl.LOCK_UN, MARK_BYTES, offset)
+        fd = lock_fd(self.path)
+        fcntl.lockf(fd, op, MARK_BYTES, offset)
+        try:
+            yield offset
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN, MARK_BYTES, offset)
 
     def _mark(self, offset: int) -> int:
         return int.from_bytes(os.pread(lock_fd(self.path), MARK_BYTES, offset).ljust(MARK_BYTES, b"\0"))
 
+    def _bump(self, offset: int) -> None:
+        """Add one to the slot's mark (under its exclusive lock): a reopen was recorded."""
+        os.pwrite(lock_fd(self.path), ((self._mark(offset) + 1) % 2**64).to_bytes(MARK_BYTES), offset)
+
     def seen(self, keys: Collection[tuple[str, str]]) -> dict[tuple[str, str], int]:
-        """Each sandbox's reopen mark now (the agent reads it before its in-use look)."""
+        """Each sandbox's reopen mark now (the agent reads it before its in-use look); the directory is made
+        once for all of them, on the reaper's path of a whole wave."""
         out = {}
-        for key in keys:
-            with self._slot(key, fcntl.LOCK_SH) as offset:
-                out[key] = self._mark(offset)
+        with self._volumes(create=True):
+            for key in keys:
+                with self._locked(key, fcntl.LOCK_SH) as offset:
+                    out[key] = self._mark(offset)
         return out
 
     @contextlib.contextmanager

@@ -22,7 +22,6 @@ from controller.node.store import errno_of as _errno_of
 from controller.node.store import ident as _ident
 from controller.node.store import owned_fd as _fd
 from controller.node.volume_dir import (
-    MARK_BYTES,
     O_DIR,
     O_PATH_DIR,
     Record,
@@ -30,7 +29,6 @@ from controller.node.volume_dir import (
     VolumeDir,
     check_request,
     entry_name,
-    lock_fd,
     mount_syscall,
     split_target,
     umount_syscall,
@@ -125,7 +123,7 @@ class VolumePublisher(VolumeDir):
                         record = self._record(req, _ident(os.fstat(ws)))
                         self._write(entry_fd, record)
                         # Under the slot's lock, before the mount: an agent about to rename it holds it instead.
-                        os.pwrite(lock_fd(self.path), ((self._mark(mark) + 1) % 2**64).to_bytes(MARK_BYTES), mark)
+                        self._bump(mark)
                     self._mount(record, ws)
             except BaseException:
                 if volume is None:  # a first publish that failed leaves nothing: no mount, no hold

@@ -603,16 +603,15 @@ def test_the_rename_waits_while_another_process_records_a_reopen_of_the_same_san
     seen = volumes.seen([key])[key]
     code = textwrap.dedent(
         f"""
-        import fcntl, os, sys
+        import fcntl, sys
         from pathlib import Path
-        from controller.node import volume_dir
         from controller.node.capture import Volumes
         from controller.node.store import Root
         v = Volumes(Root(Path({str(volumes.root.path)!r})))
         with v._slot({key!r}, fcntl.LOCK_EX) as mark:  # as csi-node holds it while it records a reopen
             print("locked", flush=True)
             sys.stdin.readline()
-            os.pwrite(volume_dir.lock_fd(v.path), (v._mark(mark) + 1).to_bytes(8), mark)  # its reopen recorded
+            v._bump(mark)  # its reopen recorded
         """
     )
     other = subprocess.Popen(
