@@ -159,6 +159,14 @@ class Bed:
         """`sh -c script` as root in the node's own PID namespace (what the agent's hostPID sees)."""
         return self.on_node(script, check)
 
+    def stop_kubelet(self) -> None:
+        """Stop the node's kubelet as an operator would; the node and its running containers stay."""
+        raise NotImplementedError
+
+    def start_kubelet(self) -> None:
+        """Start the stopped kubelet again; return once it serves the node."""
+        raise NotImplementedError
+
     def _install(self) -> None:
         """Everything once the cluster and its node are up: the disk, the chart, Prometheus."""
         version = f" --version {self.chart_version}" if self.chart_version else ""
@@ -360,6 +368,14 @@ class LocalBed(Bed):
         assert self.node is not None
         return self.node.in_node("sh", "-c", script, check=check)
 
+    def stop_kubelet(self) -> None:
+        assert self.node is not None
+        self.node.stop_kubelet()
+
+    def start_kubelet(self) -> None:
+        assert self.node is not None
+        self.node.start_kubelet()
+
     def stop(self) -> None:
         super().stop()
         if self.node is not None:
@@ -399,6 +415,13 @@ class KindBed(Bed):
     def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = ["docker", "exec", self.node_name, "sh", "-c", script]
         return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=120)
+
+    def stop_kubelet(self) -> None:
+        self.on_node("systemctl stop kubelet")  # kind's node runs systemd
+
+    def start_kubelet(self) -> None:
+        self.on_node("systemctl start kubelet")
+        self.kubectl("wait", "node", self.node_name, "--for=condition=Ready", "--timeout=120s", timeout=130)
 
     def stop(self) -> None:
         super().stop()

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from controller.rules import contracts as c
-from tests.bed.e2e_bed import SYSTEM_NS, UNPULLABLE_IMAGE, Bed, LocalBed, eventually, make_bed, say
+from tests.bed.e2e_bed import SYSTEM_NS, UNPULLABLE_IMAGE, Bed, eventually, make_bed, say
 
 # The first test also pays for the bed: on a fresh machine that includes the image's cold build (a Debian
 # base made with mmdebstrap, then the pip install), minutes more than the suite's default timeout.
@@ -560,9 +560,6 @@ def test_the_agent_pod_killed_as_a_jobs_volume_is_unpublished_keeps_the_workspac
 
 
 def test_the_kubelet_stopped_and_the_pod_force_deleted_keeps_the_workspace_by_recovery(bed: Bed) -> None:
-    if not isinstance(bed, LocalBed):
-        pytest.skip("stopping the kubelet needs the local node (hack/localnode.py); kind's is not ours to stop")
-    assert bed.node is not None
     attributes = {c.VOLUME_KEEP: "OnFailure", c.VOLUME_NAME: "outlived-kubelet"}
     spec = restricted_spec(bed, "echo before > before.txt && sleep 600", attributes)
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "outlives", "namespace": RESTRICTED}, "spec": spec}
@@ -570,11 +567,11 @@ def test_the_kubelet_stopped_and_the_pod_force_deleted_keeps_the_workspace_by_re
     bed.kubectl("wait", "-n", RESTRICTED, "pod/outlives", "--for=condition=Ready", "--timeout=120s", timeout=130)
     live = bed.get("pod", "outlives", "-n", RESTRICTED)
     say("stop the kubelet (its containers keep running), force-delete the Pod, start the kubelet again")
-    bed.node.stop_kubelet()
+    bed.stop_kubelet()
     try:
         bed.kubectl("delete", "pod", "outlives", "-n", RESTRICTED, "--grace-period=0", "--force")
     finally:
-        bed.node.start_kubelet()
+        bed.start_kubelet()
     obj = eventually(lambda: kept_once(bed, live), "the workspace kept once its Pod was found gone", timeout=300)
     say(f"kept as {RESTRICTED}/{obj['metadata']['name']}: outcome {obj['spec']['origin']['outcome']}")
     assert obj["metadata"]["name"] == "outlived-kubelet" and obj["spec"]["origin"]["outcome"] == c.Outcome.UNKNOWN
