@@ -43,6 +43,7 @@ TARGET_LAG_P99 = 2.0
 TARGET_RSS_MIB = 200
 TARGET_RSS_MIB_100K = 400  # issue 15: 100,000 sandboxes
 TARGET_RSS_PER_OBJECT_KIB = 3.5
+GROUP_LABEL = "tekton.dev/pipeline"  # what --group-size groups by (one of c.ORIGIN_LABELS)
 
 
 WRITTEN = (c.SANDBOX_PLURAL, c.POLICY_PLURAL, "events")  # what the controller writes; Lease renewals are apart
@@ -209,10 +210,12 @@ def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
 
     def create(i: int) -> None:
         created = base + timedelta(seconds=args.spread * i / max(1, args.objects - 1))
-        body = {
-            "metadata": {"name": f"sb-{i:05d}", "labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}},
-            "spec": {"nodeName": nodes[i % len(nodes)], "createdAt": format_instant(created), "jobId": f"job-{i}"},
-        }
+        spec = {"nodeName": nodes[i % len(nodes)], "createdAt": format_instant(created), "jobId": f"job-{i}"}
+        if args.group_size:  # runs of pipelines: each namespace's sandboxes in groups, half of them failed
+            outcome = c.Outcome.FAILED if i % 2 else c.Outcome.SUCCEEDED
+            pipeline = f"p-{i // len(namespaces) // args.group_size}"
+            spec["origin"] = {"outcome": outcome, "labels": {GROUP_LABEL: pipeline}}
+        body = {"metadata": {"name": f"sb-{i:05d}", "labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}}, "spec": spec}
         kube.create_sandbox(namespaces[i % len(namespaces)], body)
 
     with ThreadPoolExecutor(16) as pool:
@@ -221,6 +224,9 @@ def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
         f"created {args.objects} sandboxes on {len(nodes)} nodes in {len(namespaces)} namespaces "
         f"in {time.monotonic() - began:.1f}s"
     )
+
+    for ns in namespaces if args.group_size else ():  # history limits that hold every group: nothing released
+        cluster.apply(policy(args, ns, {}))
 
     # 2. the controller, as a real process, watching the bench namespaces; first one with nothing to hold
     log_path = Path(tempfile.mkdtemp(prefix="sandkeep-bench-")) / "controller.log"
@@ -312,9 +318,7 @@ def measure(
     first = datetime.now(UTC) + timedelta(seconds=args.margin)
     retention = math.ceil((first - args.base).total_seconds())
     for ns in due:
-        meta = {"name": "bench", "namespace": ns}
-        spec = {"retention": f"{retention}s"}
-        cluster.apply({"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": meta, "spec": spec})
+        cluster.apply(policy(args, ns, {"retention": f"{retention}s"}))
     print(
         f"policies applied: retention {retention}s, deadlines spread over the next "
         f"{args.margin:.0f}..{args.margin + args.spread:.0f}s"
@@ -363,6 +367,15 @@ def measure(
     return 0
 
 
+def policy(args: argparse.Namespace, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The bench's SandboxPolicy in `namespace`: `spec`, with history limits by pipeline under --group-size."""
+    if args.group_size:
+        limit = (args.group_size + 1) // 2  # each group's outcomes alternate: a limit its runs all fit in
+        spec = {**spec, c.HISTORY_LIMITS: {"groupBy": GROUP_LABEL, "succeeded": limit, "failed": limit}}
+    meta = {"name": "bench", "namespace": namespace}
+    return {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": meta, "spec": spec}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--objects", type=int, default=10_000)
@@ -379,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", type=float, default=30.0, help="steady-state window in seconds")
     parser.add_argument(
         "--due-fraction", type=float, default=1.0, help="the share of namespaces whose sandboxes come due (0..1]"
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=0,
+        help="give the sandboxes outcomes and pipelines, this many per pipeline in each namespace, under a policy "
+        "with history limits that keep them all (issue 28, item 6)",
     )
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900.0)
