@@ -7,6 +7,7 @@ architecture notes say the new name, so a person following the docs never greps 
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,19 @@ def test_the_test_map_names_every_test_folder_and_no_folder_that_is_gone() -> No
     assert mapped == folders, (
         f"docs/development.md's test map lacks {sorted(folders - mapped)}, names gone {sorted(mapped - folders)}"
     )
+
+
+def test_the_architecture_pictures_name_the_layers_in_order_and_only_modules_that_exist() -> None:
+    # Issue 26, item 10: docs/architecture.md's pictures match the rooms: the layers picture lists them in the
+    # order of import-linter's layers contract, and every `room/module.py` a picture names is there.
+    text = _text(REPO / "docs" / "architecture.md")
+    pictures = re.findall(r"^```\n(.*?)^```", text, flags=re.M | re.S)
+    layers_picture = next(p for p in pictures if "controller/rules/" in p)
+    drawn = re.findall(r"controller/([a-z]+)/", layers_picture)
+    contract = tomllib.loads(_text(REPO / "pyproject.toml"))["tool"]["importlinter"]["contracts"]
+    layers = next(k["layers"] for k in contract if k["type"] == "layers")
+    expected = [room.strip().removeprefix("controller.") for layer in layers for room in layer.split("|")]
+    assert drawn == expected, f"the layers picture draws {drawn}, the contract says {expected}"
+    named = {m for picture in pictures for m in re.findall(r"\b([a-z]+/[a-z_]+\.py)\b", picture)}
+    missing = sorted(m for m in named if not (REPO / "controller" / m).is_file())
+    assert named and not missing, f"docs/architecture.md's pictures name modules that are gone: {missing}"
