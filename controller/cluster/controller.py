@@ -255,6 +255,7 @@ class Controller:
                 outcome = c.ReconcileResult.ERROR
                 delay = queue.add_rate_limited(item)
                 self.metrics.reconcile_errors.labels(component=component).inc()
+                self.metrics.reconcile_errors_total.labels(component).inc()
                 said = fields(item)
                 logs.say(log, event, level=logging.WARNING, **said, error=str(err)[:300], retry_in=f"{delay:.1f}s")
             finally:

@@ -164,6 +164,12 @@ class ControllerMetrics:
         self.reconcile_total = Counter(
             c.M_RECONCILE_TOTAL, "Total number of reconciliations per controller", ["controller", "result"], registry=r
         )
+        self.reconcile_errors_total = Counter(
+            c.M_RECONCILE_ERRORS_TOTAL,
+            "Total number of reconciliation errors per controller",
+            ["controller"],
+            registry=r,
+        )
         self.reconcile_time = Histogram(
             c.M_RECONCILE_TIME,
             "Length of time per reconciliation per controller",

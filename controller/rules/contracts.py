@@ -374,6 +374,7 @@ M_PRESSURE_RELEASES = "sandkeep_pressure_releases_total"  # counter {node}: dele
 # `name` and `controller` labels are both its name (a `Queue`); the controller's reconciles carry it as `controller`.
 M_RECONCILE_TOTAL = "controller_runtime_reconcile_total"  # counter {controller, result}
 M_RECONCILE_TIME = "controller_runtime_reconcile_time_seconds"  # histogram {controller}
+M_RECONCILE_ERRORS_TOTAL = "controller_runtime_reconcile_errors_total"  # counter {controller}: result error
 M_WORKQUEUE_DEPTH = "workqueue_depth"  # gauge {name, controller, priority}: keys waiting
 M_WORKQUEUE_ADDS = "workqueue_adds_total"  # counter {name, controller}
 M_WORKQUEUE_QUEUE_DURATION = "workqueue_queue_duration_seconds"  # histogram {name, controller}: queued -> taken

@@ -40,7 +40,14 @@ from controller.node.store import Root
 from controller.rules import contracts as c
 from controller.rules.models import NAME_MAX, bounded_name, label_value
 from hack.localcluster import LocalCluster
-from tests.bed.controller_harness import install_crds, only_in, render_templates, wait_for
+from tests.bed.controller_harness import (
+    install_crds,
+    metric_value,
+    only_in,
+    render_templates,
+    scrape,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RBAC_TEMPLATES = (
@@ -652,6 +659,12 @@ def test_a_pod_the_controller_was_refused_to_delete_goes_once_it_may(
         cluster.apply([role])  # the verb given back: the worker's retry deletes the Pod
         wait_for("the Pod deleted", lambda: not left() or None, timeout=60)
         assert "retry_in" in run.processes[0].log()
+        text = scrape(run.processes[0].log)  # the refusals counted, in controller-runtime's names and sandkeep's
+        sessions = {"controller": c.Queue.SESSIONS}
+        errors = metric_value(text, c.M_RECONCILE_ERRORS_TOTAL, **sessions)
+        assert errors >= 1
+        assert errors == metric_value(text, c.M_RECONCILE_TOTAL, **sessions, result=c.ReconcileResult.ERROR)
+        assert errors == metric_value(text, c.M_RECONCILE_ERRORS, component=c.Queue.SESSIONS)
     finally:
         run.stop()
 

@@ -111,6 +111,14 @@ def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
     return None
 
 
+def scrape(log: Callable[[], str]) -> str:
+    """The metrics of a sandkeep process whose log (`log()`) says where it serves them (`metrics=URL`)."""
+    found = wait_for("the process's metrics address", lambda: re.search(r"metrics=(http://\S+)", log()))
+    with urllib.request.urlopen(found.group(1), timeout=5) as response:
+        text: str = response.read().decode()
+        return text
+
+
 class Controller:
     """A real `sandkeep controller` process for one test namespace; stop() ends it by pid."""
 
@@ -142,14 +150,8 @@ class Controller:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def metrics_url(self) -> str:
-        found = wait_for("the controller's metrics address", lambda: re.search(r"metrics=(http://\S+)", self.log()))
-        return found.group(1)
-
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.metrics_url(), timeout=5) as response:
-            text: str = response.read().decode()
-            return text
+        return scrape(self.log)
 
     def wait_leader(self, timeout: float = 30.0) -> None:
         wait_for("the controller to lead", lambda: "leader_elected" in self.log() or self._dead(), timeout)
