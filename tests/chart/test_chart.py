@@ -48,7 +48,8 @@ REQUIRED_ALERTS = {
     "SandkeepQuarantineNotEmpty",
     "SandkeepPastMaxAge",
 }
-_METRIC = re.compile(r"\bsandkeep_[a-z0-9_]+")
+# sandkeep's own series, and the controller-runtime and client-go ones it exports under their usual names
+_METRIC = re.compile(r"\b(?:sandkeep|controller_runtime|workqueue)_[a-z0-9_]+")
 
 
 # --- helpers -------------------------------------------------------------------------------------------
@@ -767,6 +768,10 @@ def test_dashboard_shows_what_operators_need() -> None:
         f"{c.M_DELETION_DURATION}_bucket",
         f"{c.M_EXPIRY_LAG}_bucket",
         c.M_IN_USE_HOLDS,
+        c.M_WORKQUEUE_DEPTH,
+        f"{c.M_WORKQUEUE_QUEUE_DURATION}_bucket",
+        c.M_RECONCILE_TOTAL,
+        f"{c.M_RECONCILE_TIME}_bucket",
     ):
         assert needed in used, f"the dashboard has no panel on {needed}"
     for panel in dashboard["panels"]:
@@ -781,7 +786,7 @@ def test_dashboard_has_datasource_cluster_and_job_variables_every_query_honours(
     for expr in dashboard_exprs():
         if expr.startswith("label_values(sandkeep_build_info"):  # the cluster and job variables themselves
             continue
-        for selector in re.findall(r"\bsandkeep_[a-z0-9_]+(\{[^}]*\})?", expr):
+        for selector in re.findall(_METRIC.pattern + r"(\{[^}]*\})?", expr):
             assert 'cluster=~"$cluster"' in selector and 'job=~"$job"' in selector, expr
     for grouping in re.findall(r"\bby \(([^)]*)\)", " ".join(dashboard_exprs())):
         assert grouping.startswith("cluster"), f"by ({grouping}) merges clusters"
