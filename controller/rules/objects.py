@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from controller.rules import contracts as c
 from controller.rules.durations import Invalid, format_instant, instant_or_none, parse_duration, parse_instant
@@ -184,6 +185,7 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
     max_age = duration(c.MAX_AGE, default.max_age)
     history = _history(spec, default.history, problems)
     warn_before = duration(c.WARN_BEFORE, default.warn_before)
+    webhook = _webhook(spec, problems)
     limits: Obj = spec["quota"] if isinstance(spec.get("quota"), dict) else {}
     max_bytes, max_count = default.quota.max_bytes, default.quota.max_count
     if "maxBytes" in limits:
@@ -206,7 +208,24 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
             problems.append(f"spec.releasePriority {spec['releasePriority']!r}: one of First, Normal, Last")
     quota = Quota(max_bytes, max_count)
     dry_run = bool(spec.get("dryRun", False))
-    return Policy(retention, max_pin, dry_run, quota, priority, by_outcome, max_age, history, warn_before), problems
+    policy = Policy(retention, max_pin, dry_run, quota, priority, by_outcome, max_age, history, warn_before, webhook)
+    return policy, problems
+
+
+def _webhook(spec: Obj, problems: list[str]) -> str | None:
+    """`spec.warnWebhook.url` when it is an http or https URL with a host; None (and a problem) otherwise."""
+    given = spec.get(c.WARN_WEBHOOK)
+    if given is None:
+        return None
+    url = given.get("url") if isinstance(given, dict) else None
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+    except ValueError:  # e.g. an unclosed [IPv6 literal
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        problems.append(f"spec.{c.WARN_WEBHOOK}.url: not an http or https URL with a host; no notices are sent")
+        return None
+    return url
 
 
 def _history(spec: Obj, default: History | None, problems: list[str]) -> History | None:
