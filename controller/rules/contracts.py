@@ -120,6 +120,10 @@ WARN_BEFORE = "warnBefore"  # a SandboxPolicy's: this long before a deadline, co
 WARN_WEBHOOK = "warnWebhook"
 WARN_NOTICE_KIND = "ExpiringSoon"  # the notice's `kind`; its fields are documented in docs/usage.md
 GROUP_BY_OWNER = "owner"
+# The CronJob that made a sandbox's Job, as `CronJob/name`: read from the Job's name, `<cronjob>-<minute>` (the
+# CronJob controller's: its scheduled time in minutes since the epoch, at most CRONJOB_RUN_MAX_DAYS before createdAt).
+GROUP_BY_CRONJOB = "cronjob"
+CRONJOB_RUN_MAX_DAYS = 31
 OUTCOME_FLAG = "--outcome"  # `sandkeep retain --outcome`: the outcome a retained job records in its manifest
 
 

@@ -779,6 +779,28 @@ def test_history_limits_release_the_oldest_of_a_group_keep_the_newest_failure_an
         assert not gone(kube, namespace, name), name
 
 
+def test_history_limits_by_cronjob_keep_the_newest_run_of_each_cronjob(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 28, item 2: groupBy cronjob (the CRD takes it) groups the runs whose Jobs the CronJob controller named.
+    start("--retention=1h")
+    body = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": {"name": "cron", "namespace": namespace}}
+    cluster.apply(body | {"spec": {c.HISTORY_LIMITS: {"groupBy": c.GROUP_BY_CRONJOB, "succeeded": 1}}})
+    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "cron"), "Active"))
+
+    def run(name: str, job: str, minutes: int) -> None:
+        origin = {"pod": f"{name}-pod", "outcome": "Succeeded", "owner": {"kind": "Job", "name": job}}
+        kube.create_sandbox(namespace, sandbox(name, created=-timedelta(minutes=minutes), origin=origin))
+
+    minute = int(time.time()) // 60
+    run("older", f"nightly-{minute - 30}", 20)
+    run("newer", f"nightly-{minute - 10}", 5)
+    run("by-hand", "nightly-build-7", 30)  # not a name the CronJob controller gives: in no group
+    wait_for("the older run to be deleted", lambda: gone(kube, namespace, "older"), timeout=30)
+    for name in ("newer", "by-hand"):
+        assert phase_is(kube, namespace, name, c.Phase.RETAINED), name
+
+
 def test_warn_before_gives_a_condition_and_one_event_before_the_deadline(
     kube: Kube, cluster: LocalCluster, namespace: str, start: Any
 ) -> None:
