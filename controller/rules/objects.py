@@ -252,6 +252,16 @@ def _history(spec: Obj, default: History | None, problems: list[str]) -> History
     return History(group_by, **counts)
 
 
+def history_setting(given: Obj) -> History:
+    """A standalone sweep's history limits (`SANDKEEP_HISTORY_LIMITS`, `--history-limits`): the same object as a
+    SandboxPolicy's `historyLimits`, read by the same parser; ValueError saying what is wrong."""
+    problems: list[str] = []
+    history = _history({c.HISTORY_LIMITS: given}, None, problems)
+    if history is None:
+        raise ValueError("; ".join(problems).replace(f"spec.{c.HISTORY_LIMITS}", "history limits"))
+    return history
+
+
 def group_of(obj: Obj, group_by: str) -> str | None:
     """The sandbox's value of `group_by` (an origin label, its owner as `Kind/name`, or the CronJob of its Job as
     `CronJob/name`); None when it has none."""

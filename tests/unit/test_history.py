@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.cluster.decide import Context, decide
-from controller.cluster.history import Groups
+from controller.cluster.history import Groups, newer_of
 from controller.rules import contracts as c
 from controller.rules.contracts import DeadlineSource, Outcome, Phase, Reason
 from controller.rules.durations import format_instant
@@ -163,6 +163,17 @@ def test_history_limits_by_cronjob_keep_the_newest_runs_of_each_cronjob() -> Non
     assert [groups.newer(("ns", f"s{i}")) for i in range(3)] == [0, 1, 2] and groups.newer(("ns", "o")) == 0
     gone = decide(runs[1], Context(replace(policy, retention=30 * D), newer=groups.newer(("ns", "s1"))), NOW)
     assert gone.delete and gone.verdict.reasons == (Reason.HISTORY_LIMIT,)
+
+
+def test_a_sweeps_batch_counts_as_the_controllers_groups_each_namespace_apart() -> None:
+    # The standalone sweep (cli/sweep.py) counts one pass's manifests at once, each namespace its own groups.
+    objs = [sandbox(f"s{i}", i * D, Outcome.SUCCEEDED, "nightly") for i in range(3)]
+    other = sandbox("s9", 9 * D, Outcome.SUCCEEDED, "nightly")
+    other["metadata"]["namespace"] = "other"
+    loose = sandbox("loose", D, None, None)
+    counted = newer_of(History("job-name", succeeded=1), [*objs, other, loose])
+    assert counted == {("ns", "s0"): 0, ("ns", "s1"): 1, ("ns", "s2"): 2, ("other", "s9"): 0}
+    assert newer_of(None, objs) == {}
 
 
 # --- the controller's groups, against brute force ------------------------------------------------------
