@@ -99,18 +99,9 @@ class Notices:
         """Queue `notice` for `url` and return at once; past NOTICES_BACKLOG unsent ones it is dropped."""
         name = f"{notice['namespace']}/{notice['name']}"
         if len(self.backlog) >= NOTICES_BACKLOG:
-            self.metrics.warn_notices.labels(result=NoticeResult.DROPPED).inc()
-            if self._dropping is None:  # once per run of drops, not once per notice
-                self._dropping = time.monotonic()
-                logs.say(
-                    log,
-                    "warn_notices_dropped",
-                    level=logging.WARNING,
-                    reason=Reason.EXPIRING_SOON,
-                    object=name,
-                    host=host_of(url),
-                    backlog=NOTICES_BACKLOG,
-                )
+            said = self._dropping is None  # said once per run of drops, counted each time
+            self._dropping = self._dropping or time.monotonic()
+            self._tell(NoticeResult.DROPPED, url, name, said=said, backlog=NOTICES_BACKLOG)
             return
         self._dropping = None
         task = asyncio.get_running_loop().create_task(self._deliver(url, json.dumps(notice).encode(), name))
@@ -125,40 +116,21 @@ class Notices:
             except Exception as err:  # any failure of someone else's server is the notice's, never the loop's
                 error = _words(err)
             else:
-                self.metrics.warn_notices.labels(result=NoticeResult.SENT).inc()
-                logs.say(
-                    log,
-                    "warn_notice_sent",
-                    reason=Reason.EXPIRING_SOON,
-                    object=name,
-                    host=host_of(url),
-                    attempts=attempt,
-                )
+                self._tell(NoticeResult.SENT, url, name, attempts=attempt)
                 return
             if attempt == NOTICE_ATTEMPTS:
                 break
             delay = self.backoff * 2 ** (attempt - 1)
-            self.metrics.warn_notices.labels(result=NoticeResult.RETRIED).inc()
-            logs.say(
-                log,
-                "warn_notice_retry",
-                level=logging.WARNING,
-                reason=Reason.EXPIRING_SOON,
-                object=name,
-                host=host_of(url),
-                attempt=attempt,
-                error=error,
-                retry_in=f"{delay:g}s",
-            )
+            self._tell(NoticeResult.RETRIED, url, name, attempt=attempt, error=error, retry_in=f"{delay:g}s")
             await asyncio.sleep(delay)
-        self.metrics.warn_notices.labels(result=NoticeResult.FAILED).inc()
-        logs.say(
-            log,
-            "warn_notice_failed",
-            level=logging.WARNING,
-            reason=Reason.EXPIRING_SOON,
-            object=name,
-            host=host_of(url),
-            attempts=NOTICE_ATTEMPTS,
-            error=error,
-        )
+        self._tell(NoticeResult.FAILED, url, name, attempts=NOTICE_ATTEMPTS, error=error)
+
+    def _tell(self, result: NoticeResult, url: str, name: str, *, said: bool = True, **fields: object) -> None:
+        """Count a result and log it (`warn_notice_<result>`), naming the receiver by its host alone."""
+        self.metrics.warn_notices.labels(result=result).inc()
+        if said:
+            level = logging.INFO if result is NoticeResult.SENT else logging.WARNING
+            host = host_of(url)
+            logs.say(
+                log, f"warn_notice_{result}", level=level, reason=Reason.EXPIRING_SOON, object=name, host=host, **fields
+            )

@@ -928,7 +928,7 @@ def test_a_warn_webhook_that_is_down_never_delays_the_deletion(
     assert _lateness(kube, namespace, "soon", _due(kube, namespace, "soon")) < 3
     assert metric_value(ctl.metrics(), c.M_WARN_NOTICES, result=c.NoticeResult.RETRIED) >= 2
     assert metric_value(ctl.metrics(), c.M_WARN_NOTICES, result=c.NoticeResult.SENT) == 0
-    assert "warn_notice_retry" in ctl.log() and "s3cret" not in ctl.log()
+    assert "warn_notice_retried" in ctl.log() and "s3cret" not in ctl.log()
 
 
 def test_a_warn_webhook_that_hangs_is_cut_off_by_the_timeout_and_delays_nothing(

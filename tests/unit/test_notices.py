@@ -91,5 +91,5 @@ def test_the_backlog_is_bounded_and_what_is_dropped_is_counted(caplog: pytest.Lo
     dropped = metrics.registry.get_sample_value(c.M_WARN_NOTICES, {"result": c.NoticeResult.DROPPED})
     retried = metrics.registry.get_sample_value(c.M_WARN_NOTICES, {"result": c.NoticeResult.RETRIED}) or 0
     assert dropped == 25 and retried > 0
-    said = [r.getMessage() for r in caplog.records if "warn_notices_dropped" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "warn_notice_dropped" in r.getMessage()]
     assert len(said) == 1 and "s3cret" not in caplog.text and "host=127.0.0.1:" in said[0]
