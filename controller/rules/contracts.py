@@ -139,6 +139,7 @@ ORIGIN_LABELS = (
     "tekton.dev/pipeline",
     "tekton.dev/task",
 )
+GROUP_BYS = (GROUP_BY_OWNER, GROUP_BY_CRONJOB, *ORIGIN_LABELS)  # what historyLimits.groupBy may name (the CRD's enum)
 ORIGIN_CONTAINERS_MAX = 16  # containers listed in `spec.origin.containers` (the CRD's maxItems)
 
 

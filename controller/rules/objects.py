@@ -236,8 +236,8 @@ def _history(spec: Obj, default: History | None, problems: list[str]) -> History
         return default
     where = f"spec.{c.HISTORY_LIMITS}"
     group_by = given.get("groupBy")
-    if group_by not in GROUP_BYS:
-        problems.append(f"{where}.groupBy {group_by!r}: one of {', '.join(GROUP_BYS)}")
+    if group_by not in c.GROUP_BYS:
+        problems.append(f"{where}.groupBy {group_by!r}: one of {', '.join(c.GROUP_BYS)}")
         return default
     counts: dict[str, int] = {}
     fields = {"failed": "failed", "succeeded": "succeeded", "unknown": "unknown", "keepLastFailed": "keep_last_failed"}
@@ -281,7 +281,6 @@ def group_of(obj: Obj, group_by: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-GROUP_BYS = (c.GROUP_BY_OWNER, c.GROUP_BY_CRONJOB, *c.ORIGIN_LABELS)
 _CRONJOB_JOB = re.compile(r"(?P<cronjob>[a-z0-9][-a-z0-9.]*)-(?P<minute>[0-9]+)")
 
 
