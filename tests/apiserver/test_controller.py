@@ -945,7 +945,7 @@ def test_a_warn_webhook_that_hangs_is_cut_off_by_the_timeout_and_delays_nothing(
         wait_for("the first attempt", lambda: receiver.requests, timeout=20)
         asked = time.monotonic()
         wait_for("the second attempt", lambda: len(receiver.requests) >= 2, timeout=10)
-        assert time.monotonic() - asked < 1 + 1 + 1.5  # the timeout, the first backoff, some slack
+        assert time.monotonic() - asked < 1 + 1 + 4  # the timeout, the first backoff, slack (unbounded: 60 s)
         assert _lateness(kube, namespace, "soon", due) < 3
         assert "timed out" in ctl.log() and metric_value(ctl.metrics(), c.M_WARN_NOTICES, result="retried") >= 1
     finally:
