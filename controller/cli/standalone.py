@@ -23,13 +23,24 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from controller.cli.sweep import ORPHAN_TIMEOUT, RELOG_EVERY, STUCK_AFTER, Sweeper, in_use_checker, strerror, utcnow
+from pydantic import ValidationError, field_validator
+
+from controller.cli.sweep import (
+    ORPHAN_TIMEOUT,
+    RELOG_EVERY,
+    STUCK_AFTER,
+    Sweeper,
+    history_newer,
+    in_use_checker,
+    strerror,
+    utcnow,
+)
 from controller.node.reaper import Claim, Deleted, Held, Outcome, Reaper, Refused, Restored, Stuck, Target
 from controller.node.store import (
     Entry,
@@ -44,11 +55,12 @@ from controller.node.store import (
     standalone_id,
 )
 from controller.observe import logs
-from controller.rules.contracts import OUTCOME_FLAG, Reason
+from controller.rules.contracts import ORIGIN_LABELS, OUTCOME_FLAG, Reason
 from controller.rules.contracts import Outcome as CaptureOutcome
 from controller.rules.durations import Invalid, format_duration, format_instant, parse_duration, parse_instant
-from controller.rules.flags import HumanDuration, settings_from
+from controller.rules.flags import HumanDuration, JsonObject, settings_from
 from controller.rules.models import Origin, Settings, is_namespace_name, is_object_name
+from controller.rules.objects import Obj, history_setting
 from controller.rules.policy import Policy, deadline
 from controller.rules.sizes import human_size
 
@@ -161,6 +173,13 @@ def _instant_arg(text: str) -> datetime:
     return parsed
 
 
+def _label_arg(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or key not in ORIGIN_LABELS:
+        raise argparse.ArgumentTypeError(f"{text!r}: KEY=VALUE with KEY one of {', '.join(ORIGIN_LABELS)}")
+    return key, value
+
+
 def _ref_arg(text: str) -> tuple[str, str]:
     ns, sep, name = text.partition("/")
     if not sep or not is_namespace_name(ns) or not is_object_name(name):
@@ -191,6 +210,15 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
             "for its own time (SANDKEEP_RETENTION_FAILED, ...)",
         )
         parser.add_argument(
+            "--label",
+            action="append",
+            default=[],
+            type=_label_arg,
+            metavar="KEY=VALUE",
+            help=f"a pipeline label recorded with {OUTCOME_FLAG} (spec.origin.labels), one of "
+            f"{', '.join(ORIGIN_LABELS)}: what --history-limits groups by; repeatable",
+        )
+        parser.add_argument(
             "--exclude", action="extend", nargs="+", default=[], metavar="GLOB", help="remove these first (transcripts)"
         )
     elif command == "pin":
@@ -210,6 +238,13 @@ def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
                 help=f"the window of sandboxes whose job ended {outcome} (default: --retention)",
             )
         parser.add_argument("--max-pin", type=_duration_arg, default=None, help="the longest pin honoured (30d)")
+        parser.add_argument(
+            "--history-limits",
+            default=None,
+            metavar="JSON",
+            help="keep at most N per outcome in each group, as a SandboxPolicy's historyLimits: "
+            '{"groupBy": "job-name", "succeeded": 3, "failed": 10, "keepLastFailed": 1} (default: none)',
+        )
         parser.add_argument(
             "--stuck-after", type=_duration_arg, default=None, help="a tombstone this old is stuck (10m)"
         )
@@ -271,11 +306,28 @@ class SweepSettings(Settings):
     stuck_after: HumanDuration = STUCK_AFTER
     relog_every: HumanDuration = RELOG_EVERY
     orphan_timeout: HumanDuration = ORPHAN_TIMEOUT
+    # A SandboxPolicy's historyLimits, for every namespace of the root (issue 28): `{"groupBy": "job-name", ...}`.
+    history_limits: JsonObject | None = None
+
+    @field_validator("history_limits")
+    @classmethod
+    def _history(cls, v: Obj | None) -> Obj | None:
+        if v is not None:
+            history_setting(v)  # the policy's own parser: a bad one stops the command at start, saying why
+        return v
+
+    def policy(self) -> Policy:
+        history = history_setting(self.history_limits) if self.history_limits is not None else None
+        return replace(super().policy(), history=history)
 
 
 def _settings(args: argparse.Namespace) -> SweepSettings:
     try:
         return settings_from(SweepSettings, args)
+    except ValidationError as err:  # the setting and what is wrong with it, not pydantic's header line
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise UsageError(f"bad SANDKEEP_* setting {where}: {first['msg']}") from err
     except ValueError as err:
         raise UsageError(f"bad SANDKEEP_* setting: {str(err).splitlines()[0]}") from err
 
@@ -303,13 +355,23 @@ def _retain(args: argparse.Namespace) -> int:
             retention=args.retention,
             node=args.node,
             exclude=args.exclude,
-            origin=None if args.outcome is None else Origin(outcome=CaptureOutcome(args.outcome)),
+            origin=_origin(args),
             now=now,
             replace=Replacer(reaper, stack, wait=args.wait),
         )
     until = f" until {manifest.retain_until}" if manifest.retain_until else ""
     print(f"retained {manifest.namespace}/{manifest.name} (job {manifest.job_id}){until}")
     return EXIT_OK
+
+
+def _origin(args: argparse.Namespace) -> Origin | None:
+    """What `retain` records of the job: its outcome and pipeline labels (labels need an outcome: no group
+    counts a sandbox without one)."""
+    if args.outcome is None:
+        if args.label:
+            raise UsageError(f"--label needs {OUTCOME_FLAG}: the history limits count each outcome apart")
+        return None
+    return Origin(outcome=CaptureOutcome(args.outcome), labels=dict(args.label))
 
 
 def _pin(args: argparse.Namespace) -> int:
@@ -333,7 +395,7 @@ def _pin(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _row(root: Root, entry: Entry, read: Read, policy: Policy, now: datetime) -> dict[str, Any]:
+def _row(root: Root, entry: Entry, read: Read, policy: Policy, now: datetime, newer: int | None) -> dict[str, Any]:
     row: dict[str, Any] = {"namespace": entry.namespace, "name": entry.name, "deadline": None, "source": None}
     row.update(left=None, state="Expired", reasons=[str(read.reason)], size=root.size(entry.namespace, entry.name))
     if isinstance(read, Transient):
@@ -341,7 +403,7 @@ def _row(root: Root, entry: Entry, read: Read, policy: Policy, now: datetime) ->
     elif isinstance(read, Mismatch):
         row["state"] = "Refused"
     elif isinstance(read, Present):
-        verdict = deadline(read.manifest.facts(), policy, now)
+        verdict = deadline(replace(read.manifest.facts(), newer=newer), policy, now)
         left = verdict.time_left(now)
         row.update(
             deadline=format_instant(verdict.deadline) if verdict.deadline else None,
@@ -358,7 +420,12 @@ def _ls(args: argparse.Namespace) -> int:
     settings, now = _settings(args), utcnow()
     policy = settings.policy()
     scan = root.scan()
-    rows = [_row(root, e, root.read(e.namespace, e.name), policy, now) for e in scan.sandboxes]
+    reads = root.read_many(scan.sandboxes)
+    newer = history_newer(policy, reads.values())
+    rows = []
+    for e in scan.sandboxes:
+        key = (e.namespace, e.name)
+        rows.append(_row(root, e, reads[key], policy, now, newer.get(key)))
     tombs = [
         {"tombstone": t.name, "age": format_duration(t.age(now)), "stuck": t.age(now) >= settings.stuck_after}
         for t in scan.tombstones

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from controller.cluster.history import newer_of
 from controller.node.inuse import Usage, pid_alive, scan_usage
 from controller.node.opener import expiry
 from controller.node.orphans import Kill, send
@@ -178,9 +179,11 @@ class Sweeper:
         scan = self.root.scan()
         held_pinned = [t for t in scan.tombstones if self._leftover(t, now) == "pinned-held"]
         reads = self.root.read_many(scan.sandboxes)
+        newer = history_newer(self.policy, reads.values())
         for entry in scan.sandboxes:
+            key = (entry.namespace, entry.name)
             try:
-                self._consider(entry, reads[(entry.namespace, entry.name)])
+                self._consider(entry, reads[key], newer.get(key))
             except Exception as err:  # one bad entry never aborts the pass
                 self._decide(f"{entry.namespace}/{entry.name}", "held", Reason.DELETE_FAILED, error=str(err))
         for stray in scan.strays:
@@ -239,8 +242,9 @@ class Sweeper:
                 return Keep((read.manifest.namespace, read.manifest.name), Reason.TOMBSTONE_PINNED)
         return Clear()
 
-    def _consider(self, entry: Entry, read: Read) -> None:
-        """Decide one sandbox on the pass's one read; the pipeline acts only if nothing changed since."""
+    def _consider(self, entry: Entry, read: Read, newer: int | None = None) -> None:
+        """Decide one sandbox on the pass's one read (`newer`: how many of its history group and outcome are newer
+        in this pass); the pipeline acts only if nothing changed since."""
         key = f"{entry.namespace}/{entry.name}"
         now = self.clock()
         if isinstance(read, Transient):
@@ -251,7 +255,7 @@ class Sweeper:
                 key, "refused", Reason.MANIFEST_MISMATCH, names=f"{read.manifest.namespace}/{read.manifest.name}"
             )
             return
-        cause, verdict = expiry(read, self.policy, now)
+        cause, verdict = expiry(read, self.policy, now, newer)
         if cause is None:
             assert verdict is not None
             left = verdict.time_left(now)
@@ -329,6 +333,13 @@ class Sweeper:
 
 
 _NO_TOMBSTONE = Tombstone("", "", datetime.fromtimestamp(0, UTC), Path())
+
+
+def history_newer(policy: Policy, reads: Iterable[Read]) -> dict[Key, int]:
+    """The history limits over the manifests of one pass, counted as the controller counts its view's objects
+    (cluster/history.py): for each manifest in a group, how many of its group and outcome are newer."""
+    manifests = [r.manifest for r in reads if isinstance(r, Present)]
+    return newer_of(policy.history, (m.as_object() for m in manifests))
 
 
 def _entry_hook(root: Root, hook: EntryHook | None) -> Hook | None:

@@ -27,6 +27,7 @@ from controller.api.kube import Kube, KubeError, now_utc, sandbox_path
 from controller.api.workqueue import WorkQueue
 from controller.cluster.decide import decide
 from controller.cluster.events import Events
+from controller.cluster.notices import Notices
 from controller.cluster.policyset import in_force, write_statuses
 from controller.cluster.quota_enforcer import QuotaEnforcer
 from controller.cluster.reconciler import Reconciler, Result
@@ -56,12 +57,14 @@ class Controller:
         self.queue: WorkQueue[Key] = WorkQueue()
         self._phases: dict[Key, tuple[str, str, bool, bool]] = {}  # key -> (phase, node, pinned, past its hard end)
         self.events = Events(kube, metrics_)
+        self.notices = Notices(metrics_, settings.warn_webhook_timeout.total_seconds())
         self.reconciler = Reconciler(
             kube,
             settings,
             metrics_,
             self.view,
             self.events,
+            self.notices,
             remember=self.remember,
             enqueue=self.enqueue,
             is_leader=lambda: self.is_leader(),
@@ -265,7 +268,7 @@ class Controller:
 
     def idle(self) -> bool:
         """Nothing queued, being reconciled or being posted (for tests and the benchmark)."""
-        return not self.queue.busy() and not self.events.backlog
+        return not self.queue.busy() and not self.events.backlog and not self.notices.backlog
 
     # --- the SandboxPolicies' status (the leader's) -------------------------------------------------------
     async def write_policy_statuses(self, namespace: str) -> None:

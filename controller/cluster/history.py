@@ -90,6 +90,18 @@ class Groups:
         return [(slot[0], members[i][1]) for i in sorted(edges)]
 
 
+def newer_of(history: History | None, sandboxes: Iterable[Obj]) -> dict[Key, int]:
+    """For sandboxes seen at once (a standalone sweep's pass, every namespace under the same limits): how many
+    of its group and outcome are newer than each one in a group, counted as the controller's Groups count."""
+    if history is None:
+        return {}
+    objs = list(sandboxes)
+    groups = Groups(history={ns: history for ns in {key_of(obj)[0] for obj in objs}})
+    for obj in objs:
+        groups.put(obj)
+    return {key: n for key in map(key_of, objs) if (n := groups.newer(key)) is not None}
+
+
 def _place(obj: Obj, history: History) -> tuple[Slot, Member] | None:
     value, outcome = group_of(obj, history.group_by), outcome_of(obj)
     created = instant_or_none((obj.get("spec") or {}).get("createdAt"))

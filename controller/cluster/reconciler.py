@@ -36,6 +36,7 @@ from controller.cluster.decide import (
 from controller.cluster.events import Events
 from controller.cluster.history import Groups
 from controller.cluster.lost_nodes import LostNodes
+from controller.cluster.notices import Notices, warn_notice
 from controller.cluster.policyset import in_force
 from controller.cluster.settings import SEAM_ENV, ControllerSettings
 from controller.cluster.view import Key, View
@@ -72,6 +73,7 @@ class Reconciler:
         metrics_: ControllerMetrics,
         view: View,
         events: Events,
+        notices: Notices,
         *,
         remember: Callable[[Obj], None],
         enqueue: Callable[[Key], None],
@@ -82,6 +84,7 @@ class Reconciler:
         self.metrics = metrics_
         self.view = view
         self.events = events
+        self.notices = notices  # the warnWebhook's, sent off this path (notices.py)
         self.remember = remember  # the view keeps the newest version (and the gauges follow)
         self.enqueue = enqueue
         self.is_leader = is_leader
@@ -144,10 +147,12 @@ class Reconciler:
         if converted is None:
             return Result()  # the annotations changed: the watch brings the new object, which is queued again
         obj = converted
-        decision = decide(obj, self.context(obj, now), now)
+        ctx = self.context(obj, now)
+        decision = decide(obj, ctx, now)
         newly_lost = decision.node_lost and (obj.get("status") or {}).get("phase") != Phase.LOST
         if newly_lost and await self.lost.still_there(obj["spec"]["nodeName"]):  # a fresh read before Lost
-            decision = decide(obj, self.context(obj, now), now)
+            ctx = self.context(obj, now)
+            decision = decide(obj, ctx, now)
         if decision.delete:
             # No status write first: the object is about to go, and if it stays (a 409, the agent's
             # finalizer) the next pass or the agent writes the phase it then has.
@@ -159,6 +164,10 @@ class Reconciler:
             self.remember(obj)
             for reason, message, type_ in events:
                 self.events.post(obj, reason, message, type_)
+                if reason is Reason.EXPIRING_SOON and ctx.policy.warn_webhook is not None:
+                    # The same moment as the Event: once per deadline, and not again after a restart (the
+                    # condition is on the object by then, so there is no transition to notice).
+                    self.notices.send(ctx.policy.warn_webhook, warn_notice(obj, decision.status))
             logs.say(
                 log,
                 "status",

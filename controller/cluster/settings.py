@@ -73,6 +73,10 @@ class ControllerSettings(models.Settings):
     kube_burst: Annotated[
         int, Field(ge=1), Flag("API requests at once above the average", value="controller.kubeApi.burst")
     ] = 200
+    # How long one attempt to post a warnWebhook notice may wait on each socket operation (notices.py).
+    warn_webhook_timeout: Annotated[
+        HumanDuration, Flag("how long one warnWebhook attempt may wait for the receiver")
+    ] = timedelta(seconds=5)
     # Quotas per namespace (all nodes together): the default where a SandboxPolicy sets none, and the
     # ceiling no policy can exceed. None: no limit.
     quota_max_bytes: Annotated[

@@ -188,6 +188,12 @@ class ControllerMetrics:
         self.events_dropped = Counter(
             c.M_EVENTS_DROPPED, "Events not posted because the backlog of unsent Events was full.", registry=r
         )
+        self.warn_notices = Counter(
+            c.M_WARN_NOTICES,
+            "warnWebhook notices by result: sent, retried (an attempt failed), failed (given up), dropped (no room).",
+            ["result"],
+            registry=r,
+        )
         self.quota_unrelieved = Gauge(
             c.M_QUOTA_UNRELIEVED,
             "1 while a namespace is over its SandboxPolicy's quota with only pinned or held sandboxes left.",

@@ -116,7 +116,14 @@ MAX_AGE = "maxAge"
 # GROUP_BY_OWNER (the Pod's controlling owner, `spec.origin.owner`, as `Kind/name`).
 HISTORY_LIMITS = "historyLimits"
 WARN_BEFORE = "warnBefore"  # a SandboxPolicy's: this long before a deadline, condition and Event ExpiringSoon
+# A SandboxPolicy's `spec.warnWebhook.url` (http or https): one JSON notice per sandbox at its ExpiringSoon.
+WARN_WEBHOOK = "warnWebhook"
+WARN_NOTICE_KIND = "ExpiringSoon"  # the notice's `kind`; its fields are documented in docs/usage.md
 GROUP_BY_OWNER = "owner"
+# The CronJob that made a sandbox's Job, as `CronJob/name`: read from the Job's name, `<cronjob>-<minute>` (the
+# CronJob controller's: its scheduled time in minutes since the epoch, at most CRONJOB_RUN_MAX_DAYS before createdAt).
+GROUP_BY_CRONJOB = "cronjob"
+CRONJOB_RUN_MAX_DAYS = 31
 OUTCOME_FLAG = "--outcome"  # `sandkeep retain --outcome`: the outcome a retained job records in its manifest
 
 
@@ -132,6 +139,7 @@ ORIGIN_LABELS = (
     "tekton.dev/pipeline",
     "tekton.dev/task",
 )
+GROUP_BYS = (GROUP_BY_OWNER, GROUP_BY_CRONJOB, *ORIGIN_LABELS)  # what historyLimits.groupBy may name (the CRD's enum)
 ORIGIN_CONTAINERS_MAX = 16  # containers listed in `spec.origin.containers` (the CRD's maxItems)
 
 
@@ -347,6 +355,7 @@ M_RECONCILE_ERRORS = "sandkeep_reconcile_errors_total"  # counter {component}
 M_PINS_ACTIVE = "sandkeep_pins_active"  # gauge
 M_PAST_MAX_AGE = "sandkeep_sandboxes_past_max_age"  # gauge {namespace}: past their hard end, still there (held)
 M_EVENTS_DROPPED = "sandkeep_events_dropped_total"  # counter: Events not posted because the backlog was full
+M_WARN_NOTICES = "sandkeep_warn_notices_total"  # counter {result}: warnWebhook notices, by NoticeResult
 M_QUOTA_UNRELIEVED = "sandkeep_quota_unrelieved"  # gauge {namespace}: 1 while over quota with nothing releasable
 M_LEADER = "sandkeep_controller_leader"  # gauge 1 on the acting replica
 # agent (every series carries {node})
@@ -392,6 +401,15 @@ class Queue(StrEnum):
     QUOTA = "quota"  # the controller's namespaces whose quota to check
     SESSIONS = "sessions"  # the controller's SandboxSessions
     AGENT = "agent"  # an agent's RetainedSandboxes of its node
+
+
+class NoticeResult(StrEnum):
+    """`sandkeep_warn_notices_total{result}`: what became of a warnWebhook notice (or of one attempt at it)."""
+
+    SENT = "sent"  # the receiver answered 2xx
+    RETRIED = "retried"  # an attempt failed (an error, a non-2xx answer, the timeout): tried again after a backoff
+    FAILED = "failed"  # every attempt failed: given up
+    DROPPED = "dropped"  # never tried: the backlog of unsent notices was full
 
 
 class ReconcileResult(StrEnum):

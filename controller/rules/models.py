@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 from datetime import timedelta
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -196,6 +196,14 @@ class Manifest(BaseModel):
             pinned_at=self.pinned_at,
             outcome=self.origin.outcome if self.origin is not None else None,
         )
+
+    def as_object(self) -> dict[str, Any]:
+        """What a RetainedSandbox of this manifest says of it that the history groups read: its key, createdAt and
+        origin (the standalone sweep groups manifests as the controller groups objects)."""
+        spec: dict[str, Any] = {"createdAt": self.created_at}
+        if self.origin is not None:
+            spec["origin"] = self.origin.body()
+        return {"metadata": {"namespace": self.namespace, "name": self.name}, "spec": spec}
 
     def to_json(self) -> str:
         unset = {"origin"} if self.origin is None else None  # a manifest without one reads as it always did

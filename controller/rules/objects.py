@@ -7,10 +7,12 @@ the standard conditions (built, found, compared). `controller.api.kube` sends an
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from controller.rules import contracts as c
 from controller.rules.durations import Invalid, format_instant, instant_or_none, parse_duration, parse_instant
@@ -184,6 +186,7 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
     max_age = duration(c.MAX_AGE, default.max_age)
     history = _history(spec, default.history, problems)
     warn_before = duration(c.WARN_BEFORE, default.warn_before)
+    webhook = _webhook(spec, problems)
     limits: Obj = spec["quota"] if isinstance(spec.get("quota"), dict) else {}
     max_bytes, max_count = default.quota.max_bytes, default.quota.max_count
     if "maxBytes" in limits:
@@ -206,7 +209,24 @@ def namespace_policy(obj: Obj, default: Policy) -> tuple[Policy, list[str]]:
             problems.append(f"spec.releasePriority {spec['releasePriority']!r}: one of First, Normal, Last")
     quota = Quota(max_bytes, max_count)
     dry_run = bool(spec.get("dryRun", False))
-    return Policy(retention, max_pin, dry_run, quota, priority, by_outcome, max_age, history, warn_before), problems
+    policy = Policy(retention, max_pin, dry_run, quota, priority, by_outcome, max_age, history, warn_before, webhook)
+    return policy, problems
+
+
+def _webhook(spec: Obj, problems: list[str]) -> str | None:
+    """`spec.warnWebhook.url` when it is an http or https URL with a host; None (and a problem) otherwise."""
+    given = spec.get(c.WARN_WEBHOOK)
+    if given is None:
+        return None
+    url = given.get("url") if isinstance(given, dict) else None
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+    except ValueError:  # e.g. an unclosed [IPv6 literal
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        problems.append(f"spec.{c.WARN_WEBHOOK}.url: not an http or https URL with a host; no notices are sent")
+        return None
+    return url
 
 
 def _history(spec: Obj, default: History | None, problems: list[str]) -> History | None:
@@ -216,8 +236,8 @@ def _history(spec: Obj, default: History | None, problems: list[str]) -> History
         return default
     where = f"spec.{c.HISTORY_LIMITS}"
     group_by = given.get("groupBy")
-    if group_by not in (c.GROUP_BY_OWNER, *c.ORIGIN_LABELS):
-        problems.append(f"{where}.groupBy {group_by!r}: one of {', '.join((c.GROUP_BY_OWNER, *c.ORIGIN_LABELS))}")
+    if group_by not in c.GROUP_BYS:
+        problems.append(f"{where}.groupBy {group_by!r}: one of {', '.join(c.GROUP_BYS)}")
         return default
     counts: dict[str, int] = {}
     fields = {"failed": "failed", "succeeded": "succeeded", "unknown": "unknown", "keepLastFailed": "keep_last_failed"}
@@ -232,16 +252,54 @@ def _history(spec: Obj, default: History | None, problems: list[str]) -> History
     return History(group_by, **counts)
 
 
+def history_setting(given: Obj) -> History:
+    """A standalone sweep's history limits (`SANDKEEP_HISTORY_LIMITS`, `--history-limits`): the same object as a
+    SandboxPolicy's `historyLimits`, read by the same parser; ValueError saying what is wrong."""
+    problems: list[str] = []
+    history = _history({c.HISTORY_LIMITS: given}, None, problems)
+    if history is None:
+        raise ValueError("; ".join(problems).replace(f"spec.{c.HISTORY_LIMITS}", "history limits"))
+    return history
+
+
 def group_of(obj: Obj, group_by: str) -> str | None:
-    """The sandbox's value of `group_by` (an origin label, or its owner as `Kind/name`); None when it has none."""
-    origin = (obj.get("spec") or {}).get("origin")
+    """The sandbox's value of `group_by` (an origin label, its owner as `Kind/name`, or the CronJob of its Job as
+    `CronJob/name`); None when it has none."""
+    spec = obj.get("spec") or {}
+    origin = spec.get("origin")
     if not isinstance(origin, dict):
         return None
+    owner = origin.get("owner")
     if group_by == c.GROUP_BY_OWNER:
-        owner = origin.get("owner")
         return f"{owner.get('kind')}/{owner.get('name')}" if isinstance(owner, dict) else None
+    if group_by == c.GROUP_BY_CRONJOB:
+        created = instant_or_none(spec.get("createdAt"))
+        if not isinstance(owner, dict) or owner.get("kind") != "Job" or created is None:
+            return None
+        return cronjob_of(str(owner.get("name")), created)
     value = (origin.get("labels") or {}).get(group_by)
     return value if isinstance(value, str) else None
+
+
+_CRONJOB_JOB = re.compile(r"(?P<cronjob>[a-z0-9][-a-z0-9.]*)-(?P<minute>[0-9]+)")
+
+
+def cronjob_of(job: str, created: datetime) -> str | None:
+    """`CronJob/<name>` when `job` is a name the CronJob controller gives (`<cronjob>-<scheduled minute since the
+    epoch>`) and that minute is a plausible start of a run kept at `created` (at most CRONJOB_RUN_MAX_DAYS
+    before, a minute of clock skew after); None otherwise.
+
+    The Pod names only its Job, and the agent may not read Jobs (nor would a finished Job's owner still be there
+    to read), so the name is the record: a hand-made Job called `build-42` or `release-20260101` has no plausible
+    minute and stays in no group, rather than being released with another's runs.
+    """
+    found = _CRONJOB_JOB.fullmatch(job)
+    if found is None:
+        return None
+    earliest = (created - timedelta(days=c.CRONJOB_RUN_MAX_DAYS)).timestamp() / 60
+    if not earliest <= int(found["minute"]) <= created.timestamp() / 60 + 1:
+        return None
+    return f"CronJob/{found['cronjob']}"
 
 
 def _windows(spec: Obj, default: Windows, problems: list[str]) -> Windows:

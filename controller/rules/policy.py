@@ -106,6 +106,7 @@ class Policy:
     max_age: timedelta | None = None
     history: History | None = None
     warn_before: timedelta | None = None  # ExpiringSoon this long before a deadline; None: no warning
+    warn_webhook: str | None = None  # an http(s) URL told of each ExpiringSoon (a notice, not an input of the rule)
 
     def window(self, outcome: Outcome | None) -> timedelta:
         """How long a sandbox whose job ended `outcome` is kept from its createdAt (before pins and retainUntil)."""

@@ -24,7 +24,7 @@ from controller.api.kube import Kube, KubeError, policy_path
 from controller.cluster.decide import Context, decide, status_changed
 from controller.cluster.main import add_arguments, settings_from
 from controller.rules import contracts as c
-from controller.rules.durations import format_instant, instant_or_none, parse_instant
+from controller.rules.durations import Invalid, format_instant, instant_or_none, parse_instant
 from controller.rules.objects import reopen_holder
 from controller.rules.policy import Policy, deadline, phase_of
 from hack.localcluster import LocalCluster, settled_writes, writes_by_resource
@@ -779,6 +779,28 @@ def test_history_limits_release_the_oldest_of_a_group_keep_the_newest_failure_an
         assert not gone(kube, namespace, name), name
 
 
+def test_history_limits_by_cronjob_keep_the_newest_run_of_each_cronjob(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 28, item 2: groupBy cronjob (the CRD takes it) groups the runs whose Jobs the CronJob controller named.
+    start("--retention=1h")
+    body = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": {"name": "cron", "namespace": namespace}}
+    cluster.apply(body | {"spec": {c.HISTORY_LIMITS: {"groupBy": c.GROUP_BY_CRONJOB, "succeeded": 1}}})
+    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "cron"), "Active"))
+
+    def run(name: str, job: str, minutes: int) -> None:
+        origin = {"pod": f"{name}-pod", "outcome": "Succeeded", "owner": {"kind": "Job", "name": job}}
+        kube.create_sandbox(namespace, sandbox(name, created=-timedelta(minutes=minutes), origin=origin))
+
+    minute = int(time.time()) // 60
+    run("older", f"nightly-{minute - 30}", 20)
+    run("newer", f"nightly-{minute - 10}", 5)
+    run("by-hand", "nightly-build-7", 30)  # not a name the CronJob controller gives: in no group
+    wait_for("the older run to be deleted", lambda: gone(kube, namespace, "older"), timeout=30)
+    for name in ("newer", "by-hand"):
+        assert phase_is(kube, namespace, name, c.Phase.RETAINED), name
+
+
 def test_warn_before_gives_a_condition_and_one_event_before_the_deadline(
     kube: Kube, cluster: LocalCluster, namespace: str, start: Any
 ) -> None:
@@ -803,6 +825,131 @@ def test_warn_before_gives_a_condition_and_one_event_before_the_deadline(
     wait_for("the Event", lambda: c.Reason.EXPIRING_SOON in reasons_for(kube, namespace, "soon"))
     wait_for("the sandbox to be deleted", lambda: gone(kube, namespace, "soon"), timeout=30)
     assert reasons_for(kube, namespace, "soon").count(c.Reason.EXPIRING_SOON) == 1
+
+
+class Receiver:
+    """A warnWebhook receiver on loopback: answers 500 to its first `failures` notices, then 200; with `hang`
+    it never answers. Keeps every request's path and JSON body."""
+
+    def __init__(self, failures: int = 0, hang: bool = False) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.released = threading.Event()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                receiver.requests.append((self.path, body))
+                if hang:
+                    receiver.released.wait(60)
+                    return
+                self.send_response(500 if len(receiver.requests) <= failures else 200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *_args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks/sandkeep?token=s3cret"
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _warn_policy(cluster: LocalCluster, kube: Kube, namespace: str, url: str, retention: str) -> None:
+    spec = {"retention": retention, c.WARN_BEFORE: "4s", c.WARN_WEBHOOK: {"url": url}}
+    body = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": {"name": "warn", "namespace": namespace}}
+    cluster.apply(body | {"spec": spec})
+    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "warn"), "Active"))
+
+
+def _due(kube: Kube, namespace: str, name: str) -> datetime:
+    due = parse_instant(phase_is(kube, namespace, name, c.Phase.RETAINED)["deadline"])
+    assert not isinstance(due, Invalid)
+    return due
+
+
+def _lateness(kube: Kube, namespace: str, name: str, due: datetime) -> float:
+    """Wait for the sandbox to go; return how late it went after its deadline `due`, in seconds."""
+    wait_for(f"{name} to be deleted", lambda: gone(kube, namespace, name), timeout=30, interval=0.05)
+    return (datetime.now(UTC) - due).total_seconds()
+
+
+def test_a_warn_webhook_gets_one_notice_retried_past_two_failures(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Issue 28, item 3: at ExpiringSoon the policy's webhook gets one JSON notice; a receiver that fails twice
+    # gets it on the third attempt (1 s and 2 s later), and the logs name its host, never its path or query.
+    receiver = Receiver(failures=2)
+    try:
+        ctl = start("--retention=1h")
+        _warn_policy(cluster, kube, namespace, receiver.url, retention="12s")
+        kube.create_sandbox(
+            namespace, sandbox("soon", origin={"pod": "p", "outcome": "Succeeded", "labels": {"job-name": "nightly"}})
+        )
+        due = _due(kube, namespace, "soon")
+        wait_for("the notice to be accepted", lambda: len(receiver.requests) >= 3, timeout=30)
+        assert _lateness(kube, namespace, "soon", due) < 3
+        paths = {path for path, _ in receiver.requests}
+        assert paths == {"/hooks/sandkeep?token=s3cret"} and len(receiver.requests) == 3
+        notice = receiver.requests[-1][1]
+        assert notice["kind"] == c.WARN_NOTICE_KIND == c.Reason.EXPIRING_SOON
+        assert (notice["namespace"], notice["name"], notice["node"]) == (namespace, "soon", "node-a")
+        assert notice["deadlineSource"] == c.DeadlineSource.WINDOW and notice["deadline"] == format_instant(due)
+        assert "within warnBefore" in notice["message"] and notice["origin"]["labels"] == {"job-name": "nightly"}
+        text = ctl.metrics()
+        assert metric_value(text, c.M_WARN_NOTICES, result=c.NoticeResult.SENT) == 1
+        assert metric_value(text, c.M_WARN_NOTICES, result=c.NoticeResult.RETRIED) == 2
+        log = ctl.log()
+        assert f"host=127.0.0.1:{receiver.server.server_port}" in log and "warn_notice_sent" in log
+        assert "s3cret" not in log and "/hooks" not in log
+    finally:
+        receiver.close()
+
+
+def test_a_warn_webhook_that_is_down_never_delays_the_deletion(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # Nothing listens at the webhook's port: the notice is retried in the background and the sandbox still goes
+    # at its deadline.
+    receiver = Receiver()
+    url = receiver.url
+    receiver.close()  # its port now refuses connections
+    ctl = start("--retention=1h")
+    _warn_policy(cluster, kube, namespace, url, retention="8s")
+    kube.create_sandbox(namespace, sandbox("soon"))
+    assert _lateness(kube, namespace, "soon", _due(kube, namespace, "soon")) < 3
+    assert metric_value(ctl.metrics(), c.M_WARN_NOTICES, result=c.NoticeResult.RETRIED) >= 2
+    assert metric_value(ctl.metrics(), c.M_WARN_NOTICES, result=c.NoticeResult.SENT) == 0
+    assert "warn_notice_retried" in ctl.log() and "s3cret" not in ctl.log()
+
+
+def test_a_warn_webhook_that_hangs_is_cut_off_by_the_timeout_and_delays_nothing(
+    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
+) -> None:
+    # A receiver that takes the request and never answers: each attempt ends at --warn-webhook-timeout, and
+    # the deletion is on time meanwhile.
+    receiver = Receiver(hang=True)
+    try:
+        ctl = start("--retention=1h", "--warn-webhook-timeout=1s")
+        _warn_policy(cluster, kube, namespace, receiver.url, retention="8s")
+        kube.create_sandbox(namespace, sandbox("soon"))
+        due = _due(kube, namespace, "soon")
+        wait_for("the first attempt", lambda: receiver.requests, timeout=20)
+        asked = time.monotonic()
+        wait_for("the second attempt", lambda: len(receiver.requests) >= 2, timeout=10)
+        assert time.monotonic() - asked < 1 + 1 + 4  # the timeout, the first backoff, slack (unbounded: 60 s)
+        assert _lateness(kube, namespace, "soon", due) < 3
+        assert "timed out" in ctl.log() and metric_value(ctl.metrics(), c.M_WARN_NOTICES, result="retried") >= 1
+    finally:
+        receiver.close()
 
 
 def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:

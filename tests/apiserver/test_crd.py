@@ -77,8 +77,8 @@ def test_policy_crd_names_match_contracts() -> None:
     assert names["categories"] == [c.CATEGORY]
     spec = version_schema(doc)["properties"]["spec"]["properties"]
     fields = {"retention", c.RETENTION_BY_OUTCOME, "maxPin", c.MAX_AGE, c.HISTORY_LIMITS, "dryRun", "quota"}
-    assert set(spec) == fields | {"releasePriority", c.WARN_BEFORE}
-    assert spec[c.HISTORY_LIMITS]["properties"]["groupBy"]["enum"] == [c.GROUP_BY_OWNER, *c.ORIGIN_LABELS]
+    assert set(spec) == fields | {"releasePriority", c.WARN_BEFORE, c.WARN_WEBHOOK}
+    assert spec[c.HISTORY_LIMITS]["properties"]["groupBy"]["enum"] == list(c.GROUP_BYS)
     assert set(spec[c.RETENTION_BY_OUTCOME]["properties"]) == {o.lower() for o in c.Outcome}
     assert spec["releasePriority"]["enum"] == [p.value for p in c.ReleasePriority]
 
@@ -234,6 +234,16 @@ def test_a_policy_sets_retention_per_outcome_max_age_and_history_limits_and_noth
         assert f"spec.{c.HISTORY_LIMITS}" in words
     limits = {"groupBy": "tekton.dev/pipelineRun", "succeeded": 3, "keepLastFailed": 1}
     create(crds, namespace, {"metadata": {"name": "e"}, "spec": {c.HISTORY_LIMITS: limits}}, c.POLICY_KIND)
+    for url in ("file:///etc/passwd", "ftp://host/x", "https://", "hooks.example.com/x"):
+        words = refusal(
+            crds, namespace, {"metadata": {"name": "f"}, "spec": {c.WARN_WEBHOOK: {"url": url}}}, c.POLICY_KIND
+        )
+        assert f"spec.{c.WARN_WEBHOOK}.url" in words, url
+    assert f"spec.{c.WARN_WEBHOOK}.url" in refusal(
+        crds, namespace, {"metadata": {"name": "f"}, "spec": {c.WARN_WEBHOOK: {}}}, c.POLICY_KIND
+    )
+    hook = {"url": "https://hooks.example.com/sandkeep?token=x"}
+    create(crds, namespace, {"metadata": {"name": "f"}, "spec": {c.WARN_WEBHOOK: hook}}, c.POLICY_KIND)
 
 
 def test_a_policy_quota_and_release_priority_outside_the_schema_are_refused(crds: LocalCluster, namespace: str) -> None:

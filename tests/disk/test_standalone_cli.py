@@ -107,6 +107,51 @@ def test_retain_records_the_outcome_and_ls_and_sweep_keep_each_outcome_for_its_o
     assert bad.returncode == 2 and "invalid choice: 'Meh'" in bad.stderr
 
 
+def test_the_sweep_applies_the_history_limits_by_the_labels_retain_records(tmp_path: Path) -> None:
+    # Issue 28, item 2, single host: at most one success per job-name group; a pin still keeps one beyond it.
+    root = str(tmp_path / "root")
+
+    def retain(name: str, days: int, group: str) -> None:
+        created = (datetime.now(UTC) - timedelta(days=days)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        args = ["retain", str(make_job(tmp_path, name)), "--root", root, "--namespace", "ci", "--name", name]
+        sandkeep(*args, "--created-at", created, "--outcome", "Succeeded", "--label", f"job-name={group}", check=True)
+
+    for name, days, group in (
+        ("n-3", 3, "nightly"),
+        ("n-2", 2, "nightly"),
+        ("n-1", 1, "nightly"),
+        ("w-3", 3, "weekly"),
+    ):
+        retain(name, days, group)
+    sandkeep("pin", "ci/n-2", "--root", root, "--for", "29d", check=True)  # past its 30d window: in force
+    origin = Manifest.model_validate_json((Path(root) / "ci" / "n-1" / "manifest.json").read_text()).origin
+    assert origin is not None and origin.labels == {"job-name": "nightly"}
+    limits = ["--retention", "30d", "--history-limits", '{"groupBy": "job-name", "succeeded": 1}']
+    rows = json.loads(sandkeep("ls", "--root", root, "-o", "json", *limits, check=True).stdout)["sandboxes"]
+    states = {r["name"]: (r["state"], r["reasons"]) for r in rows}
+    assert states["n-3"] == ("Expired", [Reason.HISTORY_LIMIT]) and states["n-2"][0] == "Pinned"
+    assert states["n-1"][0] == states["w-3"][0] == "Retained"
+    swept = sandkeep("sweep", "--root", root, "--once", *limits, *IGNORE, check=True)
+    assert "sweep_deleted reason=HistoryLimit entry=ci/n-3" in swept.stderr
+    left = json.loads(sandkeep("ls", "--root", root, "-o", "json", check=True).stdout)
+    assert sorted(s["name"] for s in left["sandboxes"]) == ["n-1", "n-2", "w-3"]
+    bad = sandkeep("sweep", "--root", root, "--once", "--history-limits", '{"groupBy": "team"}')
+    assert bad.returncode == 2 and "history limits.groupBy 'team'" in bad.stderr
+    no_outcome = sandkeep(
+        "retain",
+        str(make_job(tmp_path, "x")),
+        "--root",
+        root,
+        "--namespace",
+        "ci",
+        "--name",
+        "x",
+        "--label",
+        "job-name=a",
+    )
+    assert no_outcome.returncode == 2 and "--label needs --outcome" in no_outcome.stderr
+
+
 def test_a_pin_beyond_max_pin_says_it_is_capped(tmp_path: Path) -> None:
     root = str(tmp_path / "root")
     sandkeep("retain", str(make_job(tmp_path)), "--root", root, "--namespace", "ns", "--name", "r", check=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -9,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.cluster.decide import Context, decide
-from controller.cluster.history import Groups
+from controller.cluster.history import Groups, newer_of
 from controller.rules import contracts as c
 from controller.rules.contracts import DeadlineSource, Outcome, Phase, Reason
 from controller.rules.durations import format_instant
-from controller.rules.objects import namespace_policy
+from controller.rules.objects import cronjob_of, group_of, namespace_policy
 from controller.rules.policy import Facts, History, Policy, deadline
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -116,6 +117,63 @@ def test_decide_says_history_limit_and_a_held_one_stays() -> None:
     assert gone.delete and gone.verdict.reasons == (Reason.HISTORY_LIMIT,)
     held = decide(sandbox("s", D, Outcome.SUCCEEDED, "b", inUse=True), Context(policy, newer=0), NOW)
     assert not held.delete and held.phase is Phase.HELD
+
+
+def _job_run(name: str, job: str, age: timedelta, kind: str = "Job") -> dict[str, Any]:
+    obj = sandbox(name, age, Outcome.SUCCEEDED, None)
+    obj["spec"]["origin"]["owner"] = {"kind": kind, "name": job}
+    return obj
+
+
+def _minute(at: datetime) -> int:
+    return int(at.timestamp()) // 60
+
+
+def test_cronjob_groups_a_cronjobs_runs_by_the_names_its_controller_gives_their_jobs() -> None:
+    # The CronJob controller names a run's Job `<cronjob>-<scheduled minute since the epoch>`; a run ended an hour
+    # after it was scheduled is in group CronJob/<cronjob>.
+    run = _job_run("s", f"nightly-backup-{_minute(NOW - 2 * D)}", D)
+    assert group_of(run, c.GROUP_BY_CRONJOB) == "CronJob/nightly-backup"
+    assert group_of(run, c.GROUP_BY_OWNER) == f"Job/nightly-backup-{_minute(NOW - 2 * D)}"
+    late = _job_run("s", f"weekly-{_minute(NOW - 40 * D)}", D)  # scheduled 39 days before it ended: not a run
+    early = _job_run("s", f"weekly-{_minute(NOW)}", D)  # scheduled after it ended
+    names = ("build-42", "release-20260101", "nightly", "-1", "x-99999999999999")
+    hand_made = [_job_run("s", name, D) for name in names]
+    not_a_job = _job_run("s", f"nightly-{_minute(NOW - 2 * D)}", D, kind="TaskRun")
+    no_owner = sandbox("s", D, Outcome.SUCCEEDED, "nightly")
+    for obj in (late, early, not_a_job, no_owner, *hand_made):
+        assert group_of(obj, c.GROUP_BY_CRONJOB) is None, obj["spec"]["origin"]
+    at_the_edges = (NOW - D - timedelta(days=c.CRONJOB_RUN_MAX_DAYS), NOW - D + timedelta(seconds=59))
+    for scheduled in at_the_edges:
+        assert cronjob_of(f"n-{_minute(scheduled)}", NOW - D) == "CronJob/n"
+
+
+def test_history_limits_by_cronjob_keep_the_newest_runs_of_each_cronjob() -> None:
+    limits = {"groupBy": "cronjob", "succeeded": 1}
+    policy, problems = namespace_policy({"spec": {c.HISTORY_LIMITS: limits}}, Policy(D, D))
+    assert problems == [] and policy.history == History(c.GROUP_BY_CRONJOB, succeeded=1)
+    assert policy.history is not None
+    groups = Groups()
+    run_ages = (D, 2 * D, 3 * D)  # each run scheduled an hour before it ended
+    runs = [
+        _job_run(f"s{i}", f"nightly-{_minute(NOW - age - timedelta(hours=1))}", age) for i, age in enumerate(run_ages)
+    ]
+    other = _job_run("o", f"weekly-{_minute(NOW - 3 * D)}", 2 * D)
+    groups.configure("ns", policy.history, [*runs, other])
+    assert [groups.newer(("ns", f"s{i}")) for i in range(3)] == [0, 1, 2] and groups.newer(("ns", "o")) == 0
+    gone = decide(runs[1], Context(replace(policy, retention=30 * D), newer=groups.newer(("ns", "s1"))), NOW)
+    assert gone.delete and gone.verdict.reasons == (Reason.HISTORY_LIMIT,)
+
+
+def test_a_sweeps_batch_counts_as_the_controllers_groups_each_namespace_apart() -> None:
+    # The standalone sweep (cli/sweep.py) counts one pass's manifests at once, each namespace its own groups.
+    objs = [sandbox(f"s{i}", i * D, Outcome.SUCCEEDED, "nightly") for i in range(3)]
+    other = sandbox("s9", 9 * D, Outcome.SUCCEEDED, "nightly")
+    other["metadata"]["namespace"] = "other"
+    loose = sandbox("loose", D, None, None)
+    counted = newer_of(History("job-name", succeeded=1), [*objs, other, loose])
+    assert counted == {("ns", "s0"): 0, ("ns", "s1"): 1, ("ns", "s2"): 2, ("other", "s9"): 0}
+    assert newer_of(None, objs) == {}
 
 
 # --- the controller's groups, against brute force ------------------------------------------------------
