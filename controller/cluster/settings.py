@@ -75,7 +75,8 @@ class ControllerSettings(models.Settings):
     ] = 200
     # How long one attempt to post a warnWebhook notice may wait on each socket operation (notices.py).
     warn_webhook_timeout: Annotated[
-        HumanDuration, Flag("how long one warnWebhook attempt may wait for the receiver")
+        HumanDuration,
+        Flag("how long one warnWebhook attempt may wait for the receiver", value="controller.warnWebhookTimeout"),
     ] = timedelta(seconds=5)
     # Quotas per namespace (all nodes together): the default where a SandboxPolicy sets none, and the
     # ceiling no policy can exceed. None: no limit.
