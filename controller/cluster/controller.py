@@ -264,7 +264,7 @@ class Controller:
 
     def idle(self) -> bool:
         """Nothing queued, being reconciled or being posted (for tests and the benchmark)."""
-        return not self.queue.busy() and not self.events.backlog
+        return not self.queue.busy() and not self.events.backlog and not self.events.folding()
 
     # --- the SandboxPolicies' status (the leader's) -------------------------------------------------------
     async def write_policy_statuses(self, namespace: str) -> None:
