@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 
 from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, load_config, now_utc, sandbox_path  # noqa: E402
 from controller.cluster.decide import Context, decide  # noqa: E402
-from controller.cluster.events import AGGREGATE_AFTER  # noqa: E402
+from controller.cluster.events import AGGREGATE_AFTER, AGGREGATE_WINDOW  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.contracts import Condition, Reason  # noqa: E402
 from controller.rules.durations import format_instant  # noqa: E402
@@ -507,29 +507,38 @@ async def watch_round(args: argparse.Namespace, plane: Plane, fleet: Fleet, w: i
 
 # --- a mass expiry: sandkeep's requests for each, counted by the API server ------------------------------------
 class Wave:
-    """The controller's Event aggregation over one wave (`controller/cluster/events.py`; the wave is shorter
-    than its 10 s window): the first AGGREGATE_AFTER DeleteRequested Events of a namespace one by one, the
-    rest folded into one per namespace, posted after the wave."""
+    """The controller's Event aggregation (`controller/cluster/events.py`): in each namespace's window of
+    AGGREGATE_WINDOW seconds the first AGGREGATE_AFTER DeleteRequested Events one by one, the rest folded
+    into one, posted when the window ends (here: by the next expiry after it, or after the wave)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
         self.lock = threading.Lock()
-        self.singles: dict[str, int] = {}
-        self.folded: dict[str, list[Obj]] = {}
+        self.windows: dict[str, tuple[float, int, list[Obj]]] = {}  # namespace: (start, singles, folded)
 
     def single(self, ns: str, obj: Obj) -> bool:
+        now = time.monotonic()
         with self.lock:
-            if self.singles.get(ns, 0) < AGGREGATE_AFTER:
-                self.singles[ns] = self.singles.get(ns, 0) + 1
+            start, singles, folded = self.windows.get(ns, (now, 0, []))
+            if now - start >= AGGREGATE_WINDOW:
+                self.post(ns, folded)
+                start, singles, folded = now, 0, []
+            self.windows[ns] = (start, singles + 1, folded) if singles < AGGREGATE_AFTER else (start, singles, folded)
+            if singles < AGGREGATE_AFTER:
                 return True
-            self.folded.setdefault(ns, []).append(obj)
+            folded.append(obj)
             return False
 
-    def post(self, kube: Kube) -> None:
-        for ns, objs in self.folded.items():
+    def post(self, ns: str, objs: list[Obj]) -> None:
+        if objs:
             names = ", ".join(o["metadata"]["name"] for o in objs)[:900]
             words = "expired (RetainUntil); delete requested"
             message = f"(combined from similar events): {len(objs)} more in {ns}, {words}: {names}"
-            kube.post_event(objs[0], Reason.DELETE_REQUESTED, message, "Normal", "sandkeep-controller")
+            self.kube.post_event(objs[0], Reason.DELETE_REQUESTED, message, "Normal", "sandkeep-controller")
+
+    def end(self) -> None:
+        for ns, (_start, _singles, folded) in self.windows.items():
+            self.post(ns, folded)
 
 
 def expire_one(fleet: Fleet, wave: Wave, i: int, fresh: Obj | None) -> None:
@@ -571,13 +580,13 @@ def measure_expiry(args: argparse.Namespace, plane: Plane, fleet: Fleet) -> None
         me0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.monotonic()
         nodes = sorted({fleet.key(i)[2] for i in chunk})
-        wave = Wave()
+        wave = Wave(fleet.kube)
         with ThreadPoolExecutor(threads) as pool:
             waiting = [pool.submit(pod_lists, fleet, nodes[k::threads]) for k in range(threads)]
             list(pool.map(expire_one, [fleet] * len(chunk), [wave] * len(chunk), chunk, [view[i] for i in chunk]))
             for done in waiting:
                 done.result()
-        wave.post(fleet.kube)
+        wave.end()
         wall = time.monotonic() - t0
         me1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu, etcd_cpu = cpu_seconds(plane.apiserver) - cpu0, cpu_seconds(plane.etcd) - etcd0
