@@ -268,7 +268,8 @@ class Controller:
 
     def idle(self) -> bool:
         """Nothing queued, being reconciled or being posted (for tests and the benchmark)."""
-        return not self.queue.busy() and not self.events.backlog and not self.notices.backlog
+        events, notices = self.events, self.notices
+        return not self.queue.busy() and not events.backlog and not events.folding() and not notices.backlog
 
     # --- the SandboxPolicies' status (the leader's) -------------------------------------------------------
     async def write_policy_statuses(self, namespace: str) -> None:

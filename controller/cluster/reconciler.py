@@ -264,8 +264,9 @@ class Reconciler:
 
     async def _expire(self, key: Key) -> None:
         """An expired sandbox: its guarded DELETE, counted, with one DeleteRequested Event that says why (the
-        Expired condition's words) and on which version: one Event per expiry, not two, at a mass expiry a
-        request in four."""
+        Expired condition's words) and on which version; at a mass expiry those past the first 10 of a
+        namespace in 10 s are aggregated into one Event that names them (`events.py`), and the log line stays
+        one per object."""
         deleted = await self.delete_guarded(key, lambda _fresh, decision: decision.delete)
         if deleted is None:
             return
@@ -279,7 +280,8 @@ class Reconciler:
             f"{key[0]}/{key[1]} expired: {expired['message']} ({cause}); "
             f"delete requested (resourceVersion {fresh['metadata']['resourceVersion']})"
         )
-        self.events.post(fresh, Reason.DELETE_REQUESTED, message, "Normal")
+        similar = f"expired ({cause}); delete requested"
+        self.events.post(fresh, Reason.DELETE_REQUESTED, message, "Normal", similar=similar)
         logs.say(
             log,
             "delete_requested",

@@ -14,6 +14,7 @@ stand on.
 
 from __future__ import annotations
 
+import ctypes
 import errno as E
 import os
 import threading
@@ -21,7 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from controller.node.nofollow import OPEN_DIR, mount_id
+from controller.node.nofollow import OPEN_DIR, identify, mount_id
 
 if TYPE_CHECKING:
     from controller.node.fsdelete import _Delete
@@ -101,6 +102,7 @@ class Walker:
             place = (os.fstat(parent_fd).st_dev, mount_id(parent_fd))
         self.dev, self.mnt = place  # the device and mount every directory entered must be on
         self.open: deque[Frame] = deque()
+        self.buf = ctypes.create_string_buffer(256)  # statx's answer for every directory this walk enters
 
     def path_of(self, frame: Frame | None, name: str | None = None) -> str:
         """The path of `frame` (or of `name` in it), built from the parent links: for messages only."""
@@ -119,12 +121,13 @@ class Walker:
         except OSError as err:
             return None, err, True
         try:
-            st = os.fstat(fd)
+            ident = identify(fd, self.buf)  # device, inode and mount in one statx (was fstat, then statx)
         except OSError as err:
             os.close(fd)
             return None, err, True
-        same = st.st_dev == self.dev and self.mnt is not None and mount_id(fd) == self.mnt
-        frame = Frame(fd, name, parent, (st.st_dev, st.st_ino), self.shared())
+        dev = os.makedev(*ident.dev)
+        same = dev == self.dev and self.mnt is not None and ident.mnt == self.mnt
+        frame = Frame(fd, name, parent, (dev, ident.ino), self.shared())
         if not same:
             frame.close()
             return frame, None, False

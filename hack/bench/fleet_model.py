@@ -16,7 +16,8 @@ Four sections, each line with the machine's load average beside it (nothing is a
   server's CPU time per update (utime+stime from /proc, idle rate subtracted), its RSS per watch and the
   delivery latency (write sent -> event read on its node's watch).
 - expiry: K expiries made of exactly sandkeep's requests for one (the controller's DELETE with uid +
-  resourceVersion preconditions on its view's version, no GET, and one DeleteRequested Event; the agent's
+  resourceVersion preconditions on its view's version, no GET, and its DeleteRequested Event: the first
+  `events.AGGREGATE_AFTER` of a namespace in a window one by one, the rest as one aggregated Event; the agent's
   guarded finalizer removal, its Deleting status only for a delete still running after 2 s; one Pod list
   per node for the wave), counted from `apiserver_request_total`, with the QPS the local API server
   sustained and its and etcd's CPU per request.
@@ -35,6 +36,7 @@ import random
 import resource
 import ssl
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -49,6 +51,7 @@ sys.path.insert(0, str(REPO))
 
 from controller.api.kube import AGENT_MANAGER, CONTROLLER_MANAGER, Kube, load_config, now_utc, sandbox_path  # noqa: E402
 from controller.cluster.decide import Context, decide  # noqa: E402
+from controller.cluster.events import AGGREGATE_AFTER, AGGREGATE_WINDOW  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.contracts import Condition, Reason  # noqa: E402
 from controller.rules.durations import format_instant  # noqa: E402
@@ -503,19 +506,55 @@ async def watch_round(args: argparse.Namespace, plane: Plane, fleet: Fleet, w: i
 
 
 # --- a mass expiry: sandkeep's requests for each, counted by the API server ------------------------------------
-def expire_one(fleet: Fleet, i: int, fresh: Obj | None) -> None:
+class Wave:
+    """The controller's Event aggregation (`controller/cluster/events.py`): in each namespace's window of
+    AGGREGATE_WINDOW seconds the first AGGREGATE_AFTER DeleteRequested Events one by one, the rest folded
+    into one, posted when the window ends (here: by the next expiry after it, or after the wave)."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.lock = threading.Lock()
+        self.windows: dict[str, tuple[float, int, list[Obj]]] = {}  # namespace: (start, singles, folded)
+
+    def single(self, ns: str, obj: Obj) -> bool:
+        now = time.monotonic()
+        with self.lock:
+            start, singles, folded = self.windows.get(ns, (now, 0, []))
+            if now - start >= AGGREGATE_WINDOW:
+                self.post(ns, folded)
+                start, singles, folded = now, 0, []
+            self.windows[ns] = (start, singles + 1, folded) if singles < AGGREGATE_AFTER else (start, singles, folded)
+            if singles < AGGREGATE_AFTER:
+                return True
+            folded.append(obj)
+            return False
+
+    def post(self, ns: str, objs: list[Obj]) -> None:
+        if objs:
+            names = ", ".join(o["metadata"]["name"] for o in objs)[:900]
+            words = "expired (RetainUntil); delete requested"
+            message = f"(combined from similar events): {len(objs)} more in {ns}, {words}: {names}"
+            self.kube.post_event(objs[0], Reason.DELETE_REQUESTED, message, "Normal", "sandkeep-controller")
+
+    def end(self) -> None:
+        for ns, (_start, _singles, folded) in self.windows.items():
+            self.post(ns, folded)
+
+
+def expire_one(fleet: Fleet, wave: Wave, i: int, fresh: Obj | None) -> None:
     """One expiry's requests, in sandkeep's order: the controller's `_delete_guarded` and `_expire` (on the
-    version its view holds, `fresh`: no GET; one DeleteRequested Event), then the agent's finalizer removal
-    (`_finish`). The agent's Deleting status is applied only to a delete still running after 2 s
-    (`DELETING_AFTER`), which a sandbox of this size never is."""
+    version its view holds, `fresh`: no GET; its DeleteRequested Event unless the wave's aggregation folds
+    it), then the agent's finalizer removal (`_finish`). The agent's Deleting status is applied only to a
+    delete still running after 2 s (`DELETING_AFTER`), which a sandbox of this size never is."""
     ns, name, _node = fleet.key(i)
     kube = fleet.kube
     if fresh is None:
         return
     deleting = kube.delete_sandbox(fresh) or fresh
-    ref = "/".join((ns, name))
-    message = f"{ref} expired: deadline has passed (RetainUntil); delete requested"
-    kube.post_event(fresh, Reason.DELETE_REQUESTED, message, "Normal", "sandkeep-controller")
+    if wave.single(ns, fresh):
+        ref = "/".join((ns, name))
+        message = f"{ref} expired: deadline has passed (RetainUntil); delete requested"
+        kube.post_event(fresh, Reason.DELETE_REQUESTED, message, "Normal", "sandkeep-controller")
     kube.remove_finalizer(deleting)
 
 
@@ -541,11 +580,13 @@ def measure_expiry(args: argparse.Namespace, plane: Plane, fleet: Fleet) -> None
         me0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.monotonic()
         nodes = sorted({fleet.key(i)[2] for i in chunk})
+        wave = Wave(fleet.kube)
         with ThreadPoolExecutor(threads) as pool:
             waiting = [pool.submit(pod_lists, fleet, nodes[k::threads]) for k in range(threads)]
-            list(pool.map(expire_one, [fleet] * len(chunk), chunk, [view[i] for i in chunk]))
+            list(pool.map(expire_one, [fleet] * len(chunk), [wave] * len(chunk), chunk, [view[i] for i in chunk]))
             for done in waiting:
                 done.result()
+        wave.end()
         wall = time.monotonic() - t0
         me1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu, etcd_cpu = cpu_seconds(plane.apiserver) - cpu0, cpu_seconds(plane.etcd) - etcd0

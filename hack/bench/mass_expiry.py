@@ -42,6 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from controller.cluster.events import AGGREGATE_WINDOW  # noqa: E402
 from controller.node.inuse import scan_usage, uninspectable_pids  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.models import Manifest  # noqa: E402
@@ -94,7 +95,7 @@ PURPOSE = {
     "APPLY retainedsandboxes/status": "status: agent Deleting/Held, controller phase",
     "PATCH retainedsandboxes/status": "status (patch)",
     "GET retainedsandboxes": "a fresh read after a 409",
-    "POST events": "Events",
+    "POST events": "Events (past 10 of a namespace in 10 s: one aggregated Event per window)",
     "PATCH events": "Events (a repeat counted on the first)",
     "LIST pods": "agent: the Pod list of an in-use check, one per batch",
 }
@@ -243,7 +244,7 @@ def main() -> int:
 
         wait("the finalizers' removal", released, 600, agent, log, every=1)
         finished = time.monotonic() - t0
-        time.sleep(1)
+        time.sleep(AGGREGATE_WINDOW + 1)  # the controller's last aggregated Event goes out at its window's end
         after = requests_by(cluster.metrics_text(), subresource=True)
         passes = scans(url) - scans0
         delta = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}

@@ -355,6 +355,35 @@ def test_an_expired_sandbox_is_deleted(kube: Kube, namespace: str, start: Any) -
     assert metric_value(text, c.M_LEADER) == 1
 
 
+def test_a_wave_of_expiries_posts_ten_events_and_one_that_names_the_rest(
+    kube: Kube, namespace: str, start: Any
+) -> None:
+    # issue 31, item 3: a mass expiry's DeleteRequested Events are aggregated as client-go aggregates the
+    # kubelet's: the first AGGREGATE_AFTER of a window one by one, the rest in one Event at its end, counted
+    # and named; every sandbox is deleted and accounted for exactly once.
+    from controller.cluster.events import AGGREGATE_AFTER
+
+    names = [f"wave-{i:02d}" for i in range(3 * AGGREGATE_AFTER)]
+    for name in names:
+        kube.create_sandbox(namespace, sandbox(name, created=-HOUR))
+    start("--retention=1s")
+    wait_for("every sandbox deleted", lambda: all(gone(kube, namespace, n) for n in names), timeout=60)
+
+    def accounted() -> tuple[list[str], list[dict[str, Any]]] | None:
+        items = kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+        ours = [e for e in items if e["reason"] == c.Reason.DELETE_REQUESTED]
+        combined = [e for e in ours if e["message"].startswith("(combined from similar events)")]
+        single = [e["involvedObject"]["name"] for e in ours if e not in combined]
+        folded = sum(int(e["message"].split(": ", 1)[1].split()[0]) for e in combined)
+        return (single, combined) if len(single) + folded == len(names) else None
+
+    single, combined = wait_for("the aggregated Event", accounted, timeout=30)
+    assert len(single) == AGGREGATE_AFTER and len(set(single)) == len(single)
+    listed = {n for e in combined for n in e["message"].rsplit(": ", 1)[1].split(", ")}
+    assert set(single) | listed == set(names) and not set(single) & listed
+    assert all("expired (Window); delete requested" in e["message"] for e in combined)
+
+
 def test_the_controller_exports_controller_runtimes_reconcile_and_workqueue_series(
     kube: Kube, namespace: str, start: Any
 ) -> None:
