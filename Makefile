@@ -89,9 +89,11 @@ e2e: deps venv tools
 demo-node: deps venv tools
 	$(VENV)/bin/pytest -m e2e -s -q -p no:cacheprovider $(E2E_ARGS)
 
-## A local control plane with one real, Ready node until Ctrl-C (`export KUBECONFIG=...` is printed).
+## A local control plane with NODES real, Ready nodes (default 1, at most 4) until Ctrl-C (`export KUBECONFIG=...`
+## is printed).
+NODES ?= 1
 node: deps venv tools
-	$(PY) -m hack.localnode
+	$(PY) -m hack.localnode --nodes $(NODES)
 
 ## The suite without the Go tools' build step (they must already be built).
 test-fast: venv

@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from hack.localcluster import REPO, Component, LocalCluster, free_port, spawn, tools_bin
-from hack.localnode import REGISTRY, LocalNode
+from hack.localcluster import REPO, ClusterError, Component, LocalCluster, free_port, spawn, tools_bin
+from hack.localnode import REGISTRY, LocalNode, LocalNodes
 from hack.registry import LocalRegistry
 from hack.release import RELEASE_TOOLS, Release, build_image, release
 
@@ -307,12 +307,19 @@ class Bed:
 
 
 class LocalBed(Bed):
-    """A local control plane and one real node (hack/localnode.py); what this repository's CI runs."""
+    """A local control plane and `count` real nodes (hack/localnode.py); what this repository's CI runs.
 
-    def __init__(self, workdir: Path) -> None:
+    With one node its disk is a directory of the node's (`node.dir/disk`), the same path on the host. With
+    several the chart's one `agent.root` must name a different disk on each node: the disk is
+    `/var/lib/sandkeep-e2e`, each node's own (its /var/lib), reached from the host through `on(node, ...)`.
+    """
+
+    def __init__(self, workdir: Path, count: int = 1) -> None:
         super().__init__(workdir)
         self.cluster = LocalCluster(workdir, node_mode=True)
-        self.node: LocalNode | None = None
+        self.count = count
+        self.fleet: LocalNodes | None = None
+        self.node: LocalNode | None = None  # the first
         self.registry: LocalRegistry | None = None
 
     def start(self) -> None:
@@ -335,12 +342,13 @@ class LocalBed(Bed):
         try:
             self.cluster.start()
             self.kubeconfig = self.cluster.kubeconfig
-            self.node = LocalNode(self.cluster)
-            say("starting a real node: containerd, runc, the kubelet and kube-scheduler")
-            self.node.start()
+            self.fleet = LocalNodes(self.cluster, self.count)
+            say(f"starting {self.count} real node(s): containerd, runc, the kubelet; and kube-scheduler")
+            self.fleet.start()
+            self.node = self.fleet.nodes[0]
             self.node_name = self.node.name
             assert self.node.dir is not None
-            self.disk = self.node.dir / "disk"
+            self.disk = self.node.dir / "disk" if self.count == 1 else Path("/var/lib/sandkeep-e2e")
             self.root = self.disk / "sandkeep"
             # On the host's end of the node's link, which exists once the node runs.
             self.registry = LocalRegistry(self.workdir, REGISTRY)
@@ -360,9 +368,19 @@ class LocalBed(Bed):
             say(line)
         return pushed
 
+    @property
+    def nodes(self) -> list[LocalNode]:
+        return self.fleet.nodes if self.fleet is not None else []
+
     def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        # The node shares the host's filesystem, so its disk is at the same path here.
+        if self.count > 1:
+            return self.in_node(script, check)
+        # The one node shares the host's filesystem, so its disk is at the same path here.
         return subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=check, timeout=120)
+
+    def on(self, node: LocalNode, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`sh -c script` as root in `node`'s namespaces (its own disk, its own processes)."""
+        return node.in_node("sh", "-c", script, check=check)
 
     def in_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         assert self.node is not None
@@ -378,18 +396,20 @@ class LocalBed(Bed):
 
     def stop(self) -> None:
         super().stop()
-        if self.node is not None:
-            if self.root.exists():  # an immutable file left by a failed test would keep the tree
-                subprocess.run(["chattr", "-R", "-i", str(self.root)], capture_output=True)
-            self.node.stop()
-            self.node = None
+        for node in self.nodes:  # an immutable file left by a failed test would keep the tree
+            with contextlib.suppress(ClusterError, subprocess.SubprocessError):
+                self.on(node, f"chattr -R -i '{self.root}' 2>/dev/null; true", check=False)
+        if self.fleet is not None:
+            self.fleet.failed = self.fleet.failed or self.cluster.failed
+            self.fleet.stop()
+            self.fleet = self.node = None
         if self.registry is not None:
             self.registry.stop()
             self.registry = None
         self.cluster.stop()
 
     def logs(self) -> str:
-        node = self.node.logs() if self.node is not None else ""
+        node = self.fleet.logs() if self.fleet is not None else ""
         registry = self.registry.log_tail() if self.registry is not None else ""
         return "\n".join((self.cluster.logs(), node, registry, super().logs()))
 
