@@ -252,6 +252,31 @@ class LocalNode:
         self.import_image(pause_archive)
         self._dir("kubelet.go").touch()
 
+    def power_off(self) -> None:
+        """Power the node off: its init killed, so at once everything in its PID namespace (kubelet, containerd,
+        every container) and its mounts and network with the namespaces. Its directory (its disk, containerd's
+        state) stays for `power_on`; the Node object stays as the kubelet left it."""
+        with self._stop_lock:
+            if self.init is None or self.init_pid is None:
+                raise ClusterError(f"{self.name} is not running")
+            if self.init.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.init_pid, signal.SIGKILL)  # still unshare's unreaped child: the pid is its
+            self.init.stop()
+            self.init = self.init_pid = None
+
+    def power_on(self, pause_archive: Path, deadline: float) -> None:
+        """Boot a powered-off node again on the same directory (a reboot: /run is empty, /var/lib as it was);
+        returns once its kubelet has been told to start. LocalNodes.power_on waits for the Node."""
+        for stale in ("containerd.ready", "kubelet.go", "kubelet.pid", "kubelet.paused"):
+            self._dir(stale).unlink(missing_ok=True)
+        if self.sockets is not None:
+            for entry in self.sockets.iterdir():  # containerd's socket file outlives its process
+                entry.unlink()
+        self._start_namespaces()
+        self._connect_network()
+        self.join(pause_archive, deadline)
+
     def route_to(self, other: LocalNode) -> None:
         """Its Pods reach `other`'s over the bridge (the host does not forward)."""
         self.in_node("ip", "route", "add", other.pod_cidr, "via", other.ip)
@@ -369,7 +394,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", str(self.init_pid))
         ip("link", "set", link, "master", BRIDGE)
         ip("link", "set", link, "up")
-        ip("route", "add", self.pod_cidr, "via", self.ip, "dev", BRIDGE)
+        ip("route", "replace", self.pod_cidr, "via", self.ip, "dev", BRIDGE)  # replace: also on power_on
 
     def _wait(self, ready: Callable[[], bool], what: str, deadline: float) -> None:
         while True:
@@ -528,6 +553,7 @@ class LocalNodes(Lifecycle):
         self.components: list[Component] = []
         self._lock_file: IO[bytes] | None = None
         self._bridge = False
+        self._pause_archive = Path()
 
     def start(self, timeout: float = 180.0) -> None:
         """Start the nodes side by side and kube-scheduler; return once every Node is Ready and schedulable."""
@@ -543,6 +569,7 @@ class LocalNodes(Lifecycle):
         deadline = time.monotonic() + timeout
         try:
             archive, pause_ref = pause_image(tools_dir().parent / "node")
+            self._pause_archive = archive
             self._make_bridge()
             self._spawn("socat", ["socat", f"TCP-LISTEN:443,bind={SERVICE_IP},reuseaddr,fork", self._api_target()])
             for node in self.nodes:
@@ -560,6 +587,15 @@ class LocalNodes(Lifecycle):
             self.failed = True
             self.stop()
             raise
+
+    def power_on(self, node: LocalNode, timeout: float = 120.0) -> None:
+        """Boot a node `power_off` stopped; return once its Node is Ready again (registered anew if deleted)."""
+        deadline = time.monotonic() + timeout
+        node.power_on(self._pause_archive, deadline)
+        for other in self.nodes:
+            if other is not node:
+                node.route_to(other)
+        node._wait(node._ready, f"Node {node.name} to be Ready again", deadline)
 
     def _make_bridge(self) -> None:
         # Under the lock, a bridge of this name is a crashed run's: it goes (its veths went with their nodes).

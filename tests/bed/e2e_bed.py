@@ -147,6 +147,8 @@ class Bed:
         self.root = Path()
         self.prometheus: Component | None = None
         self.prometheus_url = ""
+        # More values a suite sets, merged key by key into each top-level section (e.g. controller.nodeGrace).
+        self.values: dict[str, dict[str, Any]] = {}
 
     def start(self) -> None:
         raise NotImplementedError
@@ -225,6 +227,8 @@ class Bed:
             # allowed, so that the controller, not the admission policy, is what meets it.
             "sessions": {"enabled": True, "allowedImages": [UNPULLABLE_IMAGE]},
         }
+        for section, more in self.values.items():
+            values[section] = {**values.get(section, {}), **more}
         if not self.chart_version:
             repo, _, tag = self.image_ref.rpartition(":")
             values["image"] = {"repository": repo, "tag": tag}

@@ -1,0 +1,283 @@
+"""End to end on three real nodes: each node's agent looks after its own disk and nothing else, a drain and a
+lost node, asserted sandbox by sandbox. `make e2e-nodes` runs this file alone (marker `nodes`); it is not in
+`make test`.
+
+The bed (tests/bed/e2e_bed.py, `LocalBed(count=3)`) is started once for this module; the tests run in file
+order. The disk is `/var/lib/sandkeep-e2e` on every node, each node's own. The controller runs on the first
+node (a nodeSelector), which no test drains or loses, so each story is about the agents and the disks.
+Every story asserts that no pinned, held or unexpired sandbox is deleted and that every expired one is
+deleted exactly once: one `finalizer_removed` line in its node's agent log and none in any other's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from controller.rules import contracts as c
+from hack.localnode import LocalNode
+from tests.bed.e2e_bed import SYSTEM_NS, LocalBed, eventually, say
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.nodes,
+    pytest.mark.slow,
+    pytest.mark.xdist_group("e2e"),
+    pytest.mark.timeout(900),
+]
+NS = "nodes"
+NODE_GRACE = 40  # seconds: controller.nodeGrace here (10m by default)
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBed]:
+    bed = LocalBed(tmp_path_factory.mktemp("nodes"), count=3)
+    bed.values = {
+        "controller": {"nodeGrace": f"{NODE_GRACE}s", "nodeSelector": {"kubernetes.io/hostname": "sandkeep-node"}}
+    }
+    bed.start()
+    try:
+        bed.kubectl("create", "namespace", NS)
+        bed.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=privileged")
+        yield bed
+    finally:
+        bed.stop()
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+def node(bed: LocalBed, index: int) -> LocalNode:
+    return bed.nodes[index - 1]
+
+
+def pod_spec(bed: LocalBed, on: LocalNode, script: str, disk: str | None = None) -> dict[str, Any]:
+    """A root container of the sandkeep image on node `on` running `script`, with the node's disk (or `disk`)
+    mounted at the same path."""
+    path = disk or str(bed.disk)
+    return {
+        "nodeName": on.name,
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 1,
+        "containers": [
+            {
+                "name": "main",
+                "image": bed.image_ref,
+                "command": ["sh", "-c", script],
+                "securityContext": {"runAsUser": 0},
+                "volumeMounts": [{"name": "disk", "mountPath": path}],
+            }
+        ],
+        "volumes": [{"name": "disk", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}],
+    }
+
+
+def retain_on(bed: LocalBed, on: LocalNode, sandboxes: dict[str, str]) -> None:
+    """One Job on node `on` that writes a workspace per name and retains it for its retention; waits for it."""
+    lines = ["set -e"]
+    for name, retention in sandboxes.items():
+        work = bed.disk / "jobs" / name
+        lines.append(f"mkdir -p {work}; echo {name} > {work}/result.txt")
+        lines.append(f"sandkeep retain --root {bed.root} --namespace {NS} --name {name} --retention {retention} {work}")
+    job_name = f"retain-{next(iter(sandboxes))}"
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": job_name, "namespace": NS},
+        "spec": {"backoffLimit": 0, "template": {"spec": pod_spec(bed, on, "\n".join(lines))}},
+    }
+    say(f"on {on.name}: sandkeep retain {', '.join(f'{n} ({r})' for n, r in sandboxes.items())}")
+    bed.kubectl("apply", "-f", "-", input=json.dumps(job))
+    bed.kubectl("wait", "-n", NS, f"job/{job_name}", "--for=condition=Complete", "--timeout=180s", timeout=190)
+    eventually(lambda: all(rsb(bed, n) for n in sandboxes), "adopted", timeout=60)
+
+
+def holder(bed: LocalBed, on: LocalNode, name: str, sandbox: str) -> dict[str, Any]:
+    """A bare Pod on `on` that sleeps with the sandbox's workspace mounted (what holds it from deletion)."""
+    workspace = str(bed.root / NS / sandbox / c.WORKSPACE_DIR)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": pod_spec(bed, on, "sleep 3600", disk=workspace),
+    }
+
+
+def rsb(bed: LocalBed, name: str) -> dict[str, Any] | None:
+    out = bed.kubectl("get", "rsb", name, "-n", NS, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def phase(bed: LocalBed, name: str) -> str | None:
+    obj = rsb(bed, name)
+    return None if obj is None else (obj.get("status") or {}).get("phase")
+
+
+def on_disk(bed: LocalBed, on: LocalNode, name: str) -> bool:
+    return bed.on(on, f"test -d '{bed.root / NS / name}'", check=False).returncode == 0
+
+
+def tombstones(bed: LocalBed, on: LocalNode) -> list[str]:
+    return bed.on(on, f"find '{bed.root}' -maxdepth 1 -name '.reap-*'", check=False).stdout.split()
+
+
+def agents(bed: LocalBed) -> dict[str, str]:
+    """The agent Pods, by node."""
+    pods = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"]
+    live = [p for p in pods if p["metadata"].get("deletionTimestamp") is None]
+    return {p["spec"]["nodeName"]: p["metadata"]["name"] for p in live}
+
+
+def agent_started(bed: LocalBed, on: LocalNode, since: datetime) -> bool:
+    """The agent on `on` is Ready in a container started after `since` (a node back from power-off)."""
+    pod = bed.get("pod", "-n", SYSTEM_NS, agents(bed)[on.name])
+    (status,) = [s for s in pod["status"].get("containerStatuses", []) if s["name"] == "agent"]
+    started = (status.get("state", {}).get("running") or {}).get("startedAt")
+    return bool(status["ready"] and started and datetime.fromisoformat(started) >= since)
+
+
+def deletions(bed: LocalBed, names: set[str]) -> dict[str, list[str]]:
+    """The sandboxes among `names` each node's agent deleted (its `finalizer_removed` log lines), by node."""
+    out: dict[str, list[str]] = {}
+    for node_name, pod in agents(bed).items():
+        log = bed.kubectl("logs", "-n", SYSTEM_NS, pod, "-c", "agent").stdout
+        removed = [ln for ln in log.splitlines() if "finalizer_removed" in ln]
+        out[node_name] = sorted(n for ln in removed for n in names if f"object={NS}/{n} " in f"{ln} ")
+    return out
+
+
+def kept(bed: LocalBed, where: dict[str, LocalNode], phases: dict[str, str] | None = None) -> None:
+    """Each sandbox is still there, object and directory on its node, in its phase when given."""
+    for name, on in where.items():
+        obj = rsb(bed, name)
+        assert obj is not None, f"{name}: its object is gone"
+        assert obj["spec"]["nodeName"] == on.name
+        assert on_disk(bed, on, name), f"{name}: its directory is gone from {on.name}"
+        if phases and name in phases:
+            assert obj["status"]["phase"] == phases[name], (name, obj["status"])
+
+
+# --- the stories ---------------------------------------------------------------------------------------
+def test_the_agent_runs_on_every_node_and_each_deletes_only_its_own(bed: LocalBed) -> None:
+    names = {n.name for n in bed.nodes}
+
+    def ready() -> bool:
+        ds = bed.get("daemonset", "-n", SYSTEM_NS, "sandkeep-agent")
+        return ds["status"].get("numberReady") == 3 and set(agents(bed)) == names
+
+    eventually(ready, "one agent Ready on each of the 3 nodes", timeout=240)
+    one, two, three = bed.nodes
+    retain_on(bed, one, {"keep-1": "1h"})
+    retain_on(bed, three, {"keep-3": "1h"})
+    retain_on(bed, two, {"due-2": "30s", "keep-2": "1h", "pinned-2": "30s"})
+    bed.kubectl("annotate", "rsb/pinned-2", "-n", NS, f"{c.ANN_PIN_FOR}=1h")
+    eventually(lambda: phase(bed, "pinned-2") == "Pinned", "pinned-2 pinned")
+    assert rsb(bed, "due-2")["spec"]["nodeName"] == two.name  # type: ignore[index]
+
+    eventually(lambda: rsb(bed, "due-2") is None, "due-2 expired and deleted", timeout=120)
+    assert not on_disk(bed, two, "due-2") and not tombstones(bed, two)
+    kept(bed, {"keep-1": one, "keep-2": two, "keep-3": three, "pinned-2": two}, {"pinned-2": "Pinned"})
+    assert deletions(bed, {"due-2", "keep-1", "keep-2", "keep-3", "pinned-2"}) == {
+        one.name: [],
+        two.name: ["due-2"],
+        three.name: [],
+    }, "deleted once, by node 2's agent alone"
+
+
+def test_a_drain_evicts_the_holder_not_the_agent_and_the_released_sandbox_goes_once(bed: LocalBed) -> None:
+    one, two, three = bed.nodes
+    retain_on(bed, two, {"held-2": "30s", "kept-2": "1h"})
+    bed.kubectl("apply", "-f", "-", input=json.dumps(holder(bed, two, "holder-2", "held-2")))
+    bed.kubectl("wait", "-n", NS, "pod/holder-2", "--for=condition=Ready", "--timeout=120s", timeout=130)
+    eventually(lambda: phase(bed, "held-2") == "Held", "held-2 expired and held by its Pod", timeout=90)
+    agent = agents(bed)[two.name]
+
+    say(f"kubectl drain {two.name} --ignore-daemonsets (no --force): refused, a bare Pod is on it")
+    refused = bed.kubectl("drain", two.name, "--ignore-daemonsets", "--timeout=60s", check=False, timeout=90)
+    assert refused.returncode != 0 and "holder-2" in refused.stderr, refused.stderr
+    assert bed.get("node", two.name)["spec"].get("unschedulable") is True, "drain cordons first"
+    assert phase(bed, "held-2") == "Held"
+    try:
+        say(f"kubectl drain {two.name} --ignore-daemonsets --force: the holder is evicted, the agent stays")
+        bed.kubectl("drain", two.name, "--ignore-daemonsets", "--force", "--timeout=120s", timeout=150)
+        assert bed.kubectl("get", "pod", "holder-2", "-n", NS, check=False).returncode != 0
+        eventually(lambda: rsb(bed, "held-2") is None, "held-2 released and deleted", timeout=120)
+        assert agents(bed)[two.name] == agent, "a DaemonSet Pod: drain leaves the agent running"
+        assert not on_disk(bed, two, "held-2") and not tombstones(bed, two)
+        kept(bed, {"kept-2": two, "keep-2": two, "pinned-2": two, "keep-1": one, "keep-3": three})
+        assert deletions(bed, {"held-2", "kept-2"}) == {one.name: [], two.name: ["held-2"], three.name: []}
+    finally:
+        bed.kubectl("uncordon", two.name)
+
+
+def wait_gone_node(bed: LocalBed, on: LocalNode) -> float:
+    """Power `on` off and delete its Node, as a cloud's node controller does for a VM that is gone; when."""
+    say(f"{on.name} powered off (kubelet, containerd, containers killed; its disk kept), its Node deleted")
+    on.power_off()
+    bed.kubectl("delete", "node", on.name, "--wait=true", timeout=60)
+    return time.monotonic()
+
+
+def test_a_lost_node_back_before_grace_changes_nothing_and_after_grace_its_sandboxes_are_lost(
+    bed: LocalBed,
+) -> None:
+    one, two, three = bed.nodes
+    assert bed.fleet is not None
+    retain_on(bed, three, {"lost-keep": "1h"})
+    others = {"keep-1": one, "keep-2": two, "kept-2": two, "pinned-2": two}
+
+    # Back before the grace: nothing changes.
+    gone_at = wait_gone_node(bed, three)
+    time.sleep(10)
+    assert phase(bed, "lost-keep") == "Retained", "gone for less than nodeGrace: not Lost"
+    booted = datetime.now(UTC).replace(microsecond=0)
+    bed.fleet.power_on(three)
+    say(f"{three.name} back after {time.monotonic() - gone_at:.0f}s (nodeGrace {NODE_GRACE}s)")
+    eventually(lambda: agent_started(bed, three, booted), "the agent running again on the returned node", timeout=180)
+    time.sleep(max(0.0, gone_at + NODE_GRACE + 10 - time.monotonic()))
+    kept(bed, {"lost-keep": three, "keep-3": three, **others}, {"lost-keep": "Retained", "keep-3": "Retained"})
+
+    # Gone past the grace: its sandboxes are Lost; one deleted meanwhile is released by the controller.
+    retain_on(bed, three, {"lost-due": "20s"})
+    gone_at = wait_gone_node(bed, three)
+    eventually(lambda: phase(bed, "lost-keep") == "Lost", "lost-keep Lost after nodeGrace", timeout=NODE_GRACE + 60)
+    assert time.monotonic() - gone_at >= NODE_GRACE - 2, "Lost before the grace ended"
+    eventually(lambda: rsb(bed, "lost-due") is None, "lost-due (expired) released by the controller", timeout=90)
+    events = bed.get("events", "-n", NS, "--field-selector", "involvedObject.name=lost-due")["items"]
+    released = [e for e in events if e["reason"] == c.Reason.FINALIZER_REMOVED]
+    assert len(released) == 1 and released[0].get("count", 1) == 1, released
+    lost = rsb(bed, "lost-keep")
+    assert lost is not None and any(x["reason"] == c.Reason.NODE_GONE for x in lost["status"]["conditions"])
+    assert phase(bed, "keep-3") == "Lost"
+    # The disk of the powered-off node is still there: nothing deleted it.
+    assert three.dir is not None
+    host_root = three.dir / "var-lib" / bed.root.relative_to("/var/lib") / NS
+    assert {p.name for p in host_root.iterdir()} >= {"lost-keep", "lost-due", "keep-3"}
+    kept(bed, {"keep-1": one, **others}, {"keep-1": "Retained", "pinned-2": "Pinned"})
+
+
+def test_the_lost_node_back_after_grace_with_its_disk_gets_its_sandboxes_back(bed: LocalBed) -> None:
+    one, two, three = bed.nodes
+    assert bed.fleet is not None and phase(bed, "lost-keep") == "Lost", "follows the lost node's story"
+    booted = datetime.now(UTC).replace(microsecond=0)
+    bed.fleet.power_on(three)
+    say(f"{three.name} back long after nodeGrace, its disk as it was")
+    eventually(lambda: agent_started(bed, three, booted), "the agent running again on the returned node", timeout=180)
+    eventually(
+        lambda: phase(bed, "lost-keep") == phase(bed, "keep-3") == "Retained",
+        "the unexpired sandboxes Retained again, with their directories",
+        timeout=120,
+    )
+    # The expired one, released while its node was gone: its directory is adopted again and, past its
+    # deadline, deleted by its node's agent, once.
+    eventually(
+        lambda: rsb(bed, "lost-due") is None and not on_disk(bed, three, "lost-due"),
+        "lost-due's directory (expired) deleted from the returned node",
+        timeout=120,
+    )
+    assert not tombstones(bed, three)
+    kept(bed, {"lost-keep": three, "keep-3": three, "keep-1": one, "keep-2": two, "pinned-2": two})
+    assert deletions(bed, {"lost-due", "lost-keep", "keep-3"}) == {one.name: [], two.name: [], three.name: ["lost-due"]}
