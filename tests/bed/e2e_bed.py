@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -203,6 +203,21 @@ class Bed:
     def get(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
+    def job_namespace(self, name: str) -> None:
+        """Create namespace `name` for the suite's Jobs and holders, which mount the node's disk: it allows
+        hostPath (Pod Security `privileged`), as a platform team's job namespace would."""
+        self.kubectl("create", "namespace", name)
+        self.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=privileged")
+
+    def sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """RetainedSandbox namespace/name, or None when there is none."""
+        out = self.kubectl("get", "rsb", name, "-n", namespace, "-o", "json", check=False)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def phase(self, namespace: str, name: str) -> str | None:
+        obj = self.sandbox(namespace, name)
+        return None if obj is None else (obj.get("status") or {}).get("phase")
+
     def helm(self, *args: str) -> str:
         cmd = [str(self.bin / "helm"), f"--kubeconfig={self.kubeconfig}", *args]
         return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -329,6 +344,7 @@ class LocalBed(Bed):
     def start(self) -> None:
         self.start_node()
         try:
+            self.prepare()
             pushed = self.publish(E2E_VERSION)
             self.image_ref, self.chart, self.chart_version = pushed.image, pushed.chart, pushed.version
             self._install()
@@ -362,6 +378,9 @@ class LocalBed(Bed):
             self.cluster.failed = True
             self.stop()
             raise
+
+    def prepare(self) -> None:
+        """What a suite does to its nodes before the chart is installed (e.g. give one a small disk)."""
 
     def publish(self, version: str, source: Path = REPO, image_cache: Path | None = None) -> Release:
         """`make release VERSION=version REGISTRY=<the bed's>` of `source` (this tree by default)."""
@@ -450,6 +469,20 @@ class KindBed(Bed):
     def stop(self) -> None:
         super().stop()
         self.on_node(f"chattr -R -i '{self.root}' 2>/dev/null; true", check=False)
+
+
+B = TypeVar("B", bound=Bed)
+
+
+@contextlib.contextmanager
+def started(bed: B, namespace: str) -> Iterator[B]:
+    """`bed` started, with `namespace` for the suite's Jobs (`Bed.job_namespace`); stopped after, also on an error."""
+    bed.start()
+    try:
+        bed.job_namespace(namespace)
+        yield bed
+    finally:
+        bed.stop()
 
 
 def make_bed(workdir: Path) -> Bed:
