@@ -211,6 +211,7 @@ class LocalNode:
         self.init: Component | None = None
         self.init_pid: int | None = None
         self.cgroup_root = ""
+        self.link = ""  # the host's end of its veth
         self.failed = False
         self._stop_lock = threading.Lock()
 
@@ -264,6 +265,7 @@ class LocalNode:
                     os.kill(self.init_pid, signal.SIGKILL)  # still unshare's unreaped child: the pid is its
             self.init.stop()
             self.init = self.init_pid = None
+            self._disconnect()
 
     def power_on(self, pause_archive: Path, deadline: float) -> None:
         """Boot a powered-off node again on the same directory (a reboot: /run is empty, /var/lib as it was);
@@ -384,17 +386,20 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         self._wait(lambda: bool(children.read_text().split()), "the node's init process", time.monotonic() + 10)
         self.init_pid = int(children.read_text().split()[0])
 
-    @property
-    def host_link(self) -> str:
-        return f"skn{self.init_pid}"[:15]
-
     def _connect_network(self) -> None:
-        link = self.host_link
-        # The host end goes with the node: a veth pair is destroyed with the namespace holding its peer.
+        self.link = link = f"skn{self.init_pid}"[:15]
         ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", str(self.init_pid))
         ip("link", "set", link, "master", BRIDGE)
         ip("link", "set", link, "up")
         ip("route", "replace", self.pod_cidr, "via", self.ip, "dev", BRIDGE)  # replace: also on power_on
+
+    def _disconnect(self) -> None:
+        """Delete the node's veth (both ends) once its processes are gone. A network namespace whose last process
+        died lingers while the kernel closes its orphaned TCP connections (a minute or more), and its veth with
+        it: deleted here, nothing of the node stays on the host meanwhile."""
+        if self.link:
+            ip("link", "del", self.link, check=False)
+            self.link = ""
 
     def _wait(self, ready: Callable[[], bool], what: str, deadline: float) -> None:
         while True:
@@ -492,6 +497,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                             continue
                 self.init.stop(timeout)  # what is left of unshare, by its process group; closes the log
                 self.init = None
+            self._disconnect()
             if self.cgroup_root:
                 self._remove_cgroups()
             if self.dir is not None and self.dir.exists():
