@@ -1,10 +1,11 @@
-"""End to end on three real nodes: each node's agent looks after its own disk and nothing else, a drain and a
-lost node, asserted sandbox by sandbox. `make e2e-nodes` runs this file alone (marker `nodes`); it is not in
-`make test`.
+"""End to end on four real nodes: each node's agent looks after its own disk and nothing else, a drain, a full
+disk on one node and a lost node, asserted sandbox by sandbox. `make e2e-nodes` runs this file alone (marker
+`nodes`); it is not in `make test`.
 
-The bed (tests/bed/e2e_bed.py, `LocalBed(count=3)`) is started once for this module; the tests run in file
-order. The disk is `/var/lib/sandkeep-e2e` on every node, each node's own. The controller runs on the first
-node (a nodeSelector), which no test drains or loses, so each story is about the agents and the disks.
+The bed (tests/bed/e2e_bed.py, `LocalBed(count=4)`) is started once for this module; the tests run in file
+order. The disk is `/var/lib/sandkeep-e2e` on every node, each node's own; the fourth node's is a small tmpfs
+(`SmallDiskBed`). The controller runs on the first node (a nodeSelector), which no test drains or loses, so
+each story is about the agents and the disks.
 Every story asserts that no pinned, held or unexpired sandbox is deleted and that every expired one is
 deleted exactly once: one `finalizer_removed` line in its node's agent log and none in any other's.
 """
@@ -21,7 +22,7 @@ import pytest
 
 from controller.rules import contracts as c
 from hack.localnode import LocalNode
-from tests.bed.e2e_bed import SYSTEM_NS, LocalBed, eventually, say
+from tests.bed.e2e_bed import SYSTEM_NS, LocalBed, eventually, say, started
 
 pytestmark = [
     pytest.mark.e2e,
@@ -32,28 +33,28 @@ pytestmark = [
 ]
 NS = "nodes"
 NODE_GRACE = 40  # seconds: controller.nodeGrace here (10m by default)
+SMALL_DISK_MIB = 100  # the fourth node's disk (a tmpfs): releasing for space starts above 85 % used
+
+
+class SmallDiskBed(LocalBed):
+    """The fourth node's disk is a small tmpfs, mounted in its namespace before the chart's agent starts there."""
+
+    def prepare(self) -> None:
+        small = self.nodes[3]
+        self.on(small, f"mkdir -p '{self.disk}' && mount -t tmpfs -o size={SMALL_DISK_MIB}m small '{self.disk}'")
 
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBed]:
-    bed = LocalBed(tmp_path_factory.mktemp("nodes"), count=3)
+    bed = SmallDiskBed(tmp_path_factory.mktemp("nodes"), count=4)
     bed.values = {
         "controller": {"nodeGrace": f"{NODE_GRACE}s", "nodeSelector": {"kubernetes.io/hostname": "sandkeep-node"}}
     }
-    bed.start()
-    try:
-        bed.kubectl("create", "namespace", NS)
-        bed.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=privileged")
+    with started(bed, NS):
         yield bed
-    finally:
-        bed.stop()
 
 
 # --- helpers -------------------------------------------------------------------------------------------
-def node(bed: LocalBed, index: int) -> LocalNode:
-    return bed.nodes[index - 1]
-
-
 def pod_spec(bed: LocalBed, on: LocalNode, script: str, disk: str | None = None) -> dict[str, Any]:
     """A root container of the sandkeep image on node `on` running `script`, with the node's disk (or `disk`)
     mounted at the same path."""
@@ -75,12 +76,15 @@ def pod_spec(bed: LocalBed, on: LocalNode, script: str, disk: str | None = None)
     }
 
 
-def retain_on(bed: LocalBed, on: LocalNode, sandboxes: dict[str, str]) -> None:
-    """One Job on node `on` that writes a workspace per name and retains it for its retention; waits for it."""
+def retain_on(bed: LocalBed, on: LocalNode, sandboxes: dict[str, str], mib: int = 0, adopted: bool = True) -> None:
+    """One Job on node `on` that writes a workspace per name (`mib` MiB more in each) and retains it for its
+    retention; waits for it, and (`adopted`) for every sandbox's object."""
     lines = ["set -e"]
     for name, retention in sandboxes.items():
         work = bed.disk / "jobs" / name
         lines.append(f"mkdir -p {work}; echo {name} > {work}/result.txt")
+        if mib:
+            lines.append(f"head -c {mib}M /dev/zero > {work}/blob")
         lines.append(f"sandkeep retain --root {bed.root} --namespace {NS} --name {name} --retention {retention} {work}")
     job_name = f"retain-{next(iter(sandboxes))}"
     job = {
@@ -92,7 +96,8 @@ def retain_on(bed: LocalBed, on: LocalNode, sandboxes: dict[str, str]) -> None:
     say(f"on {on.name}: sandkeep retain {', '.join(f'{n} ({r})' for n, r in sandboxes.items())}")
     bed.kubectl("apply", "-f", "-", input=json.dumps(job))
     bed.kubectl("wait", "-n", NS, f"job/{job_name}", "--for=condition=Complete", "--timeout=180s", timeout=190)
-    eventually(lambda: all(rsb(bed, n) for n in sandboxes), "adopted", timeout=60)
+    if adopted:
+        eventually(lambda: all(rsb(bed, n) for n in sandboxes), "adopted", timeout=60)
 
 
 def holder(bed: LocalBed, on: LocalNode, name: str, sandbox: str) -> dict[str, Any]:
@@ -107,13 +112,11 @@ def holder(bed: LocalBed, on: LocalNode, name: str, sandbox: str) -> dict[str, A
 
 
 def rsb(bed: LocalBed, name: str) -> dict[str, Any] | None:
-    out = bed.kubectl("get", "rsb", name, "-n", NS, "-o", "json", check=False)
-    return json.loads(out.stdout) if out.returncode == 0 else None
+    return bed.sandbox(NS, name)
 
 
 def phase(bed: LocalBed, name: str) -> str | None:
-    obj = rsb(bed, name)
-    return None if obj is None else (obj.get("status") or {}).get("phase")
+    return bed.phase(NS, name)
 
 
 def on_disk(bed: LocalBed, on: LocalNode, name: str) -> bool:
@@ -135,8 +138,8 @@ def agent_started(bed: LocalBed, on: LocalNode, since: datetime) -> bool:
     """The agent on `on` is Ready in a container started after `since` (a node back from power-off)."""
     pod = bed.get("pod", "-n", SYSTEM_NS, agents(bed)[on.name])
     (status,) = [s for s in pod["status"].get("containerStatuses", []) if s["name"] == "agent"]
-    started = (status.get("state", {}).get("running") or {}).get("startedAt")
-    return bool(status["ready"] and started and datetime.fromisoformat(started) >= since)
+    began = (status.get("state", {}).get("running") or {}).get("startedAt")
+    return bool(status["ready"] and began and datetime.fromisoformat(began) >= since)
 
 
 def deletions(bed: LocalBed, names: set[str]) -> dict[str, list[str]]:
@@ -147,6 +150,11 @@ def deletions(bed: LocalBed, names: set[str]) -> dict[str, list[str]]:
         removed = [ln for ln in log.splitlines() if "finalizer_removed" in ln]
         out[node_name] = sorted(n for ln in removed for n in names if f"object={NS}/{n} " in f"{ln} ")
     return out
+
+
+def only(bed: LocalBed, on: LocalNode, deleted: list[str]) -> dict[str, list[str]]:
+    """What `deletions` must be: `deleted` by `on`'s agent, nothing by any other."""
+    return {n.name: deleted if n is on else [] for n in bed.nodes}
 
 
 def kept(bed: LocalBed, where: dict[str, LocalNode], phases: dict[str, str] | None = None) -> None:
@@ -166,10 +174,10 @@ def test_the_agent_runs_on_every_node_and_each_deletes_only_its_own(bed: LocalBe
 
     def ready() -> bool:
         ds = bed.get("daemonset", "-n", SYSTEM_NS, "sandkeep-agent")
-        return ds["status"].get("numberReady") == 3 and set(agents(bed)) == names
+        return ds["status"].get("numberReady") == len(names) and set(agents(bed)) == names
 
-    eventually(ready, "one agent Ready on each of the 3 nodes", timeout=240)
-    one, two, three = bed.nodes
+    eventually(ready, f"one agent Ready on each of the {len(names)} nodes", timeout=240)
+    one, two, three, _ = bed.nodes
     retain_on(bed, one, {"keep-1": "1h"})
     retain_on(bed, three, {"keep-3": "1h"})
     retain_on(bed, two, {"due-2": "30s", "keep-2": "1h", "pinned-2": "30s"})
@@ -180,15 +188,12 @@ def test_the_agent_runs_on_every_node_and_each_deletes_only_its_own(bed: LocalBe
     eventually(lambda: rsb(bed, "due-2") is None, "due-2 expired and deleted", timeout=120)
     assert not on_disk(bed, two, "due-2") and not tombstones(bed, two)
     kept(bed, {"keep-1": one, "keep-2": two, "keep-3": three, "pinned-2": two}, {"pinned-2": "Pinned"})
-    assert deletions(bed, {"due-2", "keep-1", "keep-2", "keep-3", "pinned-2"}) == {
-        one.name: [],
-        two.name: ["due-2"],
-        three.name: [],
-    }, "deleted once, by node 2's agent alone"
+    deleted = deletions(bed, {"due-2", "keep-1", "keep-2", "keep-3", "pinned-2"})
+    assert deleted == only(bed, two, ["due-2"]), "deleted once, by node 2's agent alone"
 
 
 def test_a_drain_evicts_the_holder_not_the_agent_and_the_released_sandbox_goes_once(bed: LocalBed) -> None:
-    one, two, three = bed.nodes
+    one, two, three, _ = bed.nodes
     retain_on(bed, two, {"held-2": "30s", "kept-2": "1h"})
     bed.kubectl("apply", "-f", "-", input=json.dumps(holder(bed, two, "holder-2", "held-2")))
     bed.kubectl("wait", "-n", NS, "pod/holder-2", "--for=condition=Ready", "--timeout=120s", timeout=130)
@@ -208,9 +213,32 @@ def test_a_drain_evicts_the_holder_not_the_agent_and_the_released_sandbox_goes_o
         assert agents(bed)[two.name] == agent, "a DaemonSet Pod: drain leaves the agent running"
         assert not on_disk(bed, two, "held-2") and not tombstones(bed, two)
         kept(bed, {"kept-2": two, "keep-2": two, "pinned-2": two, "keep-1": one, "keep-3": three})
-        assert deletions(bed, {"held-2", "kept-2"}) == {one.name: [], two.name: ["held-2"], three.name: []}
+        assert deletions(bed, {"held-2", "kept-2"}) == only(bed, two, ["held-2"])
     finally:
         bed.kubectl("uncordon", two.name)
+
+
+def test_a_full_disk_on_one_node_releases_its_oldest_unpinned_sandbox_there_only(bed: LocalBed) -> None:
+    one, two, three, small = bed.nodes
+    mib = SMALL_DISK_MIB * 3 // 10  # three of them: 90 % used, over the 85 % high watermark; two: 60 %
+    retain_on(bed, small, {"full-pinned": "30m"}, mib=mib)
+    bed.kubectl("annotate", "rsb/full-pinned", "-n", NS, f"{c.ANN_PIN_FOR}=2h")
+    eventually(lambda: phase(bed, "full-pinned") == "Pinned", "full-pinned pinned (the oldest deadline)")
+    retain_on(bed, small, {"full-old": "1h", "full-new": "2h"}, mib=mib, adopted=False)  # full-old may go at once
+    eventually(lambda: rsb(bed, "full-new"), "full-new adopted")
+    say(f"{small.name}'s {SMALL_DISK_MIB} MiB disk: {bed.on(small, f'df -m {bed.disk} | tail -1').stdout.strip()}")
+    eventually(
+        lambda: rsb(bed, "full-old") is None and not on_disk(bed, small, "full-old"),
+        "full-old (the oldest unpinned) released for space",
+        timeout=120,
+    )
+    events = bed.get("events", "-n", NS, "--field-selector", "involvedObject.name=full-old")["items"]
+    assert [e["reason"] for e in events if e["reason"] == c.Reason.DISK_PRESSURE] == [c.Reason.DISK_PRESSURE]
+    time.sleep(10)  # a few more passes: under the low watermark now, nothing more goes
+    kept(bed, {"full-new": small, "full-pinned": small}, {"full-new": "Retained", "full-pinned": "Pinned"})
+    kept(bed, {"keep-1": one, "keep-2": two, "kept-2": two, "pinned-2": two, "keep-3": three})
+    assert not tombstones(bed, small)
+    assert deletions(bed, {"full-old", "full-new", "full-pinned"}) == only(bed, small, ["full-old"])
 
 
 def wait_gone_node(bed: LocalBed, on: LocalNode) -> float:
@@ -224,7 +252,7 @@ def wait_gone_node(bed: LocalBed, on: LocalNode) -> float:
 def test_a_lost_node_back_before_grace_changes_nothing_and_after_grace_its_sandboxes_are_lost(
     bed: LocalBed,
 ) -> None:
-    one, two, three = bed.nodes
+    one, two, three, _ = bed.nodes
     assert bed.fleet is not None
     retain_on(bed, three, {"lost-keep": "1h"})
     others = {"keep-1": one, "keep-2": two, "kept-2": two, "pinned-2": two}
@@ -260,7 +288,7 @@ def test_a_lost_node_back_before_grace_changes_nothing_and_after_grace_its_sandb
 
 
 def test_the_lost_node_back_after_grace_with_its_disk_gets_its_sandboxes_back(bed: LocalBed) -> None:
-    one, two, three = bed.nodes
+    one, two, three, _ = bed.nodes
     assert bed.fleet is not None and phase(bed, "lost-keep") == "Lost", "follows the lost node's story"
     booted = datetime.now(UTC).replace(microsecond=0)
     bed.fleet.power_on(three)
@@ -280,4 +308,4 @@ def test_the_lost_node_back_after_grace_with_its_disk_gets_its_sandboxes_back(be
     )
     assert not tombstones(bed, three)
     kept(bed, {"lost-keep": three, "keep-3": three, "keep-1": one, "keep-2": two, "pinned-2": two})
-    assert deletions(bed, {"lost-due", "lost-keep", "keep-3"}) == {one.name: [], two.name: [], three.name: ["lost-due"]}
+    assert deletions(bed, {"lost-due", "lost-keep", "keep-3"}) == only(bed, three, ["lost-due"])
