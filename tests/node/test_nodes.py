@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from controller.rules import contracts as c
+from controller.rules.objects import is_session_holder
 from hack.localnode import LocalNode
 from tests.bed.e2e_bed import SYSTEM_NS, LocalBed, eventually, say, started
 
@@ -192,30 +193,77 @@ def test_the_agent_runs_on_every_node_and_each_deletes_only_its_own(bed: LocalBe
     assert deleted == only(bed, two, ["due-2"]), "deleted once, by node 2's agent alone"
 
 
-def test_a_drain_evicts_the_holder_not_the_agent_and_the_released_sandbox_goes_once(bed: LocalBed) -> None:
+def session(bed: LocalBed, sandbox: str) -> dict[str, Any]:
+    """The status of SandboxSession `look-<sandbox>`."""
+    status: dict[str, Any] = bed.get(c.SESSION_PLURAL, f"look-{sandbox}", "-n", NS).get("status") or {}
+    return status
+
+
+def in_session(bed: LocalBed, sandbox: str) -> bool:
+    """A SandboxSession's Pod holds the sandbox, as its node's agent last reported (`status.heldBy`)."""
+    holders = ((rsb(bed, sandbox) or {}).get("status") or {}).get("heldBy") or []
+    return any(is_session_holder(h, NS) for h in holders)
+
+
+def test_a_drain_evicts_the_holder_and_the_session_not_the_agent_and_leaves_the_disk_as_it_was(
+    bed: LocalBed,
+) -> None:
     one, two, three, _ = bed.nodes
-    retain_on(bed, two, {"held-2": "30s", "kept-2": "1h"})
+    retain_on(bed, two, {"held-2": "30s", "kept-2": "1h", "open-2": "1h", "deleting-2": "1h"})
     bed.kubectl("apply", "-f", "-", input=json.dumps(holder(bed, two, "holder-2", "held-2")))
+    # A SandboxSession open on open-2 (its Pod runs on node 2, where the sandbox is).
+    user = bed.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout
+    body = {
+        "apiVersion": c.API_VERSION,
+        "kind": c.SESSION_KIND,
+        "metadata": {"name": "look-open-2", "namespace": NS},
+        "spec": {"sandbox": "open-2", "user": user},
+    }
+    bed.kubectl("create", "-f", "-", input=json.dumps(body))
+    # deleting-2 is being deleted and cannot finish (an immutable file): a tombstone on node 2.
+    bed.on(two, f"chattr +i '{bed.root / NS / 'deleting-2' / c.WORKSPACE_DIR / 'result.txt'}'")
+    bed.kubectl("delete", "rsb", "deleting-2", "-n", NS, "--wait=false")
     bed.kubectl("wait", "-n", NS, "pod/holder-2", "--for=condition=Ready", "--timeout=120s", timeout=130)
+    eventually(lambda: session(bed, "open-2").get("phase") == c.SessionPhase.RUNNING, "look-open-2 Running")
+    # What holds open-2 while the session runs: its Pod's reopen volume, as node 2's agent reports it.
+    eventually(lambda: in_session(bed, "open-2"), "open-2 held by the session's reopen volume", timeout=60)
+    eventually(lambda: phase(bed, "open-2") == "Open", "open-2 Open", timeout=30)
+    eventually(lambda: tombstones(bed, two), "deleting-2's delete under way (a tombstone)", timeout=60)
     eventually(lambda: phase(bed, "held-2") == "Held", "held-2 expired and held by its Pod", timeout=90)
     agent = agents(bed)[two.name]
+    session_pod = session(bed, "open-2")["podName"]
 
     say(f"kubectl drain {two.name} --ignore-daemonsets (no --force): refused, a bare Pod is on it")
     refused = bed.kubectl("drain", two.name, "--ignore-daemonsets", "--timeout=60s", check=False, timeout=90)
     assert refused.returncode != 0 and "holder-2" in refused.stderr, refused.stderr
     assert bed.get("node", two.name)["spec"].get("unschedulable") is True, "drain cordons first"
-    assert phase(bed, "held-2") == "Held"
+    assert phase(bed, "held-2") == "Held" and session(bed, "open-2")["phase"] == c.SessionPhase.RUNNING
     try:
-        say(f"kubectl drain {two.name} --ignore-daemonsets --force: the holder is evicted, the agent stays")
-        bed.kubectl("drain", two.name, "--ignore-daemonsets", "--force", "--timeout=120s", timeout=150)
+        say(f"kubectl drain {two.name} --ignore-daemonsets --delete-emptydir-data --force: the agent stays")
+        drain = ("drain", two.name, "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=120s")
+        drained = bed.kubectl(*drain, check=False, timeout=150)
+        assert drained.returncode == 0, drained.stderr
         assert bed.kubectl("get", "pod", "holder-2", "-n", NS, check=False).returncode != 0
+        assert bed.kubectl("get", "pod", session_pod, "-n", NS, check=False).returncode != 0
         eventually(lambda: rsb(bed, "held-2") is None, "held-2 released and deleted", timeout=120)
+        ended = eventually(
+            lambda: (s := session(bed, "open-2")).get("phase") == c.SessionPhase.ENDED and s, "the session Ended"
+        )
+        say(f"the session: {ended['phase']} ({ended.get('reason')}: {ended.get('message')})")
+        assert ended.get("reason") == c.Reason.POD_ENDED
+        eventually(lambda: not in_session(bed, "open-2"), "open-2 no longer held by the ended session", timeout=60)
+        eventually(lambda: phase(bed, "open-2") == "Retained", "open-2 Retained again", timeout=30)
         assert agents(bed)[two.name] == agent, "a DaemonSet Pod: drain leaves the agent running"
-        assert not on_disk(bed, two, "held-2") and not tombstones(bed, two)
-        kept(bed, {"kept-2": two, "keep-2": two, "pinned-2": two, "keep-1": one, "keep-3": three})
-        assert deletions(bed, {"held-2", "kept-2"}) == only(bed, two, ["held-2"])
+        assert not on_disk(bed, two, "held-2")
+        assert rsb(bed, "deleting-2") is not None and tombstones(bed, two), "the stuck delete left as it was"
+        kept(bed, {"open-2": two, "kept-2": two, "keep-2": two, "pinned-2": two, "keep-1": one, "keep-3": three})
     finally:
         bed.kubectl("uncordon", two.name)
+        bed.on(two, f"chattr -R -i '{bed.root}'")
+    eventually(lambda: rsb(bed, "deleting-2") is None, "deleting-2's delete finished once unblocked", timeout=90)
+    assert not tombstones(bed, two)
+    names = {"held-2", "kept-2", "open-2", "deleting-2"}
+    assert deletions(bed, names) == only(bed, two, ["deleting-2", "held-2"])
 
 
 def test_a_full_disk_on_one_node_releases_its_oldest_unpinned_sandbox_there_only(bed: LocalBed) -> None:
