@@ -12,7 +12,7 @@ TOOLS_BIN := $(SANDKEEP_TOOLS_DIR)/bin
 export PATH := $(CURDIR)/$(VENV)/bin:$(TOOLS_BIN):$(PATH)
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv protos deps demo-deps tools demo-tools lint types test test-fast e2e demo demo-node node cluster bench clean image \
+.PHONY: all venv protos deps demo-deps tools demo-tools lint types test test-fast e2e e2e-nodes demo demo-node node cluster bench clean image \
 	release registry
 # What the demo runs; `make tools` adds kubelet, kube-scheduler, helm, promtool, prometheus, the OCI registry and
 # crane for the tests and `make release`, and krew (tests/apiserver/test_krew.py).
@@ -83,15 +83,22 @@ test: deps venv tools lint types
 ## The end-to-end suite alone: a real node (kubelet, containerd, kube-scheduler) joins the local control plane,
 ## the image built from the Dockerfile runs the chart's Pods, a real Prometheus scrapes them and pages.
 e2e: deps venv tools
-	$(VENV)/bin/pytest -m e2e $(E2E_ARGS)
+	$(VENV)/bin/pytest -m 'e2e and not nodes' $(E2E_ARGS)
+
+## The stories of four real nodes (tests/node/test_nodes.py, about 5.5 min): each agent deletes only its own
+## node's sandboxes, a drain, a full disk on one node, a node lost and back. Not part of `make test`.
+e2e-nodes: deps venv tools
+	$(VENV)/bin/pytest -m nodes -p no:cacheprovider $(E2E_ARGS)
 
 ## The same story as Pods on a real node, narrated: the end-to-end suite with its steps shown live (~5 min).
 demo-node: deps venv tools
-	$(VENV)/bin/pytest -m e2e -s -q -p no:cacheprovider $(E2E_ARGS)
+	$(VENV)/bin/pytest -m 'e2e and not nodes' -s -q -p no:cacheprovider $(E2E_ARGS)
 
-## A local control plane with one real, Ready node until Ctrl-C (`export KUBECONFIG=...` is printed).
+## A local control plane with NODES real, Ready nodes (default 1, at most 4) until Ctrl-C (`export KUBECONFIG=...`
+## is printed).
+NODES ?= 1
 node: deps venv tools
-	$(PY) -m hack.localnode
+	$(PY) -m hack.localnode --nodes $(NODES)
 
 ## The suite without the Go tools' build step (they must already be built).
 test-fast: venv

@@ -19,7 +19,7 @@ from typing import Any
 from controller.api.cache import supersedes
 from controller.cluster.decide import OWNED_CONDITIONS, OWNED_FIELDS
 from controller.rules import contracts as c
-from controller.rules.objects import Obj, key_of, message_digest
+from controller.rules.objects import Obj, is_session_holder, key_of, message_digest
 
 Key = tuple[str, str]
 
@@ -147,6 +147,12 @@ def _slim(obj: Obj) -> Obj:
         spec["origin"] = {k: origin[k] for k in ("outcome", "owner", "labels") if k in origin}
     status = obj.get("status") or {}
     view: Obj = {k: status[k] for k in _KEPT_STATUS if k in status}
+    # Of the agent's heldBy, what a decision reads (objects.observed_of): the holders that are sessions' Pods,
+    # which make the sandbox Open. Without them a sandbox a session held stayed Retained in the view.
+    namespace = meta.get("namespace") or ""
+    sessions = [h for h in status.get("heldBy") or [] if isinstance(h, str) and is_session_holder(h, namespace)]
+    if sessions:
+        view["heldBy"] = sessions
     conditions = [
         cd | {"message": message_digest(cd.get("message", ""))}
         for cd in status.get("conditions") or []

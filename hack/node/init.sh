@@ -7,10 +7,10 @@
 # and the kubelet until SIGTERM. When this process exits the kernel kills everything left in the PID
 # namespace, and the mounts and network go with their namespaces: nothing outlives the node.
 #
-#   init.sh NODE_DIR SOCKET_DIR NODE_IP GATEWAY
+#   init.sh NODE_DIR SOCKET_DIR NODE_ADDRESS/PREFIX GATEWAY
 set -euo pipefail
 
-dir=$1 sockets=$2 node_ip=$3 gateway=$4
+dir=$1 sockets=$2 address=$3 gateway=$4
 
 log() { printf '[node-init %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -22,13 +22,13 @@ mount --bind "$dir/var-lib" /var/lib
 mount --bind "$dir/var-log" /var/log
 mount -t tmpfs -o mode=0755,size=256m tmpfs /run
 
-# The parent moves one end of a veth pair in here, named eth0; wait for it.
+# The parent moves one end of a veth pair in here, named eth0 (the other is on the host's bridge); wait for it.
 for _ in $(seq 100); do
 	ip link show eth0 >/dev/null 2>&1 && break
 	sleep 0.1
 done
 ip link set lo up
-ip addr add "$node_ip/30" dev eth0
+ip addr add "$address" dev eth0
 ip link set eth0 up
 ip route add default via "$gateway"
 # Pods reach the API server (and the host reaches Pods) through this namespace.

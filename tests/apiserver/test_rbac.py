@@ -117,6 +117,11 @@ NOT_REACHED_BY_THE_SCENARIO = {
         "get_sandbox",
         "the fresh read after a 409 on finalizer removal needs a write racing that removal",
     ),
+    "ClusterRole-agent:retainedsandboxes:delete": (
+        ("controller.agent.relief", "Relief._release_one"),
+        "delete_sandbox",
+        "releasing for space needs a full disk: tests/node/test_nodes.py fills a real node's small disk",
+    ),
 }
 
 
@@ -676,7 +681,7 @@ def can_i(cluster: LocalCluster, kubeconfig: Path | None, *args: str, as_user: s
     return result.stdout.strip() == "yes"
 
 
-def test_the_agent_cannot_delete_read_secrets_or_escalate(
+def test_the_agent_deletes_no_other_object_reads_no_secrets_and_cannot_escalate(
     install: Callable[..., Install], cluster: LocalCluster, namespace: str
 ) -> None:
     inst = install()
@@ -685,13 +690,13 @@ def test_the_agent_cannot_delete_read_secrets_or_escalate(
     for needed in (
         ("create", "retainedsandboxes.sandkeep.io", "-n", namespace),
         ("patch", "retainedsandboxes.sandkeep.io", "-n", namespace),
+        ("delete", "retainedsandboxes.sandkeep.io", "-n", namespace),  # its own node's only: the node-scope policy
         ("list", "pods", "--all-namespaces"),  # also how a captured volume's Pod ended: no get on Pods needed
         ("create", "events", "-n", namespace),  # also on a Pod whose workspace was kept or not (WorkspaceKept...)
         ("update", "leases.coordination.k8s.io", "-n", namespace),
     ):
         assert can_i(cluster, agent, *needed), f"the agent cannot {needed}"
     for refused in (
-        ("delete", "retainedsandboxes.sandkeep.io", "-n", namespace),
         ("deletecollection", "retainedsandboxes.sandkeep.io", "-n", namespace),
         ("delete", "pods", "-n", namespace),
         ("delete", "leases.coordination.k8s.io", "-n", namespace),
@@ -864,6 +869,11 @@ def test_an_agent_writes_only_its_own_nodes_sandboxes_and_heartbeat(
     assert unbound.returncode != 0 and "names no node" in unbound.stderr
     # the policy is about the agent only: others (here admin) still create sandboxes anywhere
     assert create(sandbox("admins", other), kubeconfig=None).returncode == 0
+    # a release for space deletes its own node's sandbox, never another node's
+    delete = ("delete", c.SANDBOX_PLURAL, "-n", namespace, "--wait=false")
+    refused = cluster.kubectl(*delete, "admins", kubeconfig=agent, check=False)
+    assert f"may only write RetainedSandboxes of its own node; admins is on node {other}" in refused.stderr
+    assert cluster.kubectl(*delete, "ours", kubeconfig=agent, check=False).returncode == 0
 
 
 def test_the_agent_of_a_node_with_a_253_character_name_keeps_its_own_heartbeat_and_no_other(

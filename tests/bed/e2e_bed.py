@@ -27,14 +27,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
-from hack.localcluster import REPO, Component, LocalCluster, free_port, spawn, tools_bin
-from hack.localnode import REGISTRY, LocalNode
+from hack.localcluster import REPO, ClusterError, Component, LocalCluster, free_port, spawn, tools_bin
+from hack.localnode import REGISTRY, LocalNode, LocalNodes
 from hack.registry import LocalRegistry
 from hack.release import RELEASE_TOOLS, Release, build_image, release
 
@@ -147,6 +147,8 @@ class Bed:
         self.root = Path()
         self.prometheus: Component | None = None
         self.prometheus_url = ""
+        # More values a suite sets, merged key by key into each top-level section (e.g. controller.nodeGrace).
+        self.values: dict[str, dict[str, Any]] = {}
 
     def start(self) -> None:
         raise NotImplementedError
@@ -201,6 +203,21 @@ class Bed:
     def get(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
+    def job_namespace(self, name: str) -> None:
+        """Create namespace `name` for the suite's Jobs and holders, which mount the node's disk: it allows
+        hostPath (Pod Security `privileged`), as a platform team's job namespace would."""
+        self.kubectl("create", "namespace", name)
+        self.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=privileged")
+
+    def sandbox(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """RetainedSandbox namespace/name, or None when there is none."""
+        out = self.kubectl("get", "rsb", name, "-n", namespace, "-o", "json", check=False)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def phase(self, namespace: str, name: str) -> str | None:
+        obj = self.sandbox(namespace, name)
+        return None if obj is None else (obj.get("status") or {}).get("phase")
+
     def helm(self, *args: str) -> str:
         cmd = [str(self.bin / "helm"), f"--kubeconfig={self.kubeconfig}", *args]
         return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -225,6 +242,8 @@ class Bed:
             # allowed, so that the controller, not the admission policy, is what meets it.
             "sessions": {"enabled": True, "allowedImages": [UNPULLABLE_IMAGE]},
         }
+        for section, more in self.values.items():
+            values[section] = {**values.get(section, {}), **more}
         if not self.chart_version:
             repo, _, tag = self.image_ref.rpartition(":")
             values["image"] = {"repository": repo, "tag": tag}
@@ -307,17 +326,25 @@ class Bed:
 
 
 class LocalBed(Bed):
-    """A local control plane and one real node (hack/localnode.py); what this repository's CI runs."""
+    """A local control plane and `count` real nodes (hack/localnode.py); what this repository's CI runs.
 
-    def __init__(self, workdir: Path) -> None:
+    With one node its disk is a directory of the node's (`node.dir/disk`), the same path on the host. With
+    several the chart's one `agent.root` must name a different disk on each node: the disk is
+    `/var/lib/sandkeep-e2e`, each node's own (its /var/lib), reached from the host through `on(node, ...)`.
+    """
+
+    def __init__(self, workdir: Path, count: int = 1) -> None:
         super().__init__(workdir)
         self.cluster = LocalCluster(workdir, node_mode=True)
-        self.node: LocalNode | None = None
+        self.count = count
+        self.fleet: LocalNodes | None = None
+        self.node: LocalNode | None = None  # the first
         self.registry: LocalRegistry | None = None
 
     def start(self) -> None:
         self.start_node()
         try:
+            self.prepare()
             pushed = self.publish(E2E_VERSION)
             self.image_ref, self.chart, self.chart_version = pushed.image, pushed.chart, pushed.version
             self._install()
@@ -335,12 +362,13 @@ class LocalBed(Bed):
         try:
             self.cluster.start()
             self.kubeconfig = self.cluster.kubeconfig
-            self.node = LocalNode(self.cluster)
-            say("starting a real node: containerd, runc, the kubelet and kube-scheduler")
-            self.node.start()
+            self.fleet = LocalNodes(self.cluster, self.count)
+            say(f"starting {self.count} real node(s): containerd, runc, the kubelet; and kube-scheduler")
+            self.fleet.start()
+            self.node = self.fleet.nodes[0]
             self.node_name = self.node.name
             assert self.node.dir is not None
-            self.disk = self.node.dir / "disk"
+            self.disk = self.node.dir / "disk" if self.count == 1 else Path("/var/lib/sandkeep-e2e")
             self.root = self.disk / "sandkeep"
             # On the host's end of the node's link, which exists once the node runs.
             self.registry = LocalRegistry(self.workdir, REGISTRY)
@@ -351,6 +379,9 @@ class LocalBed(Bed):
             self.stop()
             raise
 
+    def prepare(self) -> None:
+        """What a suite does to its nodes before the chart is installed (e.g. give one a small disk)."""
+
     def publish(self, version: str, source: Path = REPO, image_cache: Path | None = None) -> Release:
         """`make release VERSION=version REGISTRY=<the bed's>` of `source` (this tree by default)."""
         say(f"make release VERSION={version} REGISTRY={REGISTRY} (source {source})")
@@ -360,9 +391,19 @@ class LocalBed(Bed):
             say(line)
         return pushed
 
+    @property
+    def nodes(self) -> list[LocalNode]:
+        return self.fleet.nodes if self.fleet is not None else []
+
     def on_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        # The node shares the host's filesystem, so its disk is at the same path here.
+        if self.count > 1:
+            return self.in_node(script, check)
+        # The one node shares the host's filesystem, so its disk is at the same path here.
         return subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=check, timeout=120)
+
+    def on(self, node: LocalNode, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`sh -c script` as root in `node`'s namespaces (its own disk, its own processes)."""
+        return node.in_node("sh", "-c", script, check=check)
 
     def in_node(self, script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         assert self.node is not None
@@ -378,18 +419,20 @@ class LocalBed(Bed):
 
     def stop(self) -> None:
         super().stop()
-        if self.node is not None:
-            if self.root.exists():  # an immutable file left by a failed test would keep the tree
-                subprocess.run(["chattr", "-R", "-i", str(self.root)], capture_output=True)
-            self.node.stop()
-            self.node = None
+        for node in self.nodes:  # an immutable file left by a failed test would keep the tree
+            with contextlib.suppress(ClusterError, subprocess.SubprocessError):
+                self.on(node, f"chattr -R -i '{self.root}' 2>/dev/null; true", check=False)
+        if self.fleet is not None:
+            self.fleet.failed = self.fleet.failed or self.cluster.failed
+            self.fleet.stop()
+            self.fleet = self.node = None
         if self.registry is not None:
             self.registry.stop()
             self.registry = None
         self.cluster.stop()
 
     def logs(self) -> str:
-        node = self.node.logs() if self.node is not None else ""
+        node = self.fleet.logs() if self.fleet is not None else ""
         registry = self.registry.log_tail() if self.registry is not None else ""
         return "\n".join((self.cluster.logs(), node, registry, super().logs()))
 
@@ -426,6 +469,20 @@ class KindBed(Bed):
     def stop(self) -> None:
         super().stop()
         self.on_node(f"chattr -R -i '{self.root}' 2>/dev/null; true", check=False)
+
+
+B = TypeVar("B", bound=Bed)
+
+
+@contextlib.contextmanager
+def started(bed: B, namespace: str) -> Iterator[B]:
+    """`bed` started, with `namespace` for the suite's Jobs (`Bed.job_namespace`); stopped after, also on an error."""
+    bed.start()
+    try:
+        bed.job_namespace(namespace)
+        yield bed
+    finally:
+        bed.stop()
 
 
 def make_bed(workdir: Path) -> Bed:

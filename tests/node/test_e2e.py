@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from controller.rules import contracts as c
-from tests.bed.e2e_bed import SYSTEM_NS, UNPULLABLE_IMAGE, Bed, eventually, make_bed, say
+from tests.bed.e2e_bed import SYSTEM_NS, UNPULLABLE_IMAGE, Bed, eventually, make_bed, say, started
 
 # The first test also pays for the bed: on a fresh machine that includes the image's cold build (a Debian
 # base made with mmdebstrap, then the pip install), minutes more than the suite's default timeout.
@@ -31,16 +31,8 @@ NS = "e2e"
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    bed = make_bed(tmp_path_factory.mktemp("e2e"))
-    bed.start()
-    try:
-        bed.kubectl("create", "namespace", NS)
-        # Jobs and holders here mount the node's disk: this namespace allows hostPath, as a platform
-        # team's job namespace would.
-        bed.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=privileged")
+    with started(make_bed(tmp_path_factory.mktemp("e2e")), NS) as bed:
         yield bed
-    finally:
-        bed.stop()
 
 
 def pod_spec(bed: Bed, script: str, *, working_dir: str | None = None) -> dict[str, Any]:
@@ -104,13 +96,11 @@ def hostpath_holder(bed: Bed, name: str, workspace: Path) -> dict[str, Any]:
 
 
 def rsb(bed: Bed, name: str) -> dict[str, Any] | None:
-    out = bed.kubectl("get", "rsb", name, "-n", NS, "-o", "json", check=False)
-    return json.loads(out.stdout) if out.returncode == 0 else None
+    return bed.sandbox(NS, name)
 
 
 def phase(bed: Bed, name: str) -> str | None:
-    obj = rsb(bed, name)
-    return None if obj is None else (obj.get("status") or {}).get("phase")
+    return bed.phase(NS, name)
 
 
 def gone(bed: Bed, name: str, path: Path) -> bool:

@@ -139,8 +139,7 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalBe
         current = bed.publish(E2E_VERSION)
         bed.image_ref, bed.chart, bed.chart_version = previous.image, previous.chart, previous.version
         bed._install()
-        bed.kubectl("create", "namespace", NS)
-        bed.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=privileged")
+        bed.job_namespace(NS)
         yield bed, previous, current
     except BaseException:
         bed.cluster.failed = True

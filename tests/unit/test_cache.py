@@ -10,7 +10,7 @@ import pytest
 from controller.agent.state import AgentState
 from controller.api.cache import Gone, resource_version, supersedes, vanished
 from controller.cluster.view import View
-from controller.rules.objects import Obj
+from controller.rules.objects import Obj, observed_of, reopen_holder
 
 
 def sandbox(name: str, uid: str, rv: str | None, phase: str = "Retained") -> Obj:
@@ -108,3 +108,19 @@ def test_the_agent_forgets_a_deleted_object_for_good_and_keeps_a_new_one_of_its_
     assert state.objects[("ns", "a")]["metadata"]["uid"] == "u2"
     state.forget(old)  # a late DELETED of the old object leaves the new one
     assert state.objects[("ns", "a")]["metadata"]["uid"] == "u2"
+
+
+def test_the_controller_view_keeps_the_session_holders_a_decision_reads_and_no_other_holder() -> None:
+    obj = sandbox("a", "u1", "10")
+    session, other = reopen_holder("ns", "session-1234"), "pid 42 (sleep) has its working directory inside"
+    obj["status"] |= {"inUse": True, "heldBy": [other, session]}
+    view = View()
+    view.remember(obj)
+    kept = view.sandboxes.get(("ns", "a"))
+    assert kept is not None and kept["status"]["heldBy"] == [session]
+    assert observed_of(kept) == observed_of(obj)  # in use and in a session: Open, as from the whole object
+    obj["status"]["heldBy"] = [other]
+    obj["metadata"]["resourceVersion"] = "11"
+    view.remember(obj)
+    kept = view.sandboxes.get(("ns", "a"))
+    assert kept is not None and "heldBy" not in kept["status"] and not observed_of(kept).in_session
