@@ -212,8 +212,9 @@ def run(args: argparse.Namespace, cluster: LocalCluster) -> int:
         created = base + timedelta(seconds=args.spread * i / max(1, args.objects - 1))
         spec = {"nodeName": nodes[i % len(nodes)], "createdAt": format_instant(created), "jobId": f"job-{i}"}
         if args.group_size:  # runs of pipelines: each namespace's sandboxes in groups, half of them failed
-            outcome = c.Outcome.FAILED if i % 2 else c.Outcome.SUCCEEDED
-            pipeline = f"p-{i // len(namespaces) // args.group_size}"
+            run = i // len(namespaces)  # the sandbox's place in its namespace (i itself is the namespace's parity)
+            outcome = c.Outcome.FAILED if run % 2 else c.Outcome.SUCCEEDED
+            pipeline = f"p-{run // args.group_size}"
             spec["origin"] = {"outcome": outcome, "labels": {GROUP_LABEL: pipeline}}
         body = {"metadata": {"name": f"sb-{i:05d}", "labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}}, "spec": spec}
         kube.create_sandbox(namespaces[i % len(namespaces)], body)
