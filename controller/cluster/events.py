@@ -29,6 +29,27 @@ AGGREGATE_WINDOW = 10.0  # seconds of a window; the similar Events past the firs
 _NAMES = 900  # characters of names an aggregated Event lists, at most (a message holds 1,024)
 
 
+class Backlog(set[asyncio.Future[None]]):
+    """Work sent off the loop and not finished yet, at most `limit`: past it a new one is dropped (`full`), and
+    `newly_full` says whether it is the first drop of a run, the one to log (the Events' and the notices')."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.newly_full = False
+        self._dropping = False
+
+    def full(self) -> bool:
+        full = len(self) >= self.limit
+        self.newly_full = full and not self._dropping
+        self._dropping = full
+        return full
+
+    def track(self, future: asyncio.Future[None]) -> None:
+        self.add(future)
+        future.add_done_callback(self.discard)
+
+
 @dataclass
 class _Wave:
     """Similar Events of one window: how many went one by one, and the rest, folded (names up to `_NAMES`)."""
@@ -48,8 +69,7 @@ class Events:
     def __init__(self, kube: Kube, metrics_: ControllerMetrics) -> None:
         self.kube = kube
         self.metrics = metrics_
-        self.backlog: set[asyncio.Future[None]] = set()
-        self._dropping: float | None = None  # since when Events are being dropped (the backlog is full)
+        self.backlog = Backlog(EVENTS_BACKLOG)
         self._pool = ThreadPoolExecutor(4, "events")
         self.waves: dict[tuple[str, Reason, str, str], _Wave] = {}  # (namespace, reason, type, words)
 
@@ -107,17 +127,13 @@ class Events:
         return any(wave.folded for wave in self.waves.values())
 
     def _send(self, ref: Obj, reason: Reason, message: str, type_: str) -> None:
-        if len(self.backlog) >= EVENTS_BACKLOG:
+        if self.backlog.full():
             self.metrics.events_dropped.inc()
-            if self._dropping is None:
-                self._dropping = time.monotonic()
+            if self.backlog.newly_full:
                 logs.say(log, "events_dropped", level=logging.WARNING, reason=reason, backlog=EVENTS_BACKLOG)
             return
-        self._dropping = None
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, self.kube.post_event, ref, reason, message, type_, COMPONENT)
-        self.backlog.add(future)
-        future.add_done_callback(self.backlog.discard)
+        loop, post = asyncio.get_running_loop(), self.kube.post_event
+        self.backlog.track(loop.run_in_executor(self._pool, post, ref, reason, message, type_, COMPONENT))
 
 
 def _ref(obj: Obj) -> Obj:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from urllib.error import HTTPError
 from urllib.parse import urlsplit
 
 from controller import __version__
+from controller.cluster.events import Backlog
 from controller.observe import logs
 from controller.observe.metrics import ControllerMetrics
 from controller.rules import contracts as c
@@ -91,22 +91,17 @@ class Notices:
         self.metrics = metrics_
         self.timeout = timeout
         self.backoff = backoff
-        self.backlog: set[asyncio.Task[None]] = set()
-        self._dropping: float | None = None  # since when notices are being dropped (the backlog is full)
+        self.backlog = Backlog(NOTICES_BACKLOG)
         self._pool = ThreadPoolExecutor(4, "notices")
 
     def send(self, url: str, notice: Obj) -> None:
         """Queue `notice` for `url` and return at once; past NOTICES_BACKLOG unsent ones it is dropped."""
         name = f"{notice['namespace']}/{notice['name']}"
-        if len(self.backlog) >= NOTICES_BACKLOG:
-            said = self._dropping is None  # said once per run of drops, counted each time
-            self._dropping = self._dropping or time.monotonic()
-            self._tell(NoticeResult.DROPPED, url, name, said=said, backlog=NOTICES_BACKLOG)
+        if self.backlog.full():  # said once per run of drops, counted each time
+            self._tell(NoticeResult.DROPPED, url, name, said=self.backlog.newly_full, backlog=NOTICES_BACKLOG)
             return
-        self._dropping = None
-        task = asyncio.get_running_loop().create_task(self._deliver(url, json.dumps(notice).encode(), name))
-        self.backlog.add(task)
-        task.add_done_callback(self.backlog.discard)
+        delivery = self._deliver(url, json.dumps(notice).encode(), name)
+        self.backlog.track(asyncio.get_running_loop().create_task(delivery))
 
     async def _deliver(self, url: str, body: bytes, name: str) -> None:
         loop, error = asyncio.get_running_loop(), ""
