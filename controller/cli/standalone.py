@@ -403,7 +403,7 @@ def _row(root: Root, entry: Entry, read: Read, policy: Policy, now: datetime, ne
     elif isinstance(read, Mismatch):
         row["state"] = "Refused"
     elif isinstance(read, Present):
-        verdict = deadline(replace(read.manifest.facts(), newer=newer), policy, now)
+        verdict = deadline(read.manifest.facts(newer), policy, now)
         left = verdict.time_left(now)
         row.update(
             deadline=format_instant(verdict.deadline) if verdict.deadline else None,

@@ -18,7 +18,7 @@ The root lock is not asked: the agent (and a `sweep --interval`) hold it for the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from controller.node.store import Absent, Mismatch, Present, Read, Refusal, Tombstone, Transient, Unparsed, Unreadable
@@ -33,7 +33,7 @@ def expiry(read: Read, policy: Policy, now: datetime, newer: int | None = None) 
     """The cause to delete on, or (None, verdict) to keep. No usable manifest is expired, as in the reference.
     `newer`: how many of its history group and outcome are newer (the sweep's count; None: in no group)."""
     if isinstance(read, Present):
-        verdict = deadline(replace(read.manifest.facts(), newer=newer), policy, now)
+        verdict = deadline(read.manifest.facts(newer), policy, now)
         if not verdict.expired:
             return None, verdict
         return (verdict.reasons[-1] if verdict.reasons else Reason.EXPIRED), verdict

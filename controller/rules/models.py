@@ -187,14 +187,16 @@ class Manifest(BaseModel):
             return None
         return origin
 
-    def facts(self) -> Facts:
-        """What the one rule reads from this manifest."""
+    def facts(self, newer: int | None = None) -> Facts:
+        """What the one rule reads from this manifest; `newer`: how many of its history group and outcome are
+        newer (counted over a pass's manifests; None: in no group)."""
         return Facts(
             created_at=instant_or_none(self.created_at),
             retain_until=instant_or_none(self.retain_until),
             pin_until=self.keep_until,
             pinned_at=self.pinned_at,
             outcome=self.origin.outcome if self.origin is not None else None,
+            newer=newer,
         )
 
     def as_object(self) -> dict[str, Any]:
