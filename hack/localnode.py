@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
-import io
 import ipaddress
 import json
 import os
@@ -37,7 +35,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -59,19 +56,9 @@ from hack.localcluster import (
     tools_bin,
     tools_dir,
 )
+from hack.nodeprep import CNI_PLUGINS, HERE, install_packages, pause_image
 
 NODE_TOOLS = ("kubelet", "kube-scheduler")
-# What the node needs from Debian, by command: `make node` and the tests install these when missing.
-DEBIAN_PACKAGES = {
-    "containerd": "containerd",
-    "ctr": "containerd",
-    "runc": "runc",
-    "socat": "socat",
-    "unshare": "util-linux",
-    "ip": "iproute2",
-    "cc": "gcc",
-}
-CNI_PLUGINS = Path("/usr/lib/cni")  # containernetworking-plugins
 # TEST-NET-2 (RFC 5737); not TEST-NET-1, which these machines' own network uses (the host is 192.0.2.2).
 # The host and the nodes share 198.51.100.0/25 (node i at .1+i); the Pods get the upper half, a /27 each.
 HOST_IP = "198.51.100.1"
@@ -85,84 +72,6 @@ BRIDGE = "skn-bridge"  # the host's bridge for the nodes' links (one set of node
 # node's link, a fixed port; the bed serves a real registry there (hack/registry.py).
 REGISTRY = f"{HOST_IP}:5000"
 LOCK = Path("/run/lock/sandkeep-node.lock")
-HERE = Path(__file__).resolve().parent / "node"
-PAUSE_IMAGE = "sandkeep.local/pause"
-
-
-def missing_packages() -> list[str]:
-    """The Debian packages whose commands (or the CNI plugins) are not on this machine."""
-    need = {pkg for cmd, pkg in DEBIAN_PACKAGES.items() if shutil.which(cmd) is None}
-    if not (CNI_PLUGINS / "bridge").exists():
-        need.add("containernetworking-plugins")
-    return sorted(need)
-
-
-def install_packages() -> None:
-    """apt-get install what the node needs (as root); raise with the list to install otherwise."""
-    need = missing_packages()
-    if not need:
-        return
-    if os.geteuid() != 0:
-        raise ClusterError(f"the local node needs these Debian packages: {' '.join(need)} (apt-get install them)")
-    print(f"[node] installing Debian packages: {' '.join(need)}", file=sys.stderr, flush=True)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", *need], check=True, env=env, stdout=subprocess.DEVNULL)
-
-
-def pause_image(cache: Path) -> tuple[Path, str]:
-    """An OCI archive of the Pod sandbox image (hack/node/pause.c, built static), cached by its source.
-
-    No registry is reachable here, so containerd's sandbox image is made locally: one layer holding
-    /pause, a config whose entrypoint it is, in an OCI image layout `ctr images import` reads.
-    """
-    source = (HERE / "pause.c").read_bytes()
-    key = hashlib.sha256(source).hexdigest()[:12]
-    ref = f"{PAUSE_IMAGE}:{key}"
-    archive = cache / f"pause-{key}.tar"
-    if archive.exists():
-        return archive, ref
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        binary = Path(tmp) / "pause"
-        subprocess.run(["cc", "-static", "-O2", "-o", str(binary), str(HERE / "pause.c")], check=True)
-        layer = _tar({"pause": (binary.read_bytes(), 0o755)})
-        config = {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {"Entrypoint": ["/pause"]},
-            "rootfs": {"type": "layers", "diff_ids": [_digest(layer)]},
-        }
-        blobs = {}
-        config_blob = json.dumps(config).encode()
-        manifest = {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": _descriptor("application/vnd.oci.image.config.v1+json", config_blob),
-            "layers": [_descriptor("application/vnd.oci.image.layer.v1.tar", layer)],
-        }
-        manifest_blob = json.dumps(manifest).encode()
-        for blob in (layer, config_blob, manifest_blob):
-            blobs[f"blobs/sha256/{_digest(blob).removeprefix('sha256:')}"] = (blob, 0o644)
-        index = {
-            "schemaVersion": 2,
-            "manifests": [
-                {
-                    **_descriptor("application/vnd.oci.image.manifest.v1+json", manifest_blob),
-                    "platform": {"architecture": "amd64", "os": "linux"},
-                    "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": key},
-                }
-            ],
-        }
-        files = {
-            "oci-layout": (b'{"imageLayoutVersion":"1.0.0"}', 0o644),
-            "index.json": (json.dumps(index).encode(), 0o644),
-            **blobs,
-        }
-        partial = Path(tmp) / "image.tar"
-        partial.write_bytes(_tar(files))
-        partial.rename(archive)
-    return archive, ref
 
 
 def ip(*args: str, check: bool = True) -> None:
@@ -170,24 +79,6 @@ def ip(*args: str, check: bool = True) -> None:
     result = subprocess.run(["ip", *args], capture_output=True, text=True)
     if check and result.returncode != 0:
         raise ClusterError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
-
-
-def _digest(blob: bytes) -> str:
-    return "sha256:" + hashlib.sha256(blob).hexdigest()
-
-
-def _descriptor(media_type: str, blob: bytes) -> dict[str, object]:
-    return {"mediaType": media_type, "digest": _digest(blob), "size": len(blob)}
-
-
-def _tar(files: dict[str, tuple[bytes, int]]) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, (data, mode) in files.items():
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), mode, 0
-            tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
 
 
 def node_name(index: int) -> str:

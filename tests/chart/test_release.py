@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hack.localcluster import kube_version, tools_bin, tools_dir
-from hack.localnode import pause_image
+from hack.nodeprep import pause_image
 from hack.registry import LocalRegistry
 from hack.release import package_chart, push_chart, push_image
 from tests.bed.chart import helm as run_helm
