@@ -42,6 +42,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
+from controller.rules.contracts import GROUP
+
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("kube-apiserver", "kube-controller-manager", "kubectl", "etcd", "helm", "promtool")
 CLUSTER_TOOLS = ("kube-apiserver", "kube-controller-manager", "etcd", "kubectl")
@@ -326,6 +328,31 @@ class LocalCluster(Lifecycle):
         """The CA that signed the serving and client certificates."""
         return self._path("pki/ca.crt")
 
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (node mode): every write a service account made (tests/bed/audit.py)."""
+        return self._path("audit.log")
+
+    def _audit_args(self) -> list[str]:
+        """What a test needs to count writes across Pods that come and go (a rollout replaces the agents
+        and their logs): each service account's write, with its body for the sandkeep.io resources."""
+        policy = self._path("audit-policy.yaml")
+        writes = ["create", "update", "patch", "delete", "deletecollection"]
+        accounts = ["system:serviceaccounts"]
+        rules = [
+            {"level": "Request", "userGroups": accounts, "verbs": writes, "resources": [{"group": GROUP}]},
+            {"level": "Metadata", "userGroups": accounts, "verbs": writes},
+            {"level": "None"},
+        ]
+        body = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"], "rules": rules}
+        policy.write_text(json.dumps(body))
+        return [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-mode=blocking",
+        ]
+
     # --- lifecycle ------------------------------------------------------------------------------------
 
     def start(self, timeout: float = 90.0, attempts: int = 3) -> None:
@@ -422,6 +449,7 @@ class LocalCluster(Lifecycle):
                 f"--cert-dir={pki}",
                 "--profiling=false",
                 "--v=1",
+                *(self._audit_args() if self.node_mode else []),
             ],
         )
         self._await("kube-apiserver", f"{self.server}/readyz", deadline, tls=True)

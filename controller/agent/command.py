@@ -36,8 +36,9 @@ def settings_from(args: argparse.Namespace) -> AgentSettings:
     return flags.settings_from(AgentSettings, args)
 
 
-def _hold_lock(root: Root, settings: AgentSettings, stack: contextlib.ExitStack) -> bool:
-    """Take the root lock, waiting (and saying so) while another agent holds it."""
+def _hold_lock(root: Root, settings: AgentSettings, stack: contextlib.ExitStack, port: int) -> bool:
+    """Take the root lock, waiting (and saying so, with the port its probes answer on) while another agent
+    holds it."""
     limit = settings.lock_wait.total_seconds()
     started = time.monotonic()
     said = False
@@ -49,7 +50,14 @@ def _hold_lock(root: Root, settings: AgentSettings, stack: contextlib.ExitStack)
             return True
         except RootRefused as err:
             if not said:
-                logs.say(log, "root_locked_waiting", level=logging.WARNING, reason=err.reason, message=str(err))
+                logs.say(
+                    log,
+                    "root_locked_waiting",
+                    level=logging.WARNING,
+                    reason=err.reason,
+                    message=str(err),
+                    metrics_port=port,
+                )
                 said = True
             if limit and time.monotonic() - started >= limit:
                 logs.say(log, "root_lock_gave_up", level=logging.ERROR, reason=err.reason, message=str(err))
@@ -71,20 +79,24 @@ def run(command: str, args: argparse.Namespace) -> int:
         logs.say(log, "root_refused", level=logging.ERROR, reason=err.reason, message=str(err))
         return 1
     with contextlib.ExitStack() as stack:
-        if not _hold_lock(root, settings, stack):
-            return 1
-        limiter = kube.RateLimiter.of(settings.kube_qps, settings.kube_burst)
-        client = Kube(kube.load_config(settings.kubeconfig), component="sandkeep-agent", limiter=limiter)
+        # Served before the root lock: an agent waiting for it (another agent on the node, e.g. an old Pod still
+        # stopping) is alive, and not Ready until it holds the lock and its cache is synced.
         agent_metrics = metrics.AgentMetrics(settings.node)
-        agent = Agent(settings, client, root, agent_metrics)
+        running: list[Agent] = []
         server = metrics.serve(
             agent_metrics.registry,
             settings.metrics_port,
             settings.metrics_host,
-            healthy=agent.healthy,
-            ready=lambda: agent.state.synced,
+            healthy=lambda: not running or running[0].healthy(),
+            ready=lambda: bool(running) and running[0].state.synced,
         )
         stack.callback(server.shutdown)
+        if not _hold_lock(root, settings, stack, server.server_port):
+            return 1
+        limiter = kube.RateLimiter.of(settings.kube_qps, settings.kube_burst)
+        client = Kube(kube.load_config(settings.kubeconfig), component="sandkeep-agent", limiter=limiter)
+        agent = Agent(settings, client, root, agent_metrics)
+        running.append(agent)
         logs.say(
             log, "agent_started", node=settings.node, root=root.path, metrics_port=server.server_port, pid=os.getpid()
         )

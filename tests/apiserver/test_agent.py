@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -950,6 +951,15 @@ def test_sigterm_stops_the_agent_cleanly_once_its_watch_runs(cluster, namespace,
     assert "agent_stopped" in agent.log()
 
 
+def probe(port: int, path: str) -> int:
+    """The HTTP status of a kubelet's probe of `path`."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
 def test_a_second_agent_on_the_same_root_waits_for_the_lock(cluster, namespace, nodes, agents):
     n1, _ = nodes
     first = agents(n1)
@@ -957,6 +967,9 @@ def test_a_second_agent_on_the_same_root_waits_for_the_lock(cluster, namespace, 
     second = agents(n1)
     wait_for(lambda: "root_locked_waiting" in second.log(), what="second agent waiting")
     assert "agent_started" not in second.log()
+    # Alive while it waits (a kubelet's liveness probe leaves it be), not Ready: it does nothing yet.
+    assert probe(second.metrics_port(), "/healthz") == 200
+    assert probe(second.metrics_port(), "/readyz") == 503
     first.stop()
     wait_for(lambda: "agent_started" in second.log(), what="second agent took over")
     assert "root_lock_acquired" in second.log()

@@ -22,6 +22,7 @@ import base64
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import time
 import urllib.error
@@ -45,6 +46,30 @@ UNPULLABLE_IMAGE = "registry.invalid/no-such-image:1"  # a session image no node
 PROMETHEUS_TOOLS = ("prometheus", "helm", "kubectl")
 # The version the bed releases this tree as: the chart's own, marked as a pre-release of the end-to-end bed.
 E2E_VERSION = f"{yaml.safe_load((REPO / 'charts' / 'sandkeep' / 'Chart.yaml').read_text())['version']}-e2e"
+
+
+# `sandkeep retain` for many workspaces in one process (its console script's main, once per workspace): 200
+# interpreter starts in a Job would take about 4 minutes on two cores.
+_RETAIN_MANY = """
+import os, sys
+from controller.cli.sandkeep import main
+root, namespace, retention, files, jobs, *names = sys.argv[1:]
+for name in names:
+    work = os.path.join(jobs, name)
+    os.makedirs(work)
+    for i in range(int(files)):
+        open(os.path.join(work, f"f{i}"), "w").close()
+    argv = ["retain", "--root", root, "--namespace", namespace, "--name", name, "--retention", retention, work]
+    if main(argv) != 0:
+        sys.exit(f"sandkeep retain {name} failed")
+"""
+
+
+def retain_many(bed: Bed, namespace: str, names: list[str], retention: str, files: int = 1) -> str:
+    """The command a Job of the image runs to write a workspace of `files` empty files for each name on the
+    bed's disk and retain it (`sandkeep retain`) in `namespace`."""
+    args = [str(bed.root), namespace, retention, str(files), str(bed.disk / "jobs"), *names]
+    return shlex.join(["python", "-c", _RETAIN_MANY, *args]) + " >/dev/null"
 
 
 def say(message: str) -> None:

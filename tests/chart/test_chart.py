@@ -28,7 +28,7 @@ from controller.rules.durations import MAX_DURATION, MAX_INSTANT, MIN_INSTANT, f
 from controller.rules.models import NAME_MAX
 from hack.chart_values_table import documented_keys
 from hack.localcluster import REPO, kube_version
-from tests.bed.chart import CHART, EVERYTHING_ON, find, helm, objects, render
+from tests.bed.chart import CHART, EVERYTHING_ON, find, helm, objects, refused, render
 from tests.bed.controller_harness import only_in
 
 ALERTS = CHART / "files" / "alerts.yaml"
@@ -978,3 +978,14 @@ def test_kind_e2e_script_passes_shellcheck_and_bash_n() -> None:
     # It runs the very suite CI runs on the local node, on a kind bed (tests/bed/e2e_bed.py's KindBed).
     for step in ("kind create cluster", "kind load docker-image", "SANDKEEP_E2E_KIND=", "tests/node/test_e2e.py"):
         assert step in text, f"the e2e script lost its step {step!r}"
+
+
+@pytest.mark.parametrize("surge", ["1", "10%"])
+def test_an_agent_surge_is_refused_saying_why(tools: Path, surge: str) -> None:
+    """A surged agent Pod would wait for its node's root lock, never be Ready, and stop the rollout."""
+    refused(tools, f"--set=agent.updateStrategy.rollingUpdate.maxSurge={surge}", f"maxSurge ({surge}) must be 0:")
+
+
+def test_an_agent_surge_of_zero_renders(tools: Path) -> None:
+    ds = find(objects(render(tools, "--set=agent.updateStrategy.rollingUpdate.maxSurge=0")), "DaemonSet")
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import time
@@ -32,6 +31,7 @@ from hack.localcluster import tools_bin, tools_dir
 from hack.localnode import REGISTRY
 from hack.release import Release
 from tests.bed.e2e_bed import E2E_VERSION, SYSTEM_NS, LocalBed, eventually, say
+from tests.bed.e2e_bed import retain_many as retain_command
 from tests.node.test_e2e import hostpath_holder, phase, rsb, run_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,27 +148,9 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalBe
         bed.stop()
 
 
-# `sandkeep retain` for many workspaces in one process (its console script's main, once per workspace): 200
-# interpreter starts in the Job would take about 4 minutes on two cores.
-RETAIN_MANY = """
-import os, sys
-from controller.cli.sandkeep import main
-root, namespace, retention, files, jobs, *names = sys.argv[1:]
-for name in names:
-    work = os.path.join(jobs, name)
-    os.makedirs(work)
-    for i in range(int(files)):
-        open(os.path.join(work, f"f{i}"), "w").close()
-    argv = ["retain", "--root", root, "--namespace", namespace, "--name", name, "--retention", retention, work]
-    if main(argv) != 0:
-        sys.exit(f"sandkeep retain {name} failed")
-"""
-
-
 def retain_many(bed: LocalBed, job: str, names: list[str], retention: str, files: int = 1) -> None:
     """One Job writing a workspace of `files` files for each name and retaining it (`sandkeep retain`)."""
-    args = [str(bed.root), NS, retention, str(files), str(bed.disk / "jobs"), *names]
-    run_job(bed, job, shlex.join(["python", "-c", RETAIN_MANY, *args]) + " >/dev/null", timeout=600)
+    run_job(bed, job, retain_command(bed, NS, names, retention, files), timeout=600)
 
 
 def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_sandbox(
