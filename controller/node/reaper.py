@@ -45,6 +45,7 @@ from controller.node.store import (
     StoreError,
     Tombstone,
     Transient,
+    pid_namespace,
     same_read,
     standalone_id,
 )
@@ -340,6 +341,7 @@ class Reaper:
     _tried: set[str] = field(default_factory=set)  # tombstones deleted (or tried) this pass
     _lock: threading.Lock = field(default_factory=threading.Lock)
     pid: int = field(default_factory=os.getpid)
+    pid_ns: int = field(default_factory=pid_namespace)  # whose /proc `alive` reads
 
     def __post_init__(self) -> None:
         one = self.in_use
@@ -549,13 +551,17 @@ class Reaper:
     def leftover(self, tomb: Tombstone, fate: Callable[[Read], Fate]) -> Outcome:
         """A tombstone found in the root (a crash, a failed delete, a stuck one): finish, restore or clear it.
 
-        A young one of another live process is left to it (a pass in progress elsewhere); a clock ahead
-        of the tombstone's (a negative age) counts as old, so a bad clock cannot protect it forever. A
-        manifest that cannot be read just now holds it: a delete on an unknown cannot be undone.
+        A young one of another live process is left to it (a pass in progress elsewhere, a retain staging);
+        a process of another PID namespace (a retain in a Job's container) counts as alive, since this /proc
+        cannot tell. A clock ahead of the tombstone's (a negative age) counts as old, so a bad clock cannot
+        protect it forever. A manifest that cannot be read just now holds it: a delete on an unknown cannot be
+        undone.
         """
         owner, age = tomb.pid, tomb.age(self.clock())
-        if owner is not None and owner != self.pid and timedelta(0) <= age < self.stuck_after and self.alive(owner):
-            return Held(Reason.TOMBSTONE_FOREIGN, tombstone=tomb.name, pid=owner)
+        if owner is not None and timedelta(0) <= age < self.stuck_after:
+            here = tomb.made_here(self.pid_ns)
+            if not here or (owner != self.pid and self.alive(owner)):
+                return Held(Reason.TOMBSTONE_FOREIGN, tombstone=tomb.name, pid=owner)
         read = self.root.read_tombstone(tomb)
         if isinstance(read, Transient):
             return Held(Reason.MANIFEST_UNREAD, tombstone=tomb.name, errno=read.errno)

@@ -42,8 +42,8 @@ Public API (names are stable; the node agent builds on them; all of them are imp
   byte-for-byte "nothing changed" test the sweep uses before acting.
 - Scan: `Scan(sandboxes: list[Entry], strays: list[Stray], tombstones: list[Tombstone], empty_namespaces)`.
 - Tombstones: `Tombstone(name, id, made_at, path)` (`.pid`, `.age(now)`), `tombstone_name(id, now)`,
-  `parse_tombstone(name, root=None)`, `standalone_id()` (`p<pid>-<hex>`: names the process that made it;
-  a cluster uses the object's uid). `retain` stages under a tombstone name too (`p<pid>-<hex>-stage`), so a
+  `parse_tombstone(name, root=None)`, `standalone_id()` (`p<pid>n<pid namespace>-<hex>`: names the process that made it;
+  a cluster uses the object's uid). `retain` stages under a tombstone name too (`p<pid>n<pid namespace>-<hex>-stage`), so a
   crash mid-retain leaves an ordinary leftover.
 - `TRANSIENT_ERRNOS`: the errnos a read reports as `Transient` (held, read again next pass).
 - For node/capture.py, which builds the root's volume entries the same way: `write_atomic`, `rename_noreplace`,
@@ -90,7 +90,14 @@ from controller.node.storefs import (
     rename_noreplace,
     write_atomic,
 )
-from controller.node.tombstones import Tombstone, Tombstones, parse_tombstone, standalone_id, tombstone_name
+from controller.node.tombstones import (
+    Tombstone,
+    Tombstones,
+    parse_tombstone,
+    pid_namespace,
+    standalone_id,
+    tombstone_name,
+)
 from controller.rules.contracts import LOCK_NAME, VOLUMES_DIR, Reason
 
 __all__ = [
@@ -116,6 +123,7 @@ __all__ = [
     "manifest_in",
     "owned_fd",
     "parse_tombstone",
+    "pid_namespace",
     "rename_noreplace",
     "same_read",
     "standalone_id",

@@ -1,7 +1,7 @@
 """Tombstones: a sandbox renamed aside (`<root>/.reap-<id>-<unix-ms>`) before its slow delete.
 
 From the rename on, every open, pin and read of the sandbox finds nothing, which is the truth; the delete then
-works on the tombstone. A tombstone's name says who made it (an object's uid, or `p<pid>-<hex>` for a process
+works on the tombstone. A tombstone's name says who made it (an object's uid, or `p<pid>n<pid namespace>-<hex>` for a process
 without one) and when. `retain` stages under a tombstone name too (`...-stage`), so a crash mid-retain leaves
 an ordinary leftover. Any entry a scan names (a stray, an unadoptable directory) can be renamed aside the same
 way, as a name, and only while it is still the inode it was decided on (`tombstone_entry`).
@@ -38,7 +38,9 @@ from controller.rules.models import is_namespace_name
 # Whole-string matches (fullmatch) and ASCII digits: `$` accepts a final newline, `\d` accepts `３`.
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 _TOMBSTONE = re.compile(re.escape(TOMBSTONE_PREFIX) + r"([A-Za-z0-9][A-Za-z0-9-]{0,63})-([0-9]{1,15})")
-_STANDALONE_ID = re.compile(r"p([0-9]{1,10})-[0-9a-f]{4,32}(?:-[a-z]{1,8})?")
+# `p<pid>n<pid namespace>-<hex>`; without `n...` (written before the namespace was recorded) the pid is taken as
+# this namespace's.
+_STANDALONE_ID = re.compile(r"p([0-9]{1,10})(?:n([0-9]{1,20}))?-[0-9a-f]{4,32}(?:-[a-z]{1,8})?")
 STAGE_SUFFIX = "stage"  # staging directories are tombstone-named: a crash mid-retain leaves a plain leftover
 
 
@@ -53,9 +55,18 @@ class Tombstone:
 
     @property
     def pid(self) -> int | None:
-        """The pid that made it, when the id is a standalone one (`p<pid>-<hex>`); None for an object uid."""
+        """The pid that made it, when the id is a standalone one (`p<pid>n<ns>-<hex>`); None for an object uid."""
         m = _STANDALONE_ID.fullmatch(self.id)
         return int(m.group(1)) if m else None
+
+    def made_here(self, own_namespace: int) -> bool:
+        """Whether its pid is one of the PID namespace `own_namespace` (so /proc can say if it is alive). A
+        retain in a container (a Job's own PID namespace) writes a pid the agent's /proc knows nothing about,
+        or another process's; one whose namespace could not be read (0) is of none."""
+        m = _STANDALONE_ID.fullmatch(self.id)
+        if m is None or m.group(2) is None:
+            return True
+        return int(m.group(2)) == own_namespace != 0
 
     def age(self, now: datetime) -> timedelta:
         return now - self.made_at
@@ -66,9 +77,18 @@ class Tombstone:
         return self.id.endswith(f"-{STAGE_SUFFIX}")
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of /proc/self/ns/pid); 0 when it cannot be read."""
+    try:
+        return Path("/proc/self/ns/pid").stat().st_ino
+    except OSError:
+        return 0
+
+
 def standalone_id() -> str:
-    """A tombstone id for a process without an object uid: `p<pid>-<8 hex>`, so a sweep can tell whose it is."""
-    return f"p{os.getpid()}-{secrets.token_hex(4)}"
+    """A tombstone id for a process without an object uid: `p<pid>n<pid namespace>-<8 hex>`, so a sweep can tell
+    whose it is, and whether that pid means anything in its own /proc."""
+    return f"p{os.getpid()}n{pid_namespace()}-{secrets.token_hex(4)}"
 
 
 def _ms(now: datetime) -> int:

@@ -11,6 +11,7 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,11 @@ class Write:
         return self.sandbox and any(
             op.get("op") == "remove" and str(op.get("path", "")).startswith("/metadata/finalizers/") for op in ops
         )
+
+
+def now() -> str:
+    """Now, as the audit log writes its stageTimestamp (UTC, microseconds): a `since` for what follows."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def writes(log: Path, since: str = "") -> Iterator[Write]:

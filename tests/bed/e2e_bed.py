@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import json
 import os
 import shlex
@@ -416,6 +417,44 @@ class LocalBed(Bed):
             say(line)
         return pushed
 
+    def pod_spec(self, on: LocalNode, script: str, disk: str | None = None) -> dict[str, Any]:
+        """A root container of the sandkeep image on node `on` running `script`, with the node's disk (or `disk`)
+        mounted at the same path."""
+        path = disk or str(self.disk)
+        return {
+            "nodeName": on.name,
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": self.image_ref,
+                    "command": ["sh", "-c", script],
+                    "securityContext": {"runAsUser": 0},
+                    "volumeMounts": [{"name": "disk", "mountPath": path}],
+                }
+            ],
+            "volumes": [{"name": "disk", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}],
+        }
+
+    def job_on(
+        self, namespace: str, on: LocalNode, job: str, script: str, timeout: int = 180, wait: bool = True
+    ) -> None:
+        """A Job on node `on` running `script` (with the node's disk); waits for it to complete (`wait`)."""
+        body = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": job, "namespace": namespace},
+            "spec": {"backoffLimit": 0, "template": {"spec": self.pod_spec(on, script)}},
+        }
+        self.kubectl("apply", "-f", "-", input=json.dumps(body))
+        if wait:
+            self.wait_job(namespace, job, timeout)
+
+    def wait_job(self, namespace: str, job: str, timeout: int = 180) -> None:
+        wait = ("wait", "-n", namespace, f"job/{job}", "--for=condition=Complete", f"--timeout={timeout}s")
+        self.kubectl(*wait, timeout=timeout + 10)
+
     @property
     def nodes(self) -> list[LocalNode]:
         return self.fleet.nodes if self.fleet is not None else []
@@ -494,6 +533,53 @@ class KindBed(Bed):
     def stop(self) -> None:
         super().stop()
         self.on_node(f"chattr -R -i '{self.root}' 2>/dev/null; true", check=False)
+
+
+def rolled_to(bed: Bed, image: str) -> bool:
+    """Every controller and agent Pod runs `image`, is Ready, and no old one is left."""
+    deploy = bed.get("deployment", "-n", SYSTEM_NS, "sandkeep-controller")
+    ds = bed.get("daemonset", "-n", SYSTEM_NS, "sandkeep-agent")
+    pods = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/name=sandkeep")["items"]
+    workloads = [
+        p for p in pods if p["metadata"]["labels"].get("app.kubernetes.io/component") in ("controller", "agent")
+    ]
+    images = {ct["image"] for p in workloads for ct in p["spec"]["containers"]}
+    ready = all(
+        cond["status"] == "True"
+        for p in workloads
+        for cond in p.get("status", {}).get("conditions", [])
+        if cond["type"] == "Ready"
+    )
+    return (
+        images == {image}
+        and ready
+        and deploy["status"].get("updatedReplicas") == deploy["status"].get("readyReplicas") == 2
+        and ds["status"].get("updatedNumberScheduled")
+        == ds["status"].get("numberReady")
+        == ds["status"].get("desiredNumberScheduled")
+        and deploy["status"].get("replicas") == 2
+    )
+
+
+def one_node_at_a_time(bed: Bed, image: str) -> list[str]:
+    """The nodes in the order the agents running `image` were created there, each created only once the one
+    before was Ready (a rollout that took one node at a time)."""
+    pods = [
+        p
+        for p in bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"]
+        if p["spec"]["containers"][0]["image"] == image
+    ]
+    pods.sort(key=lambda p: p["metadata"]["creationTimestamp"])
+
+    def ready_at(pod: dict[str, Any]) -> str:
+        (ready,) = [x for x in pod["status"]["conditions"] if x["type"] == "Ready" and x["status"] == "True"]
+        return str(ready["lastTransitionTime"])
+
+    for before, after in itertools.pairwise(pods):
+        assert after["metadata"]["creationTimestamp"] >= ready_at(before), (
+            f"{after['spec']['nodeName']}'s new agent created before {before['spec']['nodeName']}'s was Ready"
+        )
+    return [p["spec"]["nodeName"] for p in pods]
 
 
 B = TypeVar("B", bound=Bed)

@@ -989,3 +989,13 @@ def test_an_agent_surge_is_refused_saying_why(tools: Path, surge: str) -> None:
 def test_an_agent_surge_of_zero_renders(tools: Path) -> None:
     ds = find(objects(render(tools, "--set=agent.updateStrategy.rollingUpdate.maxSurge=0")), "DaemonSet")
     assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+
+
+def test_the_controller_rolls_one_replica_at_a_time_without_a_surge(tools: Path) -> None:
+    """Under a hard anti-affinity on as many nodes as replicas, a surge Pod would stay Pending and stall the
+    rollout; one replica down at a time is safe, as only the Lease holder acts."""
+    deployment = find(objects(render(tools, "--set=controller.antiAffinity=hard")), "Deployment")
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -20,7 +21,17 @@ from controller.cli.standalone import Replacer
 from controller.cli.sweep import Sweeper, in_use_checker
 from controller.node.inuse import Usage, uninspectable_pids
 from controller.node.reaper import Reaper
-from controller.node.store import Entry, Read, Root, Tombstone, Transient, tombstone_name
+from controller.node.store import (
+    Entry,
+    Read,
+    Root,
+    Tombstone,
+    Transient,
+    parse_tombstone,
+    pid_namespace,
+    standalone_id,
+    tombstone_name,
+)
 from controller.rules.contracts import Reason
 from controller.rules.policy import Policy
 from tests.bed.diskkit import NOW, REPO, bind_mount, listing, make_immutable, make_job, outside_bait, retain
@@ -367,6 +378,49 @@ def test_a_young_tombstone_of_another_live_process_is_left_alone(root: Root, tmp
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_young_tombstone_of_a_process_in_another_pid_namespace_is_left_alone(root: Root, tmp_path: Path) -> None:
+    """A retain in a Job's container writes its own namespace's pid (often 1 or 7): this /proc cannot tell whether
+    it is alive, so a young one is held, even when that pid number is free or this very process here."""
+    retain(root, tmp_path, "ns", "run", age=10 * D)
+    retain(root, tmp_path / "two", "ns", "mine", age=10 * D)
+    contained = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"])
+    try:
+        other = _namespace_of(contained.pid)
+        assert other != pid_namespace()
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        clock = Clock(datetime.now(NOW.tzinfo))
+        young = clock.now - timedelta(minutes=1)
+        dead = root.tombstone("ns", "run", id=f"p{gone.pid}n{other}-abcd1234", now=young)
+        same = root.tombstone("ns", "mine", id=f"p{os.getpid()}n{other}-abcd1234", now=young)
+        actions = sweeper(root, clock).run_pass()
+        assert actions.actions(dead.name) == actions.actions(same.name) == [("held", Reason.TOMBSTONE_FOREIGN)]
+        clock.now += timedelta(minutes=10)  # old enough that no pass could still be holding it
+        actions = sweeper(root, clock).run_pass()
+        assert actions.actions(dead.name) == actions.actions(same.name) == [("deleted", Reason.TOMBSTONE_LEFTOVER)]
+    finally:
+        contained.kill()
+        contained.wait()
+
+
+def _namespace_of(pid: int) -> int:
+    """The PID namespace of `pid`'s child (what `unshare --pid --fork` runs the command in), once it runs."""
+    for _ in range(100):
+        child = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if child:
+            return Path(f"/proc/{child[0]}/ns/pid").stat().st_ino
+        time.sleep(0.05)
+    raise AssertionError(f"unshare ({pid}) started no command")
+
+
+def test_a_standalone_id_names_its_pid_namespace() -> None:
+    made = parse_tombstone(tombstone_name(standalone_id(), NOW))
+    assert made is not None and made.pid == os.getpid()
+    assert made.made_here(pid_namespace()) and not made.made_here(pid_namespace() + 1) and not made.made_here(0)
+    older = parse_tombstone(tombstone_name("p123-abcd1234", NOW))  # written before the namespace was recorded
+    assert older is not None and older.pid == 123 and older.made_here(pid_namespace())
 
 
 def test_a_tombstone_of_a_dead_process_is_cleared_at_once(root: Root, tmp_path: Path) -> None:

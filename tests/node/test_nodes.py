@@ -12,18 +12,35 @@ deleted exactly once: one `finalizer_removed` line in its node's agent log and n
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from controller.rules import contracts as c
 from controller.rules.objects import is_session_holder
+from hack.localcluster import tools_bin
 from hack.localnode import LocalNode
-from tests.bed.e2e_bed import SYSTEM_NS, LocalBed, eventually, say, started
+from tests.bed import audit
+from tests.bed.e2e_bed import (
+    RELEASE,
+    SYSTEM_NS,
+    LocalBed,
+    eventually,
+    one_node_at_a_time,
+    retain_many,
+    rolled_to,
+    say,
+    started,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -35,6 +52,7 @@ pytestmark = [
 NS = "nodes"
 NODE_GRACE = 40  # seconds: controller.nodeGrace here (10m by default)
 SMALL_DISK_MIB = 100  # the fourth node's disk (a tmpfs): releasing for space starts above 85 % used
+CONTROLLER_LABEL = "sandkeep.test/controller"  # on the first and the fourth node: where the controllers run
 
 
 class SmallDiskBed(LocalBed):
@@ -43,40 +61,21 @@ class SmallDiskBed(LocalBed):
     def prepare(self) -> None:
         small = self.nodes[3]
         self.on(small, f"mkdir -p '{self.disk}' && mount -t tmpfs -o size={SMALL_DISK_MIB}m small '{self.disk}'")
+        # The controller's two replicas: one on the first node, one on the fourth (a hard anti-affinity).
+        self.kubectl("label", "node", self.nodes[0].name, small.name, f"{CONTROLLER_LABEL}=yes")
 
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBed]:
     bed = SmallDiskBed(tmp_path_factory.mktemp("nodes"), count=4)
     bed.values = {
-        "controller": {"nodeGrace": f"{NODE_GRACE}s", "nodeSelector": {"kubernetes.io/hostname": "sandkeep-node"}}
+        "controller": {"nodeGrace": f"{NODE_GRACE}s", "nodeSelector": {CONTROLLER_LABEL: "yes"}, "antiAffinity": "hard"}
     }
     with started(bed, NS):
         yield bed
 
 
 # --- helpers -------------------------------------------------------------------------------------------
-def pod_spec(bed: LocalBed, on: LocalNode, script: str, disk: str | None = None) -> dict[str, Any]:
-    """A root container of the sandkeep image on node `on` running `script`, with the node's disk (or `disk`)
-    mounted at the same path."""
-    path = disk or str(bed.disk)
-    return {
-        "nodeName": on.name,
-        "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": 1,
-        "containers": [
-            {
-                "name": "main",
-                "image": bed.image_ref,
-                "command": ["sh", "-c", script],
-                "securityContext": {"runAsUser": 0},
-                "volumeMounts": [{"name": "disk", "mountPath": path}],
-            }
-        ],
-        "volumes": [{"name": "disk", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}],
-    }
-
-
 def retain_on(bed: LocalBed, on: LocalNode, sandboxes: dict[str, str], mib: int = 0, adopted: bool = True) -> None:
     """One Job on node `on` that writes a workspace per name (`mib` MiB more in each) and retains it for its
     retention; waits for it, and (`adopted`) for every sandbox's object."""
@@ -87,18 +86,18 @@ def retain_on(bed: LocalBed, on: LocalNode, sandboxes: dict[str, str], mib: int 
         if mib:
             lines.append(f"head -c {mib}M /dev/zero > {work}/blob")
         lines.append(f"sandkeep retain --root {bed.root} --namespace {NS} --name {name} --retention {retention} {work}")
-    job_name = f"retain-{next(iter(sandboxes))}"
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": job_name, "namespace": NS},
-        "spec": {"backoffLimit": 0, "template": {"spec": pod_spec(bed, on, "\n".join(lines))}},
-    }
     say(f"on {on.name}: sandkeep retain {', '.join(f'{n} ({r})' for n, r in sandboxes.items())}")
-    bed.kubectl("apply", "-f", "-", input=json.dumps(job))
-    bed.kubectl("wait", "-n", NS, f"job/{job_name}", "--for=condition=Complete", "--timeout=180s", timeout=190)
+    bed.job_on(NS, on, f"retain-{next(iter(sandboxes))}", "\n".join(lines))
     if adopted:
         eventually(lambda: all(rsb(bed, n) for n in sandboxes), "adopted", timeout=60)
+
+
+def retain_many_on(
+    bed: LocalBed, on: LocalNode, job: str, names: list[str], retention: str, files: int = 1, wait: bool = True
+) -> None:
+    """One Job on node `on` retaining a workspace of `files` files for each name, in one process."""
+    say(f"on {on.name}: {len(names)} sandboxes of {files} file(s) retained for {retention} ({names[0]}, ...)")
+    bed.job_on(NS, on, job, retain_many(bed, NS, names, retention, files), timeout=600, wait=wait)
 
 
 def holder(bed: LocalBed, on: LocalNode, name: str, sandbox: str) -> dict[str, Any]:
@@ -108,7 +107,7 @@ def holder(bed: LocalBed, on: LocalNode, name: str, sandbox: str) -> dict[str, A
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": NS},
-        "spec": pod_spec(bed, on, "sleep 3600", disk=workspace),
+        "spec": bed.pod_spec(on, "sleep 3600", disk=workspace),
     }
 
 
@@ -135,10 +134,16 @@ def agents(bed: LocalBed) -> dict[str, str]:
     return {p["spec"]["nodeName"]: p["metadata"]["name"] for p in live}
 
 
-def agent_started(bed: LocalBed, on: LocalNode, since: datetime) -> bool:
-    """The agent on `on` is Ready in a container started after `since` (a node back from power-off)."""
+def agent_status(bed: LocalBed, on: LocalNode) -> dict[str, Any]:
+    """The status of the agent container of the agent Pod on `on`."""
     pod = bed.get("pod", "-n", SYSTEM_NS, agents(bed)[on.name])
     (status,) = [s for s in pod["status"].get("containerStatuses", []) if s["name"] == "agent"]
+    return status
+
+
+def agent_started(bed: LocalBed, on: LocalNode, since: datetime) -> bool:
+    """The agent on `on` is Ready in a container started after `since` (a node back from power-off)."""
+    status = agent_status(bed, on)
     began = (status.get("state", {}).get("running") or {}).get("startedAt")
     return bool(status["ready"] and began and datetime.fromisoformat(began) >= since)
 
@@ -357,3 +362,283 @@ def test_the_lost_node_back_after_grace_with_its_disk_gets_its_sandboxes_back(be
     assert not tombstones(bed, three)
     kept(bed, {"lost-keep": three, "keep-3": three, "keep-1": one, "keep-2": two, "pinned-2": two})
     assert deletions(bed, {"lost-due", "lost-keep", "keep-3"}) == only(bed, three, ["lost-due"])
+
+
+# --- an agent killed, two agents on a node, a rollout, the controller leader's node lost ----------------
+def sandbox_names(bed: LocalBed, prefix: str) -> set[str]:
+    return {
+        o["metadata"]["name"] for o in bed.get("rsb", "-n", NS)["items"] if o["metadata"]["name"].startswith(prefix)
+    }
+
+
+def kill_agent(bed: LocalBed, on: LocalNode) -> int:
+    """SIGKILL every process of the agent container on `on` (a crash, an OOM kill), found by pid in the
+    container's cgroup; the container's restart count before."""
+    status = agent_status(bed, on)
+    container = status["containerID"].partition("://")[2]
+    hierarchy = Path("/sys/fs/cgroup/pids", on.cgroup_root.lstrip("/"))
+    (group,) = [d for d in hierarchy.rglob(container) if d.is_dir()]
+    pids = [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    say(f"the agent on {on.name} killed: SIGKILL to its container's {len(pids)} process(es)")
+    return int(status["restartCount"])
+
+
+def restarted(bed: LocalBed, on: LocalNode, restarts: int) -> bool:
+    status = agent_status(bed, on)
+    return bool(status["restartCount"] > restarts and status["ready"])
+
+
+def test_an_agent_killed_while_adopting_500_directories_adopts_each_once(bed: LocalBed) -> None:
+    two = bed.nodes[1]
+    names = [f"adopt-{i}" for i in range(500)]
+    since = audit.now()
+    retain_many_on(bed, two, "retain-adopt", names, "1h", wait=False)
+    eventually(lambda: len(sandbox_names(bed, "adopt-")) >= 50, "the agent adopting them", timeout=180, every=0.5)
+    restarts = kill_agent(bed, two)
+    at_kill = len(sandbox_names(bed, "adopt-"))
+    say(f"{at_kill} of {len(names)} adopted when the agent was killed")
+    assert at_kill < len(names), "adoption had finished before the kill: nothing was interrupted"
+    eventually(lambda: restarted(bed, two, restarts), "the agent restarted by its kubelet, Ready", timeout=180)
+    bed.wait_job(NS, "retain-adopt", timeout=300)
+    eventually(
+        lambda: len(sandbox_names(bed, "adopt-")) == len(names), f"all {len(names)} adopted", timeout=300, every=3
+    )
+    created = audit.created(bed.cluster.audit_log, NS, since)
+    assert {n: created[n] for n in names} == dict.fromkeys(names, 1), "each adopted by one create"
+    assert not set(audit.deleted(bed.cluster.audit_log, NS, since)) & set(names), "none deleted"
+    listed = bed.on(two, f"ls '{bed.root / NS}'").stdout.split()
+    assert {n for n in listed if n.startswith("adopt-")} == set(names), "every directory still on its node"
+
+
+def test_an_agent_killed_during_a_100000_file_delete_finishes_it_once(bed: LocalBed) -> None:
+    two = bed.nodes[1]
+    since = audit.now()
+    retain_many_on(bed, two, "retain-big", ["big"], "30s", files=100_000)
+    eventually(lambda: rsb(bed, "big"), "big adopted", timeout=60)
+    (stone,) = eventually(lambda: tombstones(bed, two), "big expired, its delete under way", timeout=180, every=0.1)
+    restarts = kill_agent(bed, two)
+    left = int(bed.on(two, f"find '{stone}' | wc -l").stdout)
+    say(f"{left} of its 100,000 files and directories left in {stone} when the agent was killed")
+    assert left > 1, "the delete had finished before the kill: nothing was interrupted"
+    eventually(lambda: restarted(bed, two, restarts), "the agent restarted by its kubelet, Ready", timeout=180)
+    eventually(lambda: rsb(bed, "big") is None, "big's delete finished by the restarted agent", timeout=300, every=2)
+    assert not tombstones(bed, two) and not on_disk(bed, two, "big")
+    deleted = audit.deleted(bed.cluster.audit_log, NS, since)
+    assert deleted["big"] == 1 and not {n for n in deleted if n.startswith("adopt-")}, deleted
+    assert len(sandbox_names(bed, "adopt-")) == 500
+
+
+def lock_holders(bed: LocalBed, on: LocalNode) -> int:
+    """How many processes hold the root lock of `on` (the kernel's flock table, /proc/locks)."""
+    dev, ino = map(int, bed.on(on, f"stat -c '%d %i' '{bed.root}/.sandkeep.lock'").stdout.split())
+    ident = f" {os.major(dev):02x}:{os.minor(dev):02x}:{ino} "
+    table = bed.on(on, "cat /proc/locks").stdout.splitlines()
+    return sum(1 for line in table if "FLOCK" in line and ident in line and "->" not in line)
+
+
+def test_a_second_agent_on_a_node_waits_for_its_root_and_takes_over_once_the_first_dies(bed: LocalBed) -> None:
+    """What `maxSurge` would do (the chart refuses it): two agent Pods on one node. The root lock lets one work;
+    the other is alive and not Ready, and takes over when the first dies."""
+    one = bed.nodes[0]
+    template = bed.get("daemonset", "-n", SYSTEM_NS, "sandkeep-agent")["spec"]["template"]["spec"]
+    template["containers"] = [ct for ct in template["containers"] if ct["name"] == "agent"]
+    twin = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "agent-twin", "namespace": SYSTEM_NS, "labels": {"sandkeep.test/twin": "yes"}},
+        "spec": {**template, "nodeName": one.name},
+    }
+    say(f"a second agent Pod on {one.name}, a copy of the DaemonSet's")
+    bed.kubectl("apply", "-f", "-", input=json.dumps(twin))
+
+    def twin_log() -> str:
+        return bed.kubectl("logs", "-n", SYSTEM_NS, "agent-twin", "-c", "agent", check=False).stdout
+
+    def twin_ready() -> bool:
+        status = bed.get("pod", "-n", SYSTEM_NS, "agent-twin")["status"].get("containerStatuses") or [{}]
+        return bool(status[0].get("ready"))
+
+    since = audit.now()
+    try:
+        eventually(lambda: "root_locked_waiting" in twin_log(), "the second agent waiting for the root", timeout=120)
+        time.sleep(35)  # past three liveness periods: alive while it waits, so not restarted
+        assert agent_status(bed, one)["ready"] and not twin_ready()
+        twin_pod = bed.get("pod", "-n", SYSTEM_NS, "agent-twin")["status"]["containerStatuses"][0]
+        assert twin_pod["restartCount"] == 0, "a waiting agent is not killed by its liveness probe"
+        assert lock_holders(bed, one) == 1
+        retain_on(bed, one, {"turn-1": "30s"})
+        eventually(lambda: rsb(bed, "turn-1") is None, "turn-1 deleted by the agent holding the root", timeout=120)
+        assert "finalizer_removed" not in twin_log()
+
+        restarts = kill_agent(bed, one)
+        holders = []
+        for _ in range(40):  # the handover: at no moment two holders
+            holders.append(lock_holders(bed, one))
+            time.sleep(0.25)
+        eventually(lambda: lock_holders(bed, one) == 1, "the root held again")
+        assert max(holders) == 1, holders
+        took_over = "root_lock_acquired" in twin_log()
+        say(f"the root taken over by {'the second agent' if took_over else 'the restarted agent'}")
+        eventually(lambda: twin_ready() if took_over else restarted(bed, one, restarts), "the new holder Ready")
+        assert twin_ready() == took_over
+        retain_on(bed, one, {"turn-2": "30s"})
+        eventually(lambda: rsb(bed, "turn-2") is None, "turn-2 deleted by the new holder", timeout=120)
+        assert ("object=nodes/turn-2 " in twin_log()) == took_over
+    finally:
+        bed.kubectl("delete", "pod", "agent-twin", "-n", SYSTEM_NS, "--wait=true", timeout=120)
+    eventually(lambda: agent_status(bed, one)["ready"], "the DaemonSet's agent holding the root again", timeout=120)
+    assert lock_holders(bed, one) == 1
+    assert audit.deleted(bed.cluster.audit_log, NS, since) == {"turn-1": 1, "turn-2": 1}
+
+
+def test_an_agent_rollout_takes_the_nodes_one_at_a_time_while_a_wave_expires_and_pins_land(bed: LocalBed) -> None:
+    """A new image tag rolled out by `helm upgrade` while 500 sandboxes on three nodes expire and 100 are pinned
+    with kubectl: each expired one deleted once, each pinned one kept, the agents replaced node by node."""
+    three_nodes = bed.nodes[:3]
+    due = {
+        on.name: [f"roll-due-{i}-{j}" for j in range(n)]
+        for i, (on, n) in enumerate(zip(three_nodes, (167, 167, 166), strict=True))
+    }
+    pins = {
+        on.name: [f"roll-pin-{i}-{j}" for j in range(n)]
+        for i, (on, n) in enumerate(zip(three_nodes, (34, 33, 33), strict=True))
+    }
+    every_due = [n for names in due.values() for n in names]
+    every_pin = [n for names in pins.values() for n in names]
+    since = audit.now()
+    for i, on in enumerate(three_nodes):
+        retain_many_on(bed, on, f"roll-due-{i}", due[on.name], "120s", wait=False)
+        retain_many_on(bed, on, f"roll-pin-{i}", pins[on.name], "300s", wait=False)
+    for i in range(len(three_nodes)):
+        bed.wait_job(NS, f"roll-due-{i}", 300)
+        bed.wait_job(NS, f"roll-pin-{i}", 300)
+    eventually(
+        lambda: len(sandbox_names(bed, "roll-")) == len(every_due) + len(every_pin),
+        "all 600 adopted",
+        timeout=240,
+        every=3,
+    )
+    deadline = min(
+        datetime.fromisoformat(o["status"]["deadline"])
+        for o in bed.get("rsb", "-n", NS)["items"]
+        if o["metadata"]["name"].startswith("roll-due-")
+    )
+    time.sleep(max(0.0, (deadline - datetime.now(UTC)).total_seconds() - 15))
+
+    # The same image with one more label: a new digest under a new tag, as a release's would be.
+    old = bed.image_ref
+    tag = f"{bed.chart_version}-rollout"
+    repository = old.partition("@")[0]
+    new = f"{repository}:{tag}"
+    crane = str(tools_bin(("crane",)) / "crane")
+    subprocess.run(
+        [crane, "mutate", "--insecure", "--label", f"sandkeep.test/rollout={tag}", "-t", new, old],
+        check=True,
+        capture_output=True,
+    )
+    say(f"helm upgrade --reuse-values --set image.tag={tag}: the agents roll; the wave is due at {deadline:%H:%M:%S}")
+    bed.helm(
+        "upgrade",
+        RELEASE,
+        *bed.chart_args(),
+        "-n",
+        SYSTEM_NS,
+        "--reuse-values",
+        "--set",
+        f"image.tag={tag}",
+        "--set",
+        "image.digest=",
+    )
+    for start in range(0, len(every_pin), 10):  # the pins land while the agents roll and the wave expires
+        batch = every_pin[start : start + 10]
+        bed.kubectl("annotate", *(f"rsb/{n}" for n in batch), "-n", NS, f"{c.ANN_PIN_FOR}=2h")
+        time.sleep(2)
+    bed.kubectl("rollout", "status", "-n", SYSTEM_NS, "daemonset/sandkeep-agent", "--timeout=400s", timeout=410)
+    eventually(lambda: rolled_to(bed, new), "every agent and controller on the new tag, Ready", timeout=300, every=3)
+    order = one_node_at_a_time(bed, new)
+    say(f"the agents replaced one node at a time: {', '.join(order)}")
+    assert sorted(order) == sorted(n.name for n in bed.nodes)
+
+    eventually(
+        lambda: not sandbox_names(bed, "roll-due-"), "every expired sandbox of the wave deleted", timeout=300, every=3
+    )
+    log = bed.cluster.audit_log
+    assert {n: c for n, c in audit.deleted(log, NS, since).items() if n.startswith("roll-")} == dict.fromkeys(
+        every_due, 1
+    )
+    created = audit.created(log, NS, since)
+    assert all(created[n] == 1 for n in every_due + every_pin), "a sandbox adopted twice"
+    objects = {o["metadata"]["name"]: o for o in bed.get("rsb", "-n", NS)["items"]}
+    assert {n: objects[n]["status"]["phase"] for n in every_pin} == dict.fromkeys(every_pin, "Pinned")
+    for on in three_nodes:
+        listed = set(bed.on(on, f"ls '{bed.root / NS}'").stdout.split())
+        assert not listed & set(every_due), f"an expired directory left on {on.name}"
+        assert set(pins[on.name]) <= listed, f"a pinned directory gone from {on.name}"
+        assert not tombstones(bed, on)
+
+
+def leader(bed: LocalBed) -> tuple[str, str]:
+    """The controller Pod holding the `sandkeep-controller` Lease (its identity is `<pod>_<pid>`), and its node."""
+    lease = bed.get("lease", "-n", SYSTEM_NS, c.CONTROLLER_LEASE)["spec"]
+    pod = str(lease.get("holderIdentity") or "").rpartition("_")[0]
+    found = bed.kubectl("get", "pod", pod, "-n", SYSTEM_NS, "-o", "jsonpath={.spec.nodeName}", check=False)
+    return pod, found.stdout if pod and found.returncode == 0 else ""
+
+
+def controllers_ready(bed: LocalBed) -> bool:
+    status = bed.get("deployment", "-n", SYSTEM_NS, "sandkeep-controller")["status"]
+    return status.get("readyReplicas") == status.get("replicas") == 2
+
+
+def test_the_controller_leaders_node_lost_the_standby_leads_and_decides_each_expiry_once(bed: LocalBed) -> None:
+    one, two, _, small = bed.nodes
+    pods = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=controller")["items"]
+    assert sorted(p["spec"]["nodeName"] for p in pods) == sorted([one.name, small.name]), "one replica a node"
+    pod, node = leader(bed)
+    if node == one.name:  # the node this story loses is the fourth: its replica must be the one leading
+        say(f"the leader {pod} runs on {one.name}: deleted, so that the replica on {small.name} leads")
+        bed.kubectl("delete", "pod", pod, "-n", SYSTEM_NS, "--wait=true", timeout=120)
+        eventually(lambda: leader(bed)[1] == small.name, f"the controller on {small.name} leading", timeout=90)
+    eventually(lambda: controllers_ready(bed), "both controller replicas Ready", timeout=180)
+    pod, node = leader(bed)
+    assert node == small.name
+    duration = int(bed.get("lease", "-n", SYSTEM_NS, c.CONTROLLER_LEASE)["spec"]["leaseDurationSeconds"])
+
+    # Two waves: the first due just before the leader's node goes, the second after the standby leads.
+    first, second = [f"lead-a-{i}" for i in range(20)], [f"lead-b-{i}" for i in range(20)]
+    since = audit.now()
+    retain_many_on(bed, two, "retain-lead-a", first, "50s", wait=False)
+    retain_many_on(bed, two, "retain-lead-b", second, "90s", wait=False)
+    bed.wait_job(NS, "retain-lead-a")
+    bed.wait_job(NS, "retain-lead-b")
+    eventually(lambda: len(sandbox_names(bed, "lead-")) == 40, "all 40 adopted", timeout=120)
+    deadline = min(
+        datetime.fromisoformat(o["status"]["deadline"])
+        for o in bed.get("rsb", "-n", NS)["items"]
+        if o["metadata"]["name"].startswith("lead-a-")
+    )
+    time.sleep(max(0.0, (deadline - datetime.now(UTC)).total_seconds() + 2))
+    say(f"{small.name} powered off, and with it the leader {pod}")
+    off_at = audit.now()
+    small.power_off()
+    off = time.monotonic()
+    eventually(lambda: leader(bed)[0] not in ("", pod), "the standby leading", timeout=4 * duration, every=0.5)
+    took = time.monotonic() - off
+    new_pod, new_node = leader(bed)
+    say(f"{new_pod} on {new_node} leads {took:.1f} s after the power-off (its Lease: {duration} s)")
+    assert new_node == one.name
+    assert took < 3 * duration, f"the standby took {took:.0f} s to lead, over three Lease durations"
+    eventually(lambda: not sandbox_names(bed, "lead-"), "both waves deleted", timeout=240, every=2)
+
+    log = bed.cluster.audit_log
+    released, deleted = audit.released(log, NS, since), audit.deleted(log, NS, since)
+    names = first + second
+    assert {n: released[n] for n in names} == dict.fromkeys(names, 1), "an expiry decided twice (or never)"
+    assert {n: deleted[n] for n in names} == dict.fromkeys(names, 1)
+    early = {w.name for w in audit.writes(log, since) if w.verb == "delete" and w.sandbox and w.ok and w.at < off_at}
+    say(f"the old leader decided {len(early)} of the first wave before its node went; the rest {new_pod} did")
+    assert not {n for n in bed.on(two, f"ls '{bed.root / NS}'").stdout.split() if n.startswith("lead-")}
+    assert not tombstones(bed, two)

@@ -30,7 +30,7 @@ from controller.rules import contracts as c
 from hack.localcluster import tools_bin, tools_dir
 from hack.localnode import REGISTRY
 from hack.release import Release
-from tests.bed.e2e_bed import E2E_VERSION, SYSTEM_NS, LocalBed, eventually, say
+from tests.bed.e2e_bed import E2E_VERSION, LocalBed, eventually, rolled_to, say
 from tests.bed.e2e_bed import retain_many as retain_command
 from tests.node.test_e2e import hostpath_holder, phase, rsb, run_job
 
@@ -99,30 +99,6 @@ def run_doc(bed: LocalBed, block: str, version: str) -> str:
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", block], env=env, capture_output=True, text=True)
     assert result.returncode == 0, f"the doc's commands failed:\n{block}\n{result.stdout}\n{result.stderr}"
     return result.stdout + result.stderr
-
-
-def rolled_to(bed: LocalBed, image: str) -> bool:
-    """Every controller and agent Pod runs `image`, is Ready, and no old one is left."""
-    deploy = bed.get("deployment", "-n", SYSTEM_NS, "sandkeep-controller")
-    ds = bed.get("daemonset", "-n", SYSTEM_NS, "sandkeep-agent")
-    pods = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/name=sandkeep")["items"]
-    workloads = [
-        p for p in pods if p["metadata"]["labels"].get("app.kubernetes.io/component") in ("controller", "agent")
-    ]
-    images = {ct["image"] for p in workloads for ct in p["spec"]["containers"]}
-    ready = all(
-        cond["status"] == "True"
-        for p in workloads
-        for cond in p.get("status", {}).get("conditions", [])
-        if cond["type"] == "Ready"
-    )
-    return (
-        images == {image}
-        and ready
-        and deploy["status"].get("updatedReplicas") == deploy["status"].get("readyReplicas") == 2
-        and ds["status"].get("updatedNumberScheduled") == ds["status"].get("numberReady") == 1
-        and deploy["status"].get("replicas") == 2
-    )
 
 
 def sandboxes(bed: LocalBed) -> dict[str, dict[str, object]]:
