@@ -42,9 +42,9 @@ Public API (names are stable; the node agent builds on them; all of them are imp
   byte-for-byte "nothing changed" test the sweep uses before acting.
 - Scan: `Scan(sandboxes: list[Entry], strays: list[Stray], tombstones: list[Tombstone], empty_namespaces)`.
 - Tombstones: `Tombstone(name, id, made_at, path)` (`.pid`, `.age(now)`), `tombstone_name(id, now)`,
-  `parse_tombstone(name, root=None)`, `standalone_id()` (`p<pid>n<pid namespace>-<hex>`: names the process that made it;
-  a cluster uses the object's uid). `retain` stages under a tombstone name too (`p<pid>n<pid namespace>-<hex>-stage`), so a
-  crash mid-retain leaves an ordinary leftover.
+  `parse_tombstone(name, root=None)`, `standalone_id()` (`p<pid>n<pid namespace>-<hex>`: names the process
+  that made it; a cluster uses the object's uid). `retain` stages under a tombstone name too
+  (`p<pid>n<pid namespace>-<hex>-stage`), so a crash mid-retain leaves an ordinary leftover.
 - `TRANSIENT_ERRNOS`: the errnos a read reports as `Transient` (held, read again next pass).
 - For node/capture.py, which builds the root's volume entries the same way: `write_atomic`, `rename_noreplace`,
   `owned_fd`, `errno_of`, `ident`, `manifest_in(dir_fd, ns, name) -> Read`.

@@ -1,10 +1,10 @@
 """Tombstones: a sandbox renamed aside (`<root>/.reap-<id>-<unix-ms>`) before its slow delete.
 
 From the rename on, every open, pin and read of the sandbox finds nothing, which is the truth; the delete then
-works on the tombstone. A tombstone's name says who made it (an object's uid, or `p<pid>n<pid namespace>-<hex>` for a process
-without one) and when. `retain` stages under a tombstone name too (`...-stage`), so a crash mid-retain leaves
-an ordinary leftover. Any entry a scan names (a stray, an unadoptable directory) can be renamed aside the same
-way, as a name, and only while it is still the inode it was decided on (`tombstone_entry`).
+works on the tombstone. A tombstone's name says who made it (an object's uid, or `p<pid>n<pid namespace>-<hex>`
+for a process without one) and when. `retain` stages under a tombstone name too (`...-stage`), so a crash
+mid-retain leaves an ordinary leftover. Any entry a scan names (a stray, an unadoptable directory) can be renamed
+aside the same way, as a name, and only while it is still the inode it was decided on (`tombstone_entry`).
 """
 
 from __future__ import annotations
