@@ -34,6 +34,10 @@ class Write:
     at: str  # stageTimestamp, RFC 3339 with microseconds
 
     @property
+    def when(self) -> datetime:
+        return datetime.fromisoformat(self.at)
+
+    @property
     def ok(self) -> bool:
         return 200 <= self.code < 300
 

@@ -1,12 +1,14 @@
-"""Upgrade as a user does, on the real node: the previous release, made by this tree's `make release`
+"""Upgrade as a user does, on two real nodes: the previous release, made by this tree's `make release`
 (hack/release.py) from a pinned earlier commit of main, installed from the bed's registry by version and
 keeping 202 sandboxes (180 retained, 20 pinned past their retention, one held by a Pod, one being deleted
-(an immutable file keeps its tombstone until after the upgrade)),
+(an immutable file keeps its tombstone until after the upgrade)) and adopting 600 more as the upgrade starts,
 then upgraded to this tree's release with the commands of docs/operations.md#upgrade run as written, then
 rolled back with the doc's `helm rollback`.
 
-Afterwards: no pin lost, nothing deleted that should stay, the deletion in flight finished (its directory,
-object and tombstone gone), the agents and controllers replaced by the new image, every object still read.
+Afterwards: no pin lost, nothing deleted that should stay, the deletion in flight finished exactly once and
+every sandbox adopted by exactly one create (counted by the API server's audit log, across the old and the new
+agents), the adoption under way carried on by the new agent, the agents replaced node by node, the controllers
+by the new image, every object still read.
 
 The earlier commit's tree comes from `git archive` (nothing is added to the repository's worktrees), its image
 is built by its own hack/image.sh into a cache of its own under $SANDKEEP_TOOLS_DIR/previous/<commit> (a few
@@ -22,17 +24,19 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from controller.rules import contracts as c
 from hack.localcluster import tools_bin, tools_dir
-from hack.localnode import REGISTRY
+from hack.localnode import REGISTRY, LocalNode
 from hack.release import Release
-from tests.bed.e2e_bed import E2E_VERSION, LocalBed, eventually, rolled_to, say
+from tests.bed import audit
+from tests.bed.e2e_bed import E2E_VERSION, SYSTEM_NS, LocalBed, eventually, one_node_at_a_time, rolled_to, say
 from tests.bed.e2e_bed import retain_many as retain_command
-from tests.node.test_e2e import hostpath_holder, phase, rsb, run_job
+from tests.node.test_e2e import phase, rsb
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("e2e"), pytest.mark.timeout(2400)]
@@ -41,6 +45,8 @@ PREVIOUS = "5c1727b30f99e559f3e6b2264726f7a3c322d688"
 PREVIOUS_VERSION = f"0.0.0-main.{PREVIOUS[:7]}"
 NS = "e2e"
 KEPT, PINNED = 180, 20
+LATE = 600  # retained just before the upgrade: adopted (at the agent's 10 a second) while it rolls
+NODES = 2  # so that the agents roll node by node
 OPERATIONS = REPO / "docs" / "operations.md"
 
 
@@ -107,7 +113,7 @@ def sandboxes(bed: LocalBed) -> dict[str, dict[str, object]]:
 
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalBed, Release, Release]]:
-    bed = LocalBed(tmp_path_factory.mktemp("upgrade"))
+    bed = LocalBed(tmp_path_factory.mktemp("upgrade"), count=NODES)
     src, cache = previous_source()
     bed.start_node()
     try:
@@ -124,9 +130,20 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalBe
         bed.stop()
 
 
-def retain_many(bed: LocalBed, job: str, names: list[str], retention: str, files: int = 1) -> None:
-    """One Job writing a workspace of `files` files for each name and retaining it (`sandkeep retain`)."""
-    run_job(bed, job, retain_command(bed, NS, names, retention, files), timeout=600)
+def retain_many(bed: LocalBed, job: str, names: list[str], retention: str, files: int = 1, wait: bool = True) -> None:
+    """One Job on the first node writing a workspace of `files` files for each name and retaining it."""
+    bed.job_on(NS, bed.nodes[0], job, retain_command(bed, NS, names, retention, files), timeout=600, wait=wait)
+
+
+def agent_created(bed: LocalBed, on: LocalNode, image: str) -> datetime:
+    """When the agent Pod of `image` on node `on` was created (its predecessor had stopped by then)."""
+    pods = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"]
+    (pod,) = [p for p in pods if p["spec"]["nodeName"] == on.name and p["spec"]["containers"][0]["image"] == image]
+    return datetime.fromisoformat(pod["metadata"]["creationTimestamp"])
+
+
+def adopted(bed: LocalBed, prefix: str) -> int:
+    return sum(1 for name in sandboxes(bed) if name.startswith(prefix))
 
 
 def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_sandbox(
@@ -135,6 +152,7 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     bed, previous, current = releases
     eventually(lambda: rolled_to(bed, previous.image), f"the previous release {previous.version} running", timeout=240)
 
+    since = audit.now()
     kept = [f"kept-{i}" for i in range(KEPT)]
     pinned = [f"pinned-{i}" for i in range(PINNED)]
     say(f"{KEPT} sandboxes retained for 1h, {PINNED} for 150s then pinned for 2h, one for 60s and held by a Pod")
@@ -143,7 +161,13 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     pinned_at = time.monotonic()
     retain_many(bed, "hold", ["held"], "60s")  # the holder Pod runs before it expires
     eventually(lambda: len(sandboxes(bed)) == KEPT + PINNED + 1, "every sandbox adopted", timeout=240, every=3)
-    holder = hostpath_holder(bed, "holder", bed.root / NS / "held" / "workspace")
+    workspace = str(bed.root / NS / "held" / "workspace")
+    holder = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "holder", "namespace": NS},
+        "spec": bed.pod_spec(bed.nodes[0], "sleep 3600", disk=workspace),
+    }
     bed.kubectl("apply", "-f", "-", input=json.dumps(holder))
     for name in pinned:
         bed.kubectl("annotate", f"rsb/{name}", "-n", NS, f"{c.ANN_PIN_FOR}=2h")
@@ -158,11 +182,26 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     bed.on_node(f"chattr +i '{deleting}/workspace/f0'")
     tombstone = eventually(bed.tombstones, "the delete under way (a tombstone)", timeout=120, every=0.5)
 
+    say(f"{LATE} more sandboxes retained for 1h: the old agent is adopting them when the upgrade starts")
+    late = [f"late-{i}" for i in range(LATE)]
+    retain_many(bed, "late", late, "1h", wait=False)
+    eventually(lambda: adopted(bed, "late-") >= 20, "the old agent adopting them", timeout=240, every=0.5)
     handover, upgrade, rollback = doc_blocks(OPERATIONS, "Upgrade")
     run_doc(bed, handover, current.version)
     out = run_doc(bed, upgrade, current.version)
     assert "has been upgraded" in out, out
     eventually(lambda: rolled_to(bed, current.image), f"this release {current.version} running", timeout=300)
+    order = one_node_at_a_time(bed, current.image)
+    say(f"the agents upgraded one node at a time: {', '.join(order)}")
+    assert sorted(order) == sorted(n.name for n in bed.nodes)
+    bed.wait_job(NS, "late", timeout=300)
+    eventually(lambda: adopted(bed, "late-") == LATE, f"all {LATE} late ones adopted", timeout=240, every=3)
+    log = bed.cluster.audit_log
+    started = agent_created(bed, bed.nodes[0], current.image)
+    made = [w for w in audit.writes(log, since) if w.sandbox and w.verb == "create" and w.ok and w.name in late]
+    by_old = sum(1 for w in made if w.when < started)
+    say(f"the late ones: {by_old} adopted by the old agent, {LATE - by_old} by the new one (from {started})")
+    assert 0 < by_old < LATE, "the upgrade did not land during the adoption"
 
     assert bed.tombstones() == tombstone and rsb(bed, "deleting") is not None, "the deletion in flight left as is"
     say("chattr -i: the new agent finishes the deletion the old one started")
@@ -173,7 +212,10 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     time.sleep(max(0.0, 150 + 15 - (time.monotonic() - pinned_at)))
     time.sleep(10)  # several passes of the new agent and controller
     objects = sandboxes(bed)
-    assert set(objects) == {*kept, *pinned, "held"}, "a sandbox that should stay is gone"
+    assert set(objects) == {*kept, *pinned, *late, "held"}, "a sandbox that should stay is gone"
+    created = audit.created(log, NS, since)
+    assert {n: created[n] for n in objects} == dict.fromkeys(objects, 1), "a sandbox adopted twice"
+    assert audit.deleted(log, NS, since) == {"deleting": 1}, "the deletion in flight finished once, nothing else"
     assert {n: phase(bed, n) for n in pinned} == dict.fromkeys(pinned, "Pinned")
     assert phase(bed, "held") == "Held"
     missing = [n for n in objects if not bed.exists(bed.root / NS / n)]
@@ -186,11 +228,14 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     say("helm rollback, as docs/operations.md says: the previous release again, every sandbox still there")
     run_doc(bed, rollback, current.version)
     eventually(lambda: rolled_to(bed, previous.image), "the previous release running again", timeout=300)
+    order = one_node_at_a_time(bed, previous.image)
+    say(f"the agents rolled back one node at a time: {', '.join(order)}")
     time.sleep(10)
-    assert set(sandboxes(bed)) == {*kept, *pinned, "held"}
+    assert set(sandboxes(bed)) == {*kept, *pinned, *late, "held"}
     assert {n: phase(bed, n) for n in pinned} == dict.fromkeys(pinned, "Pinned")
 
     say("delete the holder: the rolled-back agent deletes the expired sandbox it held")
     bed.kubectl("delete", "pod", "holder", "-n", NS, "--wait=true")
     eventually(lambda: rsb(bed, "held") is None, "the released sandbox deleted", timeout=120)
     assert not bed.exists(bed.root / NS / "held")
+    assert audit.deleted(log, NS, since) == {"deleting": 1, "held": 1}
