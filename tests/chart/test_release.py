@@ -6,6 +6,7 @@ needs no image build; the e2e suite releases the real one (tests/bed/e2e_bed.py)
 from __future__ import annotations
 
 import json
+import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,3 +104,43 @@ def test_helm_pushes_the_chart_and_installs_from_the_registry_by_version(
 def test_release_refuses_a_version_that_is_not_semver(image: tuple[str, str], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="SemVer"):
         package_chart(REPO, "v1", image[0], tmp_path)
+
+
+def make_release(*args: str) -> subprocess.CompletedProcess[str]:
+    """`make release ...` as a user runs it from the checkout."""
+    cmd = ["make", "--no-print-directory", "-C", str(REPO), "release", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+
+
+def test_make_release_without_its_arguments_says_how_to_call_it() -> None:
+    result = make_release()
+    assert result.returncode != 0
+    assert "usage: make release VERSION=x.y.z REGISTRY=host[:port][/path]" in result.stdout + result.stderr
+
+
+def test_make_release_refuses_a_version_that_is_not_semver_before_building(registry: LocalRegistry) -> None:
+    result = make_release("VERSION=v1", f"REGISTRY={registry.host}", "RELEASE_ARGS=--plain-http --no-plugin")
+    assert result.returncode != 0
+    assert "release failed: 'v1' is no SemVer version" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_make_release_pushes_the_image_and_the_chart_and_prints_them(registry: LocalRegistry, tmp_path: Path) -> None:
+    """The command line end to end: the image built (cached for an unchanged tree), pushed and named by digest,
+    the chart pushed by version with that digest as its default, each printed as the registry answered."""
+    version = "0.0.2-cli.1"
+    args = f"RELEASE_ARGS=--plain-http --no-plugin --out {tmp_path}"
+    result = make_release(f"VERSION={version}", f"REGISTRY={registry.host}", args)
+    assert result.returncode == 0, result.stderr
+    printed = dict(line.split(None, 1) for line in result.stdout.splitlines() if line.startswith(("image ", "chart ")))
+    repository = f"{registry.host}/sandkeep"
+    image = printed["image"]
+    assert image.startswith(f"{repository}@sha256:")
+    crane = str(tools_bin(("crane",)) / "crane")
+    stored = subprocess.run([crane, "digest", "--insecure", f"{repository}:{version}"], capture_output=True, text=True)
+    assert stored.stdout.strip() == image.partition("@")[2], "the printed digest is the one the registry stored"
+    chart = f"oci://{registry.host}/charts/sandkeep"
+    assert printed["chart"].startswith(f"{chart} --version {version} (sha256:")
+    values = yaml.safe_load(helm("show", "values", chart, "--version", version, "--plain-http"))
+    assert f"{values['image']['repository']}@{values['image']['digest']}" == image
+    assert (tmp_path / f"sandkeep-{version}.tgz").is_file()
