@@ -85,8 +85,9 @@ test: deps venv tools lint types
 e2e: deps venv tools
 	$(VENV)/bin/pytest -m 'e2e and not nodes' $(E2E_ARGS)
 
-## The stories of four real nodes (tests/node/test_nodes.py, about 5.5 min): each agent deletes only its own
-## node's sandboxes, a drain, a full disk on one node, a node lost and back. Not part of `make test`.
+## The stories of four real nodes (tests/node/test_nodes.py, about 13 min): each agent deletes only its own
+## node's sandboxes, a drain, a full disk on one node, a node lost and back, an agent killed, two agents on a
+## node, a rollout, the controller leader's node lost. Not part of `make test`; CI runs it after.
 e2e-nodes: deps venv tools
 	$(VENV)/bin/pytest -m nodes -p no:cacheprovider $(E2E_ARGS)
 

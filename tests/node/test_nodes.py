@@ -1,13 +1,16 @@
 """End to end on four real nodes: each node's agent looks after its own disk and nothing else, a drain, a full
-disk on one node and a lost node, asserted sandbox by sandbox. `make e2e-nodes` runs this file alone (marker
-`nodes`); it is not in `make test`.
+disk on one node, a lost node, an agent killed mid-adoption and mid-delete, two agents on one node, a rollout
+across the nodes and the controller leader's node lost, asserted sandbox by sandbox. `make e2e-nodes` runs this
+file alone (marker `nodes`); it is not in `make test` (CI runs it after).
 
 The bed (tests/bed/e2e_bed.py, `LocalBed(count=4)`) is started once for this module; the tests run in file
 order. The disk is `/var/lib/sandkeep-e2e` on every node, each node's own; the fourth node's is a small tmpfs
-(`SmallDiskBed`). The controller runs on the first node (a nodeSelector), which no test drains or loses, so
-each story is about the agents and the disks.
+(`SmallDiskBed`). The controller's two replicas run on the first and the fourth node, which no test drains;
+the last story loses the fourth.
 Every story asserts that no pinned, held or unexpired sandbox is deleted and that every expired one is
-deleted exactly once: one `finalizer_removed` line in its node's agent log and none in any other's.
+deleted exactly once: one `finalizer_removed` line in its node's agent log and none in any other's, or, where
+agents are replaced or killed (their logs go with them), one successful finalizer removal in the API server's
+audit log (tests/bed/audit.py).
 """
 
 from __future__ import annotations
