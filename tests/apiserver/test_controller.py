@@ -801,9 +801,13 @@ def test_history_limits_release_the_oldest_of_a_group_keep_the_newest_failure_an
     )
     run("s-newest", c.Outcome.SUCCEEDED, 0)  # s-new is now beyond the limit: decided again from the view alone
     wait_for("s-new to be deleted", lambda: gone(kube, namespace, "s-new"), timeout=30)
-    text = ctl.metrics()
-    assert metric_value(text, c.M_DELETIONS_REQUESTED, reason=c.Reason.HISTORY_LIMIT) == 2
-    assert metric_value(text, c.M_DELETIONS_REQUESTED, reason=c.Reason.WINDOW) == 1
+
+    def counted(reason: c.Reason) -> float:
+        return metric_value(ctl.metrics(), c.M_DELETIONS_REQUESTED, reason=reason)
+
+    # Counted once the DELETE's answer is back, which can be just after the object is gone.
+    wait_for("the two history releases counted", lambda: counted(c.Reason.HISTORY_LIMIT) == 2, timeout=10)
+    assert counted(c.Reason.WINDOW) == 1 and counted(c.Reason.HISTORY_LIMIT) == 2
     for name in ("s-pinned", "s-newest", "s-other", "f-new"):
         assert not gone(kube, namespace, name), name
 
