@@ -17,9 +17,6 @@ from typing import Any
 
 from controller.rules import contracts as c
 
-AGENT = "system:serviceaccount:sandkeep:sandkeep-agent"
-CONTROLLER = "system:serviceaccount:sandkeep:sandkeep-controller"
-
 
 @dataclass(frozen=True)
 class Write:
@@ -54,9 +51,13 @@ class Write:
         )
 
 
+def stamp(at: datetime) -> str:
+    """`at` as the audit log writes its stageTimestamp (UTC, microseconds): a `since` for what follows."""
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def now() -> str:
-    """Now, as the audit log writes its stageTimestamp (UTC, microseconds): a `since` for what follows."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return stamp(datetime.now(UTC))
 
 
 def writes(log: Path, since: str = "") -> Iterator[Write]:
@@ -80,22 +81,23 @@ def writes(log: Path, since: str = "") -> Iterator[Write]:
             )
 
 
+def sandbox_writes(log: Path, namespace: str, verb: str, since: str = "") -> Iterator[Write]:
+    """The successful `verb`s of `namespace`'s sandbox objects themselves (not their status), at or after `since`."""
+    for w in writes(log, since):
+        if w.namespace == namespace and w.sandbox and not w.subresource and w.verb == verb and w.ok:
+            yield w
+
+
 def deleted(log: Path, namespace: str, since: str = "") -> Counter[str]:
     """Per sandbox of `namespace`: how many times a finalizer removal succeeded (once is deleted once)."""
-    return Counter(w.name for w in writes(log, since) if w.namespace == namespace and w.removes_finalizer and w.ok)
+    return Counter(w.name for w in sandbox_writes(log, namespace, "patch", since) if w.removes_finalizer)
 
 
 def created(log: Path, namespace: str, since: str = "") -> Counter[str]:
     """Per sandbox of `namespace`: how many times its object was created (an agent adopting its directory)."""
-    return Counter(
-        w.name
-        for w in writes(log, since)
-        if w.namespace == namespace and w.sandbox and w.verb == "create" and not w.subresource and w.ok
-    )
+    return Counter(w.name for w in sandbox_writes(log, namespace, "create", since))
 
 
 def released(log: Path, namespace: str, since: str = "") -> Counter[str]:
     """Per sandbox of `namespace`: how many DELETEs of its object succeeded (an expiry or a release decided)."""
-    return Counter(
-        w.name for w in writes(log, since) if w.namespace == namespace and w.sandbox and w.verb == "delete" and w.ok
-    )
+    return Counter(w.name for w in sandbox_writes(log, namespace, "delete", since))
