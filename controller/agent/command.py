@@ -82,13 +82,13 @@ def run(command: str, args: argparse.Namespace) -> int:
         # Served before the root lock: an agent waiting for it (another agent on the node, e.g. an old Pod still
         # stopping) is alive, and not Ready until it holds the lock and its cache is synced.
         agent_metrics = metrics.AgentMetrics(settings.node)
-        running: list[Agent] = []
+        agent: Agent | None = None
         server = metrics.serve(
             agent_metrics.registry,
             settings.metrics_port,
             settings.metrics_host,
-            healthy=lambda: not running or running[0].healthy(),
-            ready=lambda: bool(running) and running[0].state.synced,
+            healthy=lambda: agent is None or agent.healthy(),
+            ready=lambda: agent is not None and agent.state.synced,
         )
         stack.callback(server.shutdown)
         if not _hold_lock(root, settings, stack, server.server_port):
@@ -96,7 +96,6 @@ def run(command: str, args: argparse.Namespace) -> int:
         limiter = kube.RateLimiter.of(settings.kube_qps, settings.kube_burst)
         client = Kube(kube.load_config(settings.kubeconfig), component="sandkeep-agent", limiter=limiter)
         agent = Agent(settings, client, root, agent_metrics)
-        running.append(agent)
         logs.say(
             log, "agent_started", node=settings.node, root=root.path, metrics_port=server.server_port, pid=os.getpid()
         )
