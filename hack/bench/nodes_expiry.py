@@ -37,14 +37,9 @@ sys.path.insert(0, str(REPO))
 from controller.api.kube import Kube, load_config, sandbox_path  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from tests.bed import audit  # noqa: E402
-from tests.bed.e2e_bed import SYSTEM_NS, LocalBed, retain_many, started  # noqa: E402
+from tests.bed.e2e_bed import SYSTEM_NS, LocalBed, started  # noqa: E402
 
 NS = "wave"
-
-
-def stamp(at: datetime) -> str:
-    """`at` as the audit log writes its timestamps."""
-    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def main() -> int:
@@ -61,7 +56,7 @@ def main() -> int:
         names = {on.name: [f"run-{i}-{j:05d}" for j in range(args.per_node)] for i, on in enumerate(nodes)}
         began = time.monotonic()
         for i, on in enumerate(nodes):
-            bed.job_on(NS, on, f"retain-{i}", retain_many(bed, NS, names[on.name], "3d"), wait=False)
+            bed.retain_many(NS, on, f"retain-{i}", names[on.name], "3d", wait=False)
         for i in range(len(nodes)):
             bed.wait_job(NS, f"retain-{i}", timeout=1800)
         total = args.nodes * args.per_node
@@ -119,9 +114,11 @@ def main() -> int:
 
         # What the API server says each component wrote from T on.
         writes = [
-            w for w in audit.writes(bed.cluster.audit_log, stamp(due)) if w.user.startswith("system:serviceaccount:")
+            w
+            for w in audit.writes(bed.cluster.audit_log, audit.stamp(due))
+            if w.user.startswith("system:serviceaccount:")
         ]
-        deleted = audit.deleted(bed.cluster.audit_log, NS, stamp(due))
+        deleted = audit.deleted(bed.cluster.audit_log, NS, audit.stamp(due))
         by: Counter[str] = Counter()
         for w in writes:
             who = w.user.rpartition(":")[2].removeprefix("sandkeep-")

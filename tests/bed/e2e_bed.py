@@ -51,7 +51,7 @@ E2E_VERSION = f"{yaml.safe_load((REPO / 'charts' / 'sandkeep' / 'Chart.yaml').re
 
 # `sandkeep retain` for many workspaces in one process (its console script's main, once per workspace): 200
 # interpreter starts in a Job would take about 4 minutes on two cores.
-_RETAIN_MANY = """
+RETAIN_MANY = """
 import os, sys
 from controller.cli.sandkeep import main
 root, namespace, retention, files, jobs, *names = sys.argv[1:]
@@ -64,13 +64,6 @@ for name in names:
     if main(argv) != 0:
         sys.exit(f"sandkeep retain {name} failed")
 """
-
-
-def retain_many(bed: Bed, namespace: str, names: list[str], retention: str, files: int = 1) -> str:
-    """The command a Job of the image runs to write a workspace of `files` empty files for each name on the
-    bed's disk and retain it (`sandkeep retain`) in `namespace`."""
-    args = [str(bed.root), namespace, retention, str(files), str(bed.disk / "jobs"), *names]
-    return shlex.join(["python", "-c", _RETAIN_MANY, *args]) + " >/dev/null"
 
 
 def say(message: str) -> None:
@@ -239,6 +232,11 @@ class Bed:
         """RetainedSandbox namespace/name, or None when there is none."""
         out = self.kubectl("get", "rsb", name, "-n", namespace, "-o", "json", check=False)
         return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def sandbox_names(self, namespace: str, prefix: str = "") -> set[str]:
+        """The names of namespace's RetainedSandboxes that start with `prefix`."""
+        names = (o["metadata"]["name"] for o in self.get("rsb", "-n", namespace)["items"])
+        return {name for name in names if name.startswith(prefix)}
 
     def phase(self, namespace: str, name: str) -> str | None:
         obj = self.sandbox(namespace, name)
@@ -450,6 +448,23 @@ class LocalBed(Bed):
         self.kubectl("apply", "-f", "-", input=json.dumps(body))
         if wait:
             self.wait_job(namespace, job, timeout)
+
+    def retain_many(
+        self,
+        namespace: str,
+        on: LocalNode,
+        job: str,
+        names: list[str],
+        retention: str,
+        files: int = 1,
+        wait: bool = True,
+    ) -> None:
+        """A Job on node `on` writing a workspace of `files` empty files for each name on the node's disk and
+        retaining it in `namespace` (`sandkeep retain`, in one process); waits for it (`wait`)."""
+        say(f"on {on.name}: {len(names)} sandboxes of {files} file(s) retained for {retention} ({names[0]}, ...)")
+        args = [str(self.root), namespace, retention, str(files), str(self.disk / "jobs"), *names]
+        script = shlex.join(["python", "-c", RETAIN_MANY, *args]) + " >/dev/null"
+        self.job_on(namespace, on, job, script, timeout=600, wait=wait)
 
     def wait_job(self, namespace: str, job: str, timeout: int = 180) -> None:
         wait = ("wait", "-n", namespace, f"job/{job}", "--for=condition=Complete", f"--timeout={timeout}s")

@@ -39,7 +39,6 @@ from tests.bed.e2e_bed import (
     LocalBed,
     eventually,
     one_node_at_a_time,
-    retain_many,
     rolled_to,
     say,
     started,
@@ -93,14 +92,6 @@ def retain_on(bed: LocalBed, on: LocalNode, sandboxes: dict[str, str], mib: int 
     bed.job_on(NS, on, f"retain-{next(iter(sandboxes))}", "\n".join(lines))
     if adopted:
         eventually(lambda: all(rsb(bed, n) for n in sandboxes), "adopted", timeout=60)
-
-
-def retain_many_on(
-    bed: LocalBed, on: LocalNode, job: str, names: list[str], retention: str, files: int = 1, wait: bool = True
-) -> None:
-    """One Job on node `on` retaining a workspace of `files` files for each name, in one process."""
-    say(f"on {on.name}: {len(names)} sandboxes of {files} file(s) retained for {retention} ({names[0]}, ...)")
-    bed.job_on(NS, on, job, retain_many(bed, NS, names, retention, files), timeout=600, wait=wait)
 
 
 def holder(bed: LocalBed, on: LocalNode, name: str, sandbox: str) -> dict[str, Any]:
@@ -368,12 +359,6 @@ def test_the_lost_node_back_after_grace_with_its_disk_gets_its_sandboxes_back(be
 
 
 # --- an agent killed, two agents on a node, a rollout, the controller leader's node lost ----------------
-def sandbox_names(bed: LocalBed, prefix: str) -> set[str]:
-    return {
-        o["metadata"]["name"] for o in bed.get("rsb", "-n", NS)["items"] if o["metadata"]["name"].startswith(prefix)
-    }
-
-
 def kill_agent(bed: LocalBed, on: LocalNode) -> int:
     """SIGKILL every process of the agent container on `on` (a crash, an OOM kill), found by pid in the
     container's cgroup; the container's restart count before."""
@@ -398,16 +383,16 @@ def test_an_agent_killed_while_adopting_500_directories_adopts_each_once(bed: Lo
     two = bed.nodes[1]
     names = [f"adopt-{i}" for i in range(500)]
     since = audit.now()
-    retain_many_on(bed, two, "retain-adopt", names, "1h", wait=False)
-    eventually(lambda: len(sandbox_names(bed, "adopt-")) >= 50, "the agent adopting them", timeout=180, every=0.5)
+    bed.retain_many(NS, two, "retain-adopt", names, "1h", wait=False)
+    eventually(lambda: len(bed.sandbox_names(NS, "adopt-")) >= 50, "the agent adopting them", timeout=180, every=0.5)
     restarts = kill_agent(bed, two)
-    at_kill = len(sandbox_names(bed, "adopt-"))
+    at_kill = len(bed.sandbox_names(NS, "adopt-"))
     say(f"{at_kill} of {len(names)} adopted when the agent was killed")
     assert at_kill < len(names), "adoption had finished before the kill: nothing was interrupted"
     eventually(lambda: restarted(bed, two, restarts), "the agent restarted by its kubelet, Ready", timeout=180)
     bed.wait_job(NS, "retain-adopt", timeout=300)
     eventually(
-        lambda: len(sandbox_names(bed, "adopt-")) == len(names), f"all {len(names)} adopted", timeout=300, every=3
+        lambda: len(bed.sandbox_names(NS, "adopt-")) == len(names), f"all {len(names)} adopted", timeout=300, every=3
     )
     created = audit.created(bed.cluster.audit_log, NS, since)
     assert {n: created[n] for n in names} == dict.fromkeys(names, 1), "each adopted by one create"
@@ -419,7 +404,7 @@ def test_an_agent_killed_while_adopting_500_directories_adopts_each_once(bed: Lo
 def test_an_agent_killed_during_a_100000_file_delete_finishes_it_once(bed: LocalBed) -> None:
     two = bed.nodes[1]
     since = audit.now()
-    retain_many_on(bed, two, "retain-big", ["big"], "30s", files=100_000)
+    bed.retain_many(NS, two, "retain-big", ["big"], "30s", files=100_000)
     eventually(lambda: rsb(bed, "big"), "big adopted", timeout=60)
     (stone,) = eventually(lambda: tombstones(bed, two), "big expired, its delete under way", timeout=180, every=0.1)
     restarts = kill_agent(bed, two)
@@ -431,7 +416,7 @@ def test_an_agent_killed_during_a_100000_file_delete_finishes_it_once(bed: Local
     assert not tombstones(bed, two) and not on_disk(bed, two, "big")
     deleted = audit.deleted(bed.cluster.audit_log, NS, since)
     assert deleted["big"] == 1 and not {n for n in deleted if n.startswith("adopt-")}, deleted
-    assert len(sandbox_names(bed, "adopt-")) == 500
+    assert len(bed.sandbox_names(NS, "adopt-")) == 500
 
 
 def lock_holders(bed: LocalBed, on: LocalNode) -> int:
@@ -513,13 +498,13 @@ def test_an_agent_rollout_takes_the_nodes_one_at_a_time_while_a_wave_expires_and
     every_pin = [n for names in pins.values() for n in names]
     since = audit.now()
     for i, on in enumerate(three_nodes):
-        retain_many_on(bed, on, f"roll-due-{i}", due[on.name], "120s", wait=False)
-        retain_many_on(bed, on, f"roll-pin-{i}", pins[on.name], "300s", wait=False)
+        bed.retain_many(NS, on, f"roll-due-{i}", due[on.name], "120s", wait=False)
+        bed.retain_many(NS, on, f"roll-pin-{i}", pins[on.name], "300s", wait=False)
     for i in range(len(three_nodes)):
         bed.wait_job(NS, f"roll-due-{i}", 300)
         bed.wait_job(NS, f"roll-pin-{i}", 300)
     eventually(
-        lambda: len(sandbox_names(bed, "roll-")) == len(every_due) + len(every_pin),
+        lambda: len(bed.sandbox_names(NS, "roll-")) == len(every_due) + len(every_pin),
         "all 600 adopted",
         timeout=240,
         every=3,
@@ -566,7 +551,10 @@ def test_an_agent_rollout_takes_the_nodes_one_at_a_time_while_a_wave_expires_and
     assert sorted(order) == sorted(n.name for n in bed.nodes)
 
     eventually(
-        lambda: not sandbox_names(bed, "roll-due-"), "every expired sandbox of the wave deleted", timeout=300, every=3
+        lambda: not bed.sandbox_names(NS, "roll-due-"),
+        "every expired sandbox of the wave deleted",
+        timeout=300,
+        every=3,
     )
     log = bed.cluster.audit_log
     assert {n: c for n, c in audit.deleted(log, NS, since).items() if n.startswith("roll-")} == dict.fromkeys(
@@ -613,11 +601,11 @@ def test_the_controller_leaders_node_lost_the_standby_leads_and_decides_each_exp
     # Two waves: the first due just before the leader's node goes, the second after the standby leads.
     first, second = [f"lead-a-{i}" for i in range(20)], [f"lead-b-{i}" for i in range(20)]
     since = audit.now()
-    retain_many_on(bed, two, "retain-lead-a", first, "50s", wait=False)
-    retain_many_on(bed, two, "retain-lead-b", second, "90s", wait=False)
+    bed.retain_many(NS, two, "retain-lead-a", first, "50s", wait=False)
+    bed.retain_many(NS, two, "retain-lead-b", second, "90s", wait=False)
     bed.wait_job(NS, "retain-lead-a")
     bed.wait_job(NS, "retain-lead-b")
-    eventually(lambda: len(sandbox_names(bed, "lead-")) == 40, "all 40 adopted", timeout=120)
+    eventually(lambda: len(bed.sandbox_names(NS, "lead-")) == 40, "all 40 adopted", timeout=120)
     deadline = min(
         datetime.fromisoformat(o["status"]["deadline"])
         for o in bed.get("rsb", "-n", NS)["items"]
@@ -634,14 +622,14 @@ def test_the_controller_leaders_node_lost_the_standby_leads_and_decides_each_exp
     say(f"{new_pod} on {new_node} leads {took:.1f} s after the power-off (its Lease: {duration} s)")
     assert new_node == one.name
     assert took < 3 * duration, f"the standby took {took:.0f} s to lead, over three Lease durations"
-    eventually(lambda: not sandbox_names(bed, "lead-"), "both waves deleted", timeout=240, every=2)
+    eventually(lambda: not bed.sandbox_names(NS, "lead-"), "both waves deleted", timeout=240, every=2)
 
     log = bed.cluster.audit_log
     released, deleted = audit.released(log, NS, since), audit.deleted(log, NS, since)
     names = first + second
     assert {n: released[n] for n in names} == dict.fromkeys(names, 1), "an expiry decided twice (or never)"
     assert {n: deleted[n] for n in names} == dict.fromkeys(names, 1)
-    early = {w.name for w in audit.writes(log, since) if w.verb == "delete" and w.sandbox and w.ok and w.at < off_at}
+    early = {w.name for w in audit.sandbox_writes(log, NS, "delete", since) if w.at < off_at}
     say(f"the old leader decided {len(early)} of the first wave before its node went; the rest {new_pod} did")
     assert not {n for n in bed.on(two, f"ls '{bed.root / NS}'").stdout.split() if n.startswith("lead-")}
     assert not tombstones(bed, two)

@@ -35,7 +35,6 @@ from hack.localnode import REGISTRY, LocalNode
 from hack.release import Release
 from tests.bed import audit
 from tests.bed.e2e_bed import E2E_VERSION, SYSTEM_NS, LocalBed, eventually, one_node_at_a_time, rolled_to, say
-from tests.bed.e2e_bed import retain_many as retain_command
 from tests.node.test_e2e import phase, rsb
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,20 +129,11 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalBe
         bed.stop()
 
 
-def retain_many(bed: LocalBed, job: str, names: list[str], retention: str, files: int = 1, wait: bool = True) -> None:
-    """One Job on the first node writing a workspace of `files` files for each name and retaining it."""
-    bed.job_on(NS, bed.nodes[0], job, retain_command(bed, NS, names, retention, files), timeout=600, wait=wait)
-
-
 def agent_created(bed: LocalBed, on: LocalNode, image: str) -> datetime:
     """When the agent Pod of `image` on node `on` was created (its predecessor had stopped by then)."""
     pods = bed.get("pods", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=agent")["items"]
     (pod,) = [p for p in pods if p["spec"]["nodeName"] == on.name and p["spec"]["containers"][0]["image"] == image]
     return datetime.fromisoformat(pod["metadata"]["creationTimestamp"])
-
-
-def adopted(bed: LocalBed, prefix: str) -> int:
-    return sum(1 for name in sandboxes(bed) if name.startswith(prefix))
 
 
 def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_sandbox(
@@ -156,10 +146,10 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     kept = [f"kept-{i}" for i in range(KEPT)]
     pinned = [f"pinned-{i}" for i in range(PINNED)]
     say(f"{KEPT} sandboxes retained for 1h, {PINNED} for 150s then pinned for 2h, one for 60s and held by a Pod")
-    retain_many(bed, "keep", kept, "1h")
-    retain_many(bed, "pin", pinned, "150s")
+    bed.retain_many(NS, bed.nodes[0], "keep", kept, "1h")
+    bed.retain_many(NS, bed.nodes[0], "pin", pinned, "150s")
     pinned_at = time.monotonic()
-    retain_many(bed, "hold", ["held"], "60s")  # the holder Pod runs before it expires
+    bed.retain_many(NS, bed.nodes[0], "hold", ["held"], "60s")  # the holder Pod runs before it expires
     eventually(lambda: len(sandboxes(bed)) == KEPT + PINNED + 1, "every sandbox adopted", timeout=240, every=3)
     workspace = str(bed.root / NS / "held" / "workspace")
     holder = {
@@ -177,15 +167,15 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     )
 
     say("one more sandbox retained for 10s with one immutable file: its deletion starts and cannot finish yet")
-    retain_many(bed, "delete", ["deleting"], "10s", files=100)
+    bed.retain_many(NS, bed.nodes[0], "delete", ["deleting"], "10s", files=100)
     deleting = bed.root / NS / "deleting"
     bed.on_node(f"chattr +i '{deleting}/workspace/f0'")
     tombstone = eventually(bed.tombstones, "the delete under way (a tombstone)", timeout=120, every=0.5)
 
     say(f"{LATE} more sandboxes retained for 1h: the old agent is adopting them when the upgrade starts")
     late = [f"late-{i}" for i in range(LATE)]
-    retain_many(bed, "late", late, "1h", wait=False)
-    eventually(lambda: adopted(bed, "late-") >= 20, "the old agent adopting them", timeout=240, every=0.5)
+    bed.retain_many(NS, bed.nodes[0], "late", late, "1h", wait=False)
+    eventually(lambda: len(bed.sandbox_names(NS, "late-")) >= 20, "the old agent adopting them", timeout=240, every=0.5)
     handover, upgrade, rollback = doc_blocks(OPERATIONS, "Upgrade")
     run_doc(bed, handover, current.version)
     out = run_doc(bed, upgrade, current.version)
@@ -195,10 +185,12 @@ def test_the_previous_release_upgrades_to_this_one_and_rolls_back_keeping_every_
     say(f"the agents upgraded one node at a time: {', '.join(order)}")
     assert sorted(order) == sorted(n.name for n in bed.nodes)
     bed.wait_job(NS, "late", timeout=300)
-    eventually(lambda: adopted(bed, "late-") == LATE, f"all {LATE} late ones adopted", timeout=240, every=3)
+    eventually(
+        lambda: len(bed.sandbox_names(NS, "late-")) == LATE, f"all {LATE} late ones adopted", timeout=240, every=3
+    )
     log = bed.cluster.audit_log
     started = agent_created(bed, bed.nodes[0], current.image)
-    made = [w for w in audit.writes(log, since) if w.sandbox and w.verb == "create" and w.ok and w.name in late]
+    made = [w for w in audit.sandbox_writes(log, NS, "create", since) if w.name in late]
     by_old = sum(1 for w in made if w.when < started)
     say(f"the late ones: {by_old} adopted by the old agent, {LATE - by_old} by the new one (from {started})")
     assert 0 < by_old < LATE, "the upgrade did not land during the adoption"
