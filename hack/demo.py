@@ -42,7 +42,8 @@ from controller.node.inuse import uninspectable_pids
 from controller.rules import contracts as c
 from controller.rules.durations import Invalid, instant_or_none, parse_duration
 from controller.rules.objects import condition_of
-from hack.localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, signals_raise, tools_bin
+from hack.localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, tools_bin
+from hack.processes import signals_raise
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

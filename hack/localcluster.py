@@ -20,14 +20,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import base64
-import contextlib
-import ctypes
 import json
 import os
-import re
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -36,13 +31,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any
 
 from controller.rules.contracts import GROUP
+from hack.processes import Component, Lifecycle, free_port, signals_raise, spawn, tail
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("kube-apiserver", "kube-controller-manager", "kubectl", "etcd", "helm", "promtool")
@@ -76,9 +70,6 @@ SERVICE_CIDR = "203.0.113.0/24"
 SERVICE_IP = "203.0.113.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 LOG_TAIL_LINES = 60
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_PR_SET_PDEATHSIG = 1
 
 
 class ClusterError(RuntimeError):
@@ -117,64 +108,6 @@ def tools_bin(required: Sequence[str] = TOOLS) -> Path:
     return bin_dir
 
 
-WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
-
-
-def writes_by_resource(metrics_text: str) -> dict[str, float]:
-    """The write requests kube-apiserver has served, by resource, from its own `apiserver_request_total`.
-
-    Collection deletes (DELETE at namespace or cluster scope) are left out: kube-controller-manager's
-    namespace controller sends them while it empties deleted namespaces, and neither sandkeep component
-    may `deletecollection` (tests/apiserver/test_rbac.py), so they are never sandkeep's writes.
-    """
-    totals: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if not line.startswith("apiserver_request_total{"):
-            continue
-        head, _, value = line.rpartition(" ")
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
-        verb, resource = labels.get("verb", ""), labels.get("resource", "")
-        if verb not in WRITE_VERBS or (verb == "DELETE" and labels.get("scope") != "resource"):
-            continue
-        totals[resource] = totals.get(resource, 0.0) + float(value)
-    return totals
-
-
-def requests_by(metrics_text: str, *, subresource: bool = False) -> dict[str, float]:
-    """Every request kube-apiserver has served, from its `apiserver_request_total`, as "VERB resource"
-    (with `subresource`: "VERB resource/subresource" where there is one) -> count."""
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("apiserver_request_total{"):
-            head, _, value = line.rpartition(" ")
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
-            sub = labels.get("subresource") if subresource else None
-            key = f"{labels.get('verb')} {labels.get('resource')}{'/' + sub if sub else ''}"
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-def settled_writes(
-    metrics_text: Callable[[], str], resources: Collection[str], *, still_for: float = 1.0, timeout: float = 30.0
-) -> dict[str, float] | None:
-    """The write counts on `resources` once none has moved for `still_for` seconds; None when they never
-    settle within `timeout` (a writer more frequent than that). Counters only grow, so two equal readings
-    mean no write in between."""
-
-    def read() -> dict[str, float]:
-        return {r: n for r, n in writes_by_resource(metrics_text()).items() if r in resources}
-
-    last = read()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(still_for)
-        now = read()
-        if now == last:
-            return now
-        last = now
-    return None
-
-
 def kube_version() -> str:
     """The Kubernetes version the tools are pinned to (and stamped with), read from the kube wrapper's go.mod."""
     for line in (REPO / "hack" / "tools" / "kube" / "go.mod").read_text().splitlines():
@@ -184,100 +117,6 @@ def kube_version() -> str:
         if len(words) >= 2 and words[0] == "k8s.io/kubernetes" and words[1].startswith("v"):
             return words[1]
     raise ClusterError("k8s.io/kubernetes is not required in hack/tools/kube/go.mod")
-
-
-def free_port() -> int:
-    """A port that is free on 127.0.0.1 right now (the start retries if another process takes it first)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: if the launching thread dies (SIGKILL of pytest, a crash)
-    # the kernel sends the component SIGKILL, so no etcd or apiserver outlives a killed test run.
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _tail(path: Path, lines: int) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 200 * lines))
-            data = f.read().decode(errors="replace")
-    except FileNotFoundError:
-        return "(no log yet)"
-    return "\n".join(data.splitlines()[-lines:])
-
-
-def spawn(name: str, command: list[str], log: Path, cwd: Path | None = None) -> Component:
-    """Start `command` as the leader of its own process group (so it is stopped by pid, with everything it
-    forks), output appended to `log`, killed with its launcher when that is the main thread."""
-    log_file = log.open("ab")
-    preexec = _die_with_parent if threading.current_thread() is threading.main_thread() else None
-    proc = subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=preexec,
-        cwd=cwd,
-    )
-    return Component(name, proc, log, log_file)
-
-
-@dataclass
-class Component:
-    """One process the cluster started: its name, Popen handle and log file."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    _log_file: IO[bytes] | None = field(default=None, repr=False)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the process group this component leads, wait, then SIGKILL it.
-
-        Only a group we created (start_new_session=True makes pgid == pid) and only while the leader is
-        unreaped: once waited for, the pid could be reused by an unrelated process.
-        """
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-
-
-class Lifecycle:
-    """`with X(...) as x:` starts it and stops it, also on an error, which marks it failed (a failed one's
-    files may be kept for a look: SANDKEEP_KEEP_CLUSTER_DIR)."""
-
-    failed = False
-
-    def start(self) -> None:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is not None:
-            self.failed = True
-        self.stop()
 
 
 class LocalCluster(Lifecycle):
@@ -733,36 +572,12 @@ class LocalCluster(Lifecycle):
         blocks = []
         for name in ("etcd", "kube-apiserver", "kube-controller-manager"):
             path = self.dir / f"{name}.log"
-            blocks.append(f"----- {name} ({path}), last {lines} lines -----\n{_tail(path, lines)}")
+            blocks.append(f"----- {name} ({path}), last {lines} lines -----\n{tail(path, lines)}")
         return "\n".join(blocks)
 
     def pids(self) -> list[int]:
         """The pids of the processes this cluster started and has not stopped."""
         return [c.proc.pid for c in self.components if c.proc.poll() is None]
-
-
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """Turn the first SIGINT, SIGTERM or SIGHUP into an exception, so `with LocalCluster()` stops everything.
-
-    SIGINT is set explicitly because a shell starts background jobs with it ignored. Later signals are
-    ignored: a second Ctrl-C while the components are being stopped must not leave one of them running.
-    """
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def handler(signum: int, _frame: object) -> None:
-        for s in signals:
-            signal.signal(s, signal.SIG_IGN)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
-
-    previous = {s: signal.signal(s, handler) for s in signals}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,20 +43,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from hack.localcluster import (
-    SERVICE_IP,
-    ClusterError,
-    Component,
-    Lifecycle,
-    LocalCluster,
-    ToolsMissingError,
-    _tail,
-    signals_raise,
-    spawn,
-    tools_bin,
-    tools_dir,
-)
+from hack.localcluster import SERVICE_IP, ClusterError, LocalCluster, ToolsMissingError, tools_bin, tools_dir
 from hack.nodeprep import CNI_PLUGINS, HERE, install_packages, pause_image
+from hack.processes import Component, Lifecycle, signals_raise, spawn, tail
 
 NODE_TOOLS = ("kubelet", "kube-scheduler")
 # TEST-NET-2 (RFC 5737); not TEST-NET-1, which these machines' own network uses (the host is 192.0.2.2).
@@ -365,7 +354,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             return "(node not started: no logs)"
         names = ["init", "containerd", "kubelet"]
         return "\n".join(
-            f"----- {n} ({self.dir / f'{n}.log'}), last {lines} lines -----\n{_tail(self.dir / f'{n}.log', lines)}"
+            f"----- {n} ({self.dir / f'{n}.log'}), last {lines} lines -----\n{tail(self.dir / f'{n}.log', lines)}"
             for n in names
         )
 
@@ -514,7 +503,7 @@ class LocalNodes(Lifecycle):
 
     def logs(self, lines: int = 40) -> str:
         ours = "\n".join(
-            f"----- {c.name} ({c.log}), last {lines} lines -----\n{_tail(c.log, lines)}" for c in self.components
+            f"----- {c.name} ({c.log}), last {lines} lines -----\n{tail(c.log, lines)}" for c in self.components
         )
         return "\n".join([*(n.logs(lines) for n in self.nodes), ours])
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from hack.localcluster import ClusterError, Component, Lifecycle, _tail, free_port, spawn, tools_bin
+from hack.localcluster import ClusterError, tools_bin
+from hack.processes import Component, Lifecycle, free_port, spawn, tail
 
 
 class LocalRegistry(Lifecycle):
@@ -59,10 +60,10 @@ class LocalRegistry(Lifecycle):
         while not self._ready():
             if (code := self.component.proc.poll()) is not None:
                 self.component = None
-                raise ClusterError(f"the registry exited ({code}) on {self.host}:\n{_tail(log, 20)}")
+                raise ClusterError(f"the registry exited ({code}) on {self.host}:\n{tail(log, 20)}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise ClusterError(f"the registry did not answer {self.url}/v2/ in {timeout:.0f}s:\n{_tail(log, 20)}")
+                raise ClusterError(f"the registry did not answer {self.url}/v2/ in {timeout:.0f}s:\n{tail(log, 20)}")
             time.sleep(0.1)
 
     def _ready(self) -> bool:
@@ -73,8 +74,8 @@ class LocalRegistry(Lifecycle):
             return bool(response.status == 200)
         return False
 
-    def log_tail(self, lines: int = 20) -> str:
-        return f"----- registry ({self.host}) -----\n{_tail(self.workdir / 'registry.log', lines)}"
+    def logtail(self, lines: int = 20) -> str:
+        return f"----- registry ({self.host}) -----\n{tail(self.workdir / 'registry.log', lines)}"
 
     def stop(self) -> None:
         if self.component is not None:

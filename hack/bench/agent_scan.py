@@ -83,7 +83,8 @@ def rss_mib(pid: int) -> float:
 
 
 def measure_agent(root: Root, count: int, workdir: Path, kube_qps: float | None) -> dict[str, float]:
-    from hack.localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin, writes_by_resource
+    from hack.apimetrics import writes_by_resource
+    from hack.localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 
     cluster = LocalCluster(workdir / "cluster", tools_bin(CLUSTER_TOOLS))
     cluster.start()

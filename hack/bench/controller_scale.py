@@ -37,7 +37,8 @@ sys.path.insert(0, str(REPO))
 from controller.api.kube import Kube, KubeError, load_config, sandbox_path  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.durations import format_instant, parse_instant  # noqa: E402
-from hack.localcluster import LocalCluster, settled_writes, tools_bin, writes_by_resource  # noqa: E402
+from hack.apimetrics import settled_writes, writes_by_resource  # noqa: E402
+from hack.localcluster import LocalCluster, tools_bin  # noqa: E402
 
 TARGET_LAG_P99 = 2.0
 TARGET_RSS_MIB = 200

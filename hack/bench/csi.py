@@ -51,7 +51,8 @@ sys.path.insert(0, str(REPO / "hack"))
 
 import grpc  # noqa: E402
 from agent_scan import rss_mib  # noqa: E402
-from localcluster import CLUSTER_TOOLS, LocalCluster, spawn, tools_bin  # noqa: E402
+from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin  # noqa: E402
+from processes import spawn  # noqa: E402
 
 from controller.csi import server as csi_server  # noqa: E402
 from controller.csi.proto import csi_pb2, csi_pb2_grpc  # noqa: E402

@@ -59,7 +59,8 @@ from controller.rules.models import label_value  # noqa: E402
 from controller.rules.objects import Obj, condition  # noqa: E402
 from controller.rules.policy import Policy  # noqa: E402
 from controller.rules.sizes import human_size  # noqa: E402
-from hack.localcluster import LocalCluster, requests_by  # noqa: E402
+from hack.apimetrics import requests_by  # noqa: E402
+from hack.localcluster import LocalCluster  # noqa: E402
 
 ROOT = "/var/lib/sandkeep"
 SIZE_BASE = 10_000_000_000  # sizeBytes of a watched update: SIZE_BASE + its sequence number

@@ -120,7 +120,8 @@ def main() -> int:
     parser.add_argument("--pins", type=int, default=10, help="sandboxes pinned by a person during the wave")
     args = parser.parse_args()
     from controller.api.kube import Kube, load_config
-    from hack.localcluster import CLUSTER_TOOLS, LocalCluster, requests_by, tools_bin
+    from hack.apimetrics import requests_by
+    from hack.localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 
     load = os.getloadavg()
     print(f"load average: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")

@@ -20,7 +20,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from hack.localcluster import ClusterError, KubectlError, LocalCluster, kube_version, writes_by_resource
+from hack.apimetrics import writes_by_resource
+from hack.localcluster import ClusterError, KubectlError, LocalCluster, kube_version
 from tests.bed.controller_harness import wait_for
 
 SMOKE_GROUP = "smoke.sandkeep.test"

@@ -27,7 +27,8 @@ from controller.rules import contracts as c
 from controller.rules.durations import Invalid, format_instant, instant_or_none, parse_instant
 from controller.rules.objects import reopen_holder
 from controller.rules.policy import Policy, deadline, phase_of
-from hack.localcluster import LocalCluster, settled_writes, writes_by_resource
+from hack.apimetrics import settled_writes, writes_by_resource
+from hack.localcluster import LocalCluster
 from tests.bed.controller_harness import (
     Controller,
     condition,

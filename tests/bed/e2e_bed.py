@@ -35,8 +35,9 @@ from typing import Any, TypeVar
 
 import yaml
 
-from hack.localcluster import REPO, ClusterError, Component, LocalCluster, free_port, spawn, tools_bin
+from hack.localcluster import REPO, ClusterError, LocalCluster, tools_bin
 from hack.localnode import REGISTRY, LocalNode, LocalNodes
+from hack.processes import Component, free_port, spawn
 from hack.registry import LocalRegistry
 from hack.release import RELEASE_TOOLS, Release, build_image, release
 
