@@ -43,7 +43,7 @@ from controller.rules import contracts as c
 from controller.rules.durations import Invalid, instant_or_none, parse_duration
 from controller.rules.objects import condition_of
 from hack.localcluster import CLUSTER_TOOLS, ClusterError, LocalCluster, tools_bin
-from hack.processes import signals_raise
+from hack.processes import signals_raise, stop_group
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -178,15 +178,7 @@ class Demo:
 
     def stop(self, proc: Proc, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         """Signal the group the process leads (only while it is unreaped, so the pid is still ours)."""
-        if proc.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.popen.pid, sig)
-            try:
-                proc.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGKILL)
-                proc.popen.wait(timeout)
+        stop_group(proc.popen, sig, timeout)
 
     def wait(self, what: str, check: Callable[[], T | None], timeout: float = 60.0, every: float = 0.25) -> T:
         """Poll `check` until it returns something truthy; DemoFailed naming `what` when the time runs out."""

@@ -62,6 +62,20 @@ def spawn(name: str, command: list[str], log: Path, cwd: Path | None = None) -> 
     return Component(name, proc, log, log_file)
 
 
+def stop_group(proc: subprocess.Popen[bytes], sig: int, timeout: float) -> None:
+    """Send `sig` to the process group `proc` leads, wait, then SIGKILL the group. Only while the leader is
+    unreaped: once waited for, the pid could be reused by an unrelated process."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout)
+
+
 @dataclass
 class Component:
     """One process the cluster started: its name, Popen handle and log file."""
@@ -77,15 +91,7 @@ class Component:
         Only a group we created (start_new_session=True makes pgid == pid) and only while the leader is
         unreaped: once waited for, the pid could be reused by an unrelated process.
         """
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout)
+        stop_group(self.proc, signal.SIGTERM, timeout)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
