@@ -77,14 +77,15 @@ class AgentBase:
         """Run `fn` for every key, at most `limit` at a time: API latency, not CPU, bounds a pass over
         thousands of objects. Keys are distinct, so no object is ever worked on twice at once. A stop
         request ends the pass early: every step is idempotent, so the next agent picks up the rest."""
-        gate = asyncio.Semaphore(limit)
+        pending = iter(keys)
 
-        async def one(key: Key) -> None:
-            async with gate:
-                if not self.stopping.is_set():
-                    await fn(key)
+        async def worker() -> None:  # `limit` workers take the keys in turn: no task per key is ever made
+            for key in pending:
+                if self.stopping.is_set():
+                    return
+                await fn(key)
 
-        await asyncio.gather(*(one(k) for k in keys))
+        await asyncio.gather(*(worker() for _ in range(min(limit, len(keys)))))
 
     async def _guarded(self, raising: bool, fn: Callable[[Any], Awaitable[None]], arg: Any) -> None:
         try:

@@ -240,26 +240,27 @@ class Agent(Deletion, Heartbeat):
     async def process_many(self, keys: list[Key], *, raising: bool = False) -> None:
         """Process `keys` (distinct), at most PARALLEL at a time; those whose next step is to reap go through
         the pipeline's looks together, so a wave of deletions shares one /proc pass instead of one each.
-        A failed key is retried with backoff and said (`raising`: the error is raised instead)."""
-        steps: dict[Key, tuple[Obj, Tombstone | None, Step]] = {}
+        A failed key is retried with backoff and said (`raising`: the error is raised instead).
 
-        async def look(key: Key) -> None:
+        Each other key is acted on as soon as it is looked at, with the version its step was decided on: a
+        pass over every object holds at most PARALLEL of them unpacked from the cache, and the reaps."""
+        reaps: dict[Key, Obj] = {}
+
+        async def one(key: Key) -> None:
             obj = self.state.objects.get(key)
             if obj is None:
                 return
             uid = obj["metadata"]["uid"]
             tomb = await asyncio.to_thread(self._tombstone_of, uid) if objects.is_deleting(obj) else None
-            steps[key] = (obj, tomb, next_step(observe(obj, self.s.node, tomb is not None)))
+            step = next_step(observe(obj, self.s.node, tomb is not None))
+            if step is Step.REAP:
+                reaps[key] = obj
+            else:
+                await self._act(key, obj, tomb, step)
 
-        async def act(key: Key) -> None:
-            await self._act(key, *steps[key])
-
-        guarded = functools.partial(self._guarded, raising)
-        await self._each(keys, functools.partial(guarded, look))
-        reaps = [k for k, (_obj, _tomb, step) in steps.items() if step is Step.REAP]
-        await self._each([k for k in steps if k not in reaps], functools.partial(guarded, act))
+        await self._each(keys, functools.partial(self._guarded, raising, one))
         if reaps:
-            await self._reap({k: steps[k][0] for k in reaps}, raising)
+            await self._reap(reaps, raising)
 
     async def _act(self, key: Key, obj: Obj, tomb: Tombstone | None, step: Step) -> None:
         if step is Step.IGNORE:

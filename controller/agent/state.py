@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller.agent.settings import AgentSettings
-from controller.api.cache import Gone, supersedes
+from controller.api.cache import Gone, Packed, supersedes
 from controller.api.kube import Kube
 from controller.node.inuse import Usage
 from controller.node.store import Root
@@ -26,7 +26,7 @@ def slim(obj: Obj) -> Obj:
 
 @dataclass
 class AgentState:
-    objects: dict[Key, Obj] = field(default_factory=dict)
+    objects: Packed[Key] = field(default_factory=Packed)  # each packed: 10,000 cached objects were 42 MiB as dicts
     usage: dict[Key, Usage] = field(default_factory=dict)
     present: set[Key] = field(default_factory=set)
     said: dict[str, tuple[float, str]] = field(default_factory=dict)  # rate-limited lines: subject -> (when, what)

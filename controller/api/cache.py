@@ -3,19 +3,51 @@ version of an object a cache holds (`supersedes`), what a complete listing says 
 was down (`vanished`), and the uids of objects seen deleted (`Gone`), which a late answer never brings back.
 
 The agent's cache (`agent/state.AgentState`) and the controller's view (`cluster/view.View`) each hold their
-objects their own way (whole but for managedFields; slim and packed); which version they hold is decided
-here, once. Pure: no client, no clock.
+objects their own way (whole but for managedFields; slim), both packed (`Packed`); which version they hold is
+decided here, once. Pure: no client, no clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator
+import marshal
+from collections.abc import Container, Iterable, Iterator, MutableMapping
 from typing import TypeVar
 
 from controller.rules.objects import Obj
 
 K = TypeVar("K")
 GONE_REMEMBERED = 4096  # uids of objects seen deleted, kept so a late answer cannot bring one back
+
+
+class Packed(MutableMapping[K, Obj]):
+    """Objects each kept as one `marshal` string and unpacked when read (about 5 us for a sandbox).
+
+    Measured at 10,000 sandboxes: the controller's slim objects 3.6 KiB each as dicts (22 small dicts and lists
+    apiece), 1.0 KiB packed; the agent's whole ones (but managedFields) 4.2 KiB as dicts, 0.66 KiB packed, and
+    a read of all of them 49 ms. A reader gets a fresh copy, so nothing changes what is held but a store.
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[K, bytes] = {}
+
+    def __getitem__(self, key: K) -> Obj:
+        obj: Obj = marshal.loads(self._data[key])  # noqa: S302 (only our own dumps, never input)
+        return obj
+
+    def __setitem__(self, key: K, obj: Obj) -> None:
+        self._data[key] = marshal.dumps(obj)
+
+    def __delitem__(self, key: K) -> None:
+        del self._data[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
 
 
 def resource_version(obj: Obj) -> int:

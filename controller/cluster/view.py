@@ -2,21 +2,19 @@
 decision allows.
 
 Each sandbox is kept slim (`slim`: only what a decision reads, a condition's message as its digest),
-its strings interned and the whole packed as one `marshal` string (`Packed`); measured at 10,000 and
-100,000 objects in docs/benchmarks-controller.md. Only `View.remember` replaces what it holds, and only
+its strings interned and the whole packed as one `marshal` string (`controller.api.cache.Packed`); measured
+at 10,000 and 100,000 objects in docs/benchmarks-controller.md. Only `View.remember` replaces what it holds, and only
 with a version at least as new (`controller.api.cache.supersedes`, the agent's cache's rule too).
 """
 
 from __future__ import annotations
 
-import marshal
 import sys
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from controller.api.cache import supersedes
+from controller.api.cache import Packed, supersedes
 from controller.cluster.decide import OWNED_CONDITIONS, OWNED_FIELDS
 from controller.rules import contracts as c
 from controller.rules.objects import Obj, is_session_holder, key_of, message_digest
@@ -24,41 +22,11 @@ from controller.rules.objects import Obj, is_session_holder, key_of, message_dig
 Key = tuple[str, str]
 
 
-class Packed(Mapping[Key, Obj]):
-    """The view's sandboxes, each kept as one `marshal` string and unpacked when read (a few µs).
-
-    Measured at 10,000 slim objects: 3.6 KiB each as dicts (22 small dicts and lists apiece), 1.0 KiB
-    packed; a reader gets a fresh copy, so nothing changes the view but `View.put`.
-    """
-
-    def __init__(self) -> None:
-        self._data: dict[Key, bytes] = {}
-
-    def __getitem__(self, key: Key) -> Obj:
-        obj: Obj = marshal.loads(self._data[key])  # noqa: S302 (only our own dumps, never input)
-        return obj
-
-    def __iter__(self) -> Iterator[Key]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._data
-
-    def put(self, key: Key, obj: Obj) -> None:
-        self._data[key] = marshal.dumps(obj)
-
-    def pop(self, key: Key) -> None:
-        self._data.pop(key, None)
-
-
 @dataclass
 class View:
     """What the watches told us, kept warm on every replica (a standby takes over with it)."""
 
-    sandboxes: Packed = field(default_factory=Packed)
+    sandboxes: Packed[Key] = field(default_factory=Packed)
     names: dict[str, set[str]] = field(default_factory=dict)  # namespace -> the names of its sandboxes
     on_node: dict[str, set[Key]] = field(default_factory=dict)  # node -> its sandboxes (nodeName is immutable)
     policies: dict[str, dict[str, Obj]] = field(default_factory=dict)  # namespace -> name -> SandboxPolicy
@@ -66,7 +34,7 @@ class View:
     node_gone_since: dict[str, datetime] = field(default_factory=dict)
 
     def put(self, key: Key, obj: Obj) -> None:
-        self.sandboxes.put(key, obj)
+        self.sandboxes[key] = obj
         self.names.setdefault(key[0], set()).add(key[1])
         self.on_node.setdefault((obj.get("spec") or {}).get("nodeName") or "", set()).add(key)
 
@@ -78,7 +46,7 @@ class View:
             keys.discard(key)
             if not keys:
                 self.on_node.pop(node, None)
-        self.sandboxes.pop(key)
+        self.sandboxes.pop(key, None)
         names = self.names.get(key[0])
         if names is not None:
             names.discard(key[1])
