@@ -136,9 +136,16 @@ def run(command: str, args: argparse.Namespace) -> int:
     ref, policy = f"{ns}/{name}", settings.policy()
 
     def judge(held: tuple[int, int] | None = None) -> StoreRefusal | None:
-        """The opener's rule on what is on disk now; after launch, with the workspace the command is in."""
+        """The opener's rule on what is on disk now; after launch, with the workspace the command is in.
+
+        A manifest read just before a sweep renamed the sandbox away, and then no workspace at its path, is a
+        look that straddled the rename: it is read again, so the sweep is told as what it was (`Tombstoned`),
+        not as a replacement."""
         fresh = read if held is None else root.read(ns, name)
         found = _identity(root.path, [ns, name, *_parts(fresh)]) if held is not None else None
+        if held is not None and found is None and isinstance(fresh, Present):
+            fresh = root.read(ns, name)
+            found = _identity(root.path, [ns, name, *_parts(fresh)])
         opening = _opening(root, ref, fresh, held, found)
         return refusal(opening, policy, utcnow(), stuck_after=settings.stuck_after)
 

@@ -169,6 +169,17 @@ _DRIVER = textwrap.dedent(
 
     if when == "at-launch":
         sandkeep_exec.AFTER_LAUNCH.append(sweep)
+    elif when == "between-reads":  # the sweep lands between a look's manifest read and its workspace's open
+        armed, real = [], sandkeep_exec._identity
+
+        def identity(*args):
+            if armed:
+                armed.clear()
+                sweep()
+            return real(*args)
+
+        sandkeep_exec._identity = identity
+        sandkeep_exec.AFTER_LAUNCH.append(lambda: armed.append(True))
     else:  # during the walks: the look must repeat after the first one found nothing
         sandkeep_exec.LOOK_FOR = 60.0  # the swap comes as soon as the command runs; a loaded machine is slow
         sandkeep_exec.AFTER_LAUNCH.append(lambda: threading.Thread(target=sweep, daemon=True).start())
@@ -182,6 +193,7 @@ _DRIVER = textwrap.dedent(
     [
         ("at-launch", True, 'echo TERM > "$OUT"; exit 143', "Replaced", "TERM"),
         ("during-walks", False, 'echo TERM > "$OUT"; exit 143', "Tombstoned", "TERM"),
+        ("between-reads", False, 'echo TERM > "$OUT"; exit 143', "Tombstoned", "TERM"),  # told as what it was
         ("during-walks", True, "", "Replaced", "KILL"),  # SIGTERM ignored: SIGKILL after --orphan-timeout
     ],
 )
