@@ -9,6 +9,8 @@
 - `crd`, `nodes`, `agents`, `procs`: the node agent's bed (tests/bed/agentkit.py): the sandbox CRD applied
   once per module, two simulated nodes with roots of their own, `sandkeep agent` processes started for a
   node and stopped by pid after the test, and processes a test starts, killed after it.
+- `start`: `start(*flags, env=..., lead=True)` runs a real `sandkeep controller` for the test's namespace
+  (tests/bed/controller_harness.py), waits until it leads, and stops it after the test.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from controller.api.kube import Kube
 from controller.rules import contracts as c
 from hack.localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 from tests.bed.agentkit import CRD, AgentProcess, Node
-from tests.bed.controller_harness import install_crds, kube_for
+from tests.bed.controller_harness import Controller, install_crds, kube_for
 
 _CLUSTER_KEY = pytest.StashKey[LocalCluster]()
 
@@ -139,3 +141,22 @@ def procs() -> Iterator[list[subprocess.Popen[Any]]]:
         if p.poll() is None:
             p.kill()
         p.wait(timeout=10)
+
+
+@pytest.fixture
+def start(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Any]:
+    """start(*flags, env=...) -> a leading Controller for this test's namespace; all stopped at the end."""
+    started: list[Controller] = []
+
+    def run(*flags: str, env: dict[str, str] | None = None, lead: bool = True) -> Controller:
+        log = tmp_path / f"controller-{len(started)}.log"
+        ctl = Controller(cluster, namespace, log, *flags, env=env)
+        started.append(ctl)
+        if lead:
+            ctl.wait_leader()
+        return ctl
+
+    yield run
+    for ctl in started:
+        ctl.stop()
+        print(f"----- {ctl.log_path.name} (last 80 lines) -----\n" + "\n".join(ctl.log().splitlines()[-80:]))
