@@ -11,6 +11,8 @@
   node and stopped by pid after the test, and processes a test starts, killed after it.
 - `start`: `start(*flags, env=..., lead=True)` runs a real `sandkeep controller` for the test's namespace
   (tests/bed/controller_harness.py), waits until it leads, and stops it after the test.
+- `install`: `install(docs=None, release=None)` applies the chart's rendered RBAC (tests/bed/rbackit.py) for a
+  new release in the test's namespace, and removes it after the test.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from controller.rules import contracts as c
 from hack.localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin
 from tests.bed.agentkit import CRD, AgentProcess, Node
 from tests.bed.controller_harness import Controller, install_crds, kube_for
+from tests.bed.rbackit import Install, render_rbac
 
 _CLUSTER_KEY = pytest.StashKey[LocalCluster]()
 
@@ -160,3 +163,21 @@ def start(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Any
     for ctl in started:
         ctl.stop()
         print(f"----- {ctl.log_path.name} (last 80 lines) -----\n" + "\n".join(ctl.log().splitlines()[-80:]))
+
+
+@pytest.fixture
+def install(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Callable[..., Install]]:
+    made: list[Install] = []
+
+    def make(docs: list[dict[str, Any]] | None = None, release: str | None = None) -> Install:
+        release = release or f"rb{secrets.token_hex(3)}"
+        rendered = docs if docs is not None else render_rbac(release, namespace)
+        inst = Install(cluster, namespace, release, rendered, tmp_path)
+        made.append(inst)
+        inst.apply()
+        return inst
+
+    install_crds(cluster)
+    yield make
+    for inst in made:
+        inst.remove()
