@@ -22,6 +22,9 @@ Four sections, each line with the machine's load average beside it (nothing is a
   per node for the wave), counted from `apiserver_request_total`, with the QPS the local API server
   sustained and its and etcd's CPU per request.
 - events: the bytes etcd stores per Event (the expiry's own).
+
+What the control plane's processes cost (CPU time, RSS, their metrics, etcd's gateway) is read by
+hack/bench/plane.py.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import ssl
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -60,11 +62,11 @@ from controller.rules.objects import Obj, condition  # noqa: E402
 from controller.rules.policy import Policy  # noqa: E402
 from controller.rules.sizes import human_size  # noqa: E402
 from hack.apimetrics import requests_by  # noqa: E402
+from hack.bench.plane import Plane, b64, cpu_seconds, rss_mib  # noqa: E402
 from hack.localcluster import LocalCluster  # noqa: E402
 
 ROOT = "/var/lib/sandkeep"
 SIZE_BASE = 10_000_000_000  # sizeBytes of a watched update: SIZE_BASE + its sequence number
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 RESULTS: dict[str, Any] = {"objects": [], "watches": [], "expiry": [], "events": {}}
 
 
@@ -79,86 +81,6 @@ def say(text: str) -> None:
 def node_name(k: int) -> str:
     """A node name of a real cloud's length (e.g. ip-10-0-3-17.eu-west-1.compute.internal)."""
     return f"ip-10-{k // 250}-{k % 250}-{k % 7}.eu-west-1.compute.internal"
-
-
-# --- the processes: CPU time and memory from /proc and the components' own metrics ---------------------------
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14 and 15 of stat)
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return math.nan
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line:
-            total += float(line.rpartition(" ")[2])
-    return total
-
-
-class Plane:
-    """The local control plane's processes, etcd's metrics and its v3 HTTP gateway."""
-
-    def __init__(self, cluster: LocalCluster) -> None:
-        self.cluster = cluster
-        pids = {comp.name: comp.proc.pid for comp in cluster.components}
-        self.apiserver, self.etcd = pids["kube-apiserver"], pids["etcd"]
-
-    def etcd_metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.cluster.etcd_url}/metrics", timeout=30) as response:
-            return str(response.read().decode())
-
-    def gateway(self, path: str, body: dict[str, Any]) -> Any:
-        request = urllib.request.Request(
-            f"{self.cluster.etcd_url}{path}", data=json.dumps(body).encode(), method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            return json.loads(response.read())
-
-    def db_bytes(self) -> tuple[float, float]:
-        text = self.etcd_metrics()
-        return metric(text, "etcd_mvcc_db_total_size_in_bytes"), metric(text, "etcd_mvcc_db_total_size_in_use_in_bytes")
-
-    def compact_and_defrag(self) -> float:
-        """Compact etcd to its current revision and defragment it (what an operator's maintenance does);
-        returns the seconds it took."""
-        began = time.monotonic()
-        revision = int(self.gateway("/v3/kv/range", {"key": _b64("compact_rev_key")})["header"]["revision"])
-        self.gateway("/v3/kv/compaction", {"revision": revision, "physical": True})
-        self.gateway("/v3/maintenance/defragment", {})
-        return time.monotonic() - began
-
-    def stored(self, prefix: str, limit: int) -> tuple[int, float, float]:
-        """How many keys etcd holds under `prefix`, and the mean key and value bytes of up to `limit` of them."""
-        end = _prefix_end(prefix)
-        count = int(
-            self.gateway("/v3/kv/range", {"key": _b64(prefix), "range_end": end, "count_only": True}).get("count", 0)
-        )
-        found = self.gateway("/v3/kv/range", {"key": _b64(prefix), "range_end": end, "limit": limit}).get("kvs", [])
-        if not found:
-            return count, math.nan, math.nan
-        keys = [len(base64.b64decode(kv["key"])) for kv in found]
-        values = [len(base64.b64decode(kv.get("value", ""))) for kv in found]
-        return count, sum(keys) / len(keys), sum(values) / len(values)
-
-    def heap_mib(self) -> float:
-        return metric(self.cluster.metrics_text(), "go_memstats_heap_inuse_bytes") / 2**20
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def _prefix_end(prefix: str) -> str:
-    raw = bytearray(prefix.encode())
-    raw[-1] += 1
-    return base64.b64encode(bytes(raw)).decode()
 
 
 # --- the objects, as a node's agent and the controller write them ------------------------------------------------
@@ -235,7 +157,7 @@ class Fleet:
         transaction: kube-apiserver's watch cache takes them in like any write, at a rate three API writes
         per object cannot reach on this machine. The stored size stays the measured one within a few bytes."""
         ns0, name0, node0 = self.key(0)
-        found = plane.gateway("/v3/kv/range", {"key": _b64(stored_key(ns0, name0))})["kvs"][0]
+        found = plane.gateway("/v3/kv/range", {"key": b64(stored_key(ns0, name0))})["kvs"][0]
         template = base64.b64decode(found["value"]).decode()
         uid0 = json.loads(template)["metadata"]["uid"]
 
@@ -245,7 +167,7 @@ class Fleet:
             return stored_key(ns, name), text.replace(f"{ns0}/", f"{ns}/").replace(ns0, ns).replace(name0, name)
 
         def put(chunk: range) -> None:
-            ops = [{"requestPut": {"key": _b64(k), "value": _b64(v)}} for k, v in map(value, chunk)]
+            ops = [{"requestPut": {"key": b64(k), "value": b64(v)}} for k, v in map(value, chunk)]
             plane.gateway("/v3/kv/txn", {"success": ops})
 
         chunks = [range(i, min(i + 128, indexes.stop)) for i in range(indexes.start, indexes.stop, 128)]

@@ -28,10 +28,8 @@ from controller.rules.contracts import Reason
 from controller.rules.policy import Quota
 from controller.rules.pressure import Disk, Watermarks, choose
 from controller.rules.quota import choose as choose_quota
-from tests.apiserver import test_agent
-from tests.apiserver.test_agent import Node, cond, get, wait_for
+from tests.bed.agentkit import Node, cond, get, wait_for
 
-crd, agents, procs = test_agent.crd, test_agent.agents, test_agent.procs  # the agent tests' own fixtures
 KEY = ("team", "big")
 SLOW = TreeSize(7 << 30, 123_456, False, Reason.SIZE_TOO_SLOW)
 

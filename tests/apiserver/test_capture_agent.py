@@ -19,10 +19,9 @@ from controller.rules import contracts as c
 from controller.rules.capture import kept_names
 from controller.rules.contracts import Keep
 from controller.rules.volume import VolumeRequest
-from tests.apiserver.test_agent import Node, adopted, agents, crd, get, nodes, wait_for
+from tests.bed.agentkit import Node, adopted, get, wait_for
 from tests.disk.test_capture import mounts_at, tree, unmount_under
 
-__all__ = ["agents", "crd", "nodes"]  # fixtures of test_agent, used here
 FILES = {"logs/build.log": "error: it failed\n", "report.xml": "<testsuite failures='1'/>\n"}
 
 

@@ -2,7 +2,7 @@
 minimal prometheus-operator CRDs from tests/fixtures installed), `helm install` for real, and the real
 kube-controller-manager turning the workloads into Pods under Pod Security admission.
 
-What helm and promtool alone check is in tests/chart/test_chart.py; the CRDs' install and upgrade by the
+What helm and promtool alone check is in tests/chart/test_chart*.py; the CRDs' install and upgrade by the
 chart, on a cluster of its own, in tests/apiserver/test_chart_crds.py.
 """
 

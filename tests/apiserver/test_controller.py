@@ -2,17 +2,18 @@
 
 Each test runs a real `sandkeep controller` process watching only its own namespace, with windows of a
 few seconds. No agent runs here, so no finalizer is on the objects and a DELETE removes them at once.
+SandboxPolicies and history limits are in test_controller_policies.py, warnings before a deadline in
+test_controller_warnings.py, the decision without a server in test_controller_decide.py; the `start`
+fixture is this folder's conftest.py, the helpers tests/bed/controller_harness.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,170 +21,27 @@ from typing import Any
 
 import pytest
 
-from controller.api.kube import Kube, KubeError, policy_path
-from controller.cluster.decide import Context, decide, status_changed
+from controller.api.kube import Kube, KubeError
 from controller.cluster.main import add_arguments, settings_from
 from controller.rules import contracts as c
-from controller.rules.durations import Invalid, format_instant, instant_or_none, parse_instant
+from controller.rules.durations import format_instant, parse_instant
 from controller.rules.objects import reopen_holder
-from controller.rules.policy import Policy, deadline, phase_of
 from hack.apimetrics import settled_writes, writes_by_resource
 from hack.localcluster import LocalCluster
 from tests.bed.controller_harness import (
-    Controller,
+    HOUR,
     condition,
+    get,
+    get_policy,
+    gone,
     instant,
     metric_value,
+    phase_is,
     reasons_for,
     sandbox,
+    status_of,
     wait_for,
 )
-
-HOUR = timedelta(hours=1)
-
-
-@pytest.fixture
-def start(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Any]:
-    """start(*flags, env=...) -> a leading Controller for this test's namespace; all stopped at the end."""
-    started: list[Controller] = []
-
-    def run(*flags: str, env: dict[str, str] | None = None, lead: bool = True) -> Controller:
-        log = tmp_path / f"controller-{len(started)}.log"
-        ctl = Controller(cluster, namespace, log, *flags, env=env)
-        started.append(ctl)
-        if lead:
-            ctl.wait_leader()
-        return ctl
-
-    yield run
-    for ctl in started:
-        ctl.stop()
-        print(f"----- {ctl.log_path.name} (last 80 lines) -----\n" + "\n".join(ctl.log().splitlines()[-80:]))
-
-
-def get(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
-    return kube.get_sandbox(namespace, name)
-
-
-def get_policy(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
-    policy: dict[str, Any] = kube.request("GET", policy_path(namespace, name))
-    return policy
-
-
-def status_of(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
-    return (get(kube, namespace, name) or {}).get("status") or {}
-
-
-def phase_is(kube: Kube, namespace: str, name: str, phase: c.Phase, timeout: float = 20) -> dict[str, Any]:
-    """Wait until the sandbox shows `phase`; return its status."""
-
-    def probe() -> dict[str, Any] | None:
-        status = status_of(kube, namespace, name)
-        return status if status.get("phase") == phase else None
-
-    return wait_for(f"{namespace}/{name} to be {phase}", probe, timeout)
-
-
-def gone(kube: Kube, namespace: str, name: str) -> bool:
-    return get(kube, namespace, name) is None
-
-
-# --- pure: the decision and the phase --------------------------------------------------------------------
-NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
-
-
-def _obj(**ann: str) -> dict[str, Any]:
-    return {
-        "metadata": {"name": "s", "namespace": "ns", "generation": 1, "annotations": ann},
-        "spec": {"nodeName": "n", "createdAt": format_instant(NOW - HOUR)},
-    }
-
-
-def test_phase_follows_the_verdict_and_the_agents_observations() -> None:
-    policy = Policy(retention=2 * HOUR, max_pin=timedelta(days=1))
-    kept = deadline(_facts(), policy, NOW)
-    gone_ = deadline(_facts(), Policy(retention=HOUR / 2, max_pin=HOUR), NOW)
-    assert phase_of(kept) is c.Phase.RETAINED
-    assert phase_of(gone_) is c.Phase.EXPIRED
-    assert phase_of(gone_, in_use=True) is c.Phase.HELD
-    assert phase_of(kept, disk_present=False) is c.Phase.LOST
-    assert phase_of(gone_, node_gone=True) is c.Phase.LOST
-    assert phase_of(gone_, deleting=True, node_gone=True) is c.Phase.DELETING
-    assert phase_of(kept, in_session=True) is c.Phase.OPEN
-    assert phase_of(gone_, in_session=True) is c.Phase.HELD
-    assert phase_of(kept, in_session=True, disk_present=False) is c.Phase.LOST
-
-
-def _facts() -> Any:
-    from controller.rules.objects import sandbox_facts
-
-    return sandbox_facts(_obj())
-
-
-def test_an_unchanged_sandbox_needs_no_status_write() -> None:
-    ctx = Context(Policy(retention=2 * HOUR, max_pin=timedelta(days=1)))
-    first = decide(_obj(), ctx, NOW)
-    shown = _obj() | {"status": first.status}
-    later = decide(shown, ctx, NOW + timedelta(minutes=5))
-    assert not status_changed(shown, later.status)
-    assert first.wake_at == NOW + HOUR and not first.delete
-
-
-def _session(namespace: str = "ns", pod: str = c.SESSION_POD_PREFIX + "u-1") -> dict[str, Any]:
-    """The status the agent reports while a session's Pod mounts the sandbox: its reopen volume holds it."""
-    return {"inUse": True, "heldBy": [reopen_holder(namespace, pod)]}
-
-
-def test_a_sessions_reopen_volume_opens_a_sandbox_keeps_its_pin_and_holds_it_past_its_deadline() -> None:
-    until = format_instant(NOW + 3 * HOUR)
-    pinned = _obj(**{c.ANN_PIN_UNTIL: until}) | {"status": _session()}
-    decision = decide(pinned, Context(Policy(retention=2 * HOUR, max_pin=timedelta(days=1))), NOW)
-    assert decision.phase is c.Phase.OPEN and decision.status["pinnedUntil"] == until
-    assert any(cd["type"] == c.Condition.PINNED and cd["status"] == "True" for cd in decision.status["conditions"])
-    expired = decide(_obj() | {"status": pinned["status"]}, Context(Policy(retention=HOUR / 2, max_pin=HOUR)), NOW)
-    assert expired.phase is c.Phase.HELD and not expired.delete
-    short = Context(Policy(retention=HOUR / 2, max_pin=HOUR))
-    # Another Pod's reopen volume, or a session Pod's of another namespace, holds it (in use) but does not open it.
-    for status in (_session(pod="build-1"), _session(namespace="elsewhere")):
-        other = decide(_obj() | {"status": status}, short, NOW)
-        assert other.phase is c.Phase.HELD and not other.delete
-    # A Verified entry an agent wrote before sessions mounted through the CSI driver is read no more: it
-    # would have opened (and held) the sandbox until someone cleared it.
-    stale = {"sessions": [{"pod": "p", "podUID": "u-1", "mount": c.MountCheck.VERIFIED}]}
-    assert decide(_obj() | {"status": stale}, short, NOW).delete
-
-
-def test_an_expired_sandbox_in_use_is_held_not_deleted() -> None:
-    obj = _obj() | {"status": {"inUse": True}}
-    decision = decide(obj, Context(Policy(retention=HOUR / 2, max_pin=HOUR)), NOW)
-    assert decision.phase is c.Phase.HELD and not decision.delete
-
-
-def test_dry_run_decides_but_never_deletes() -> None:
-    decision = decide(_obj(), Context(Policy(retention=HOUR / 2, max_pin=HOUR, dry_run=True)), NOW)
-    assert decision.phase is c.Phase.EXPIRED and not decision.delete
-    assert {cd["type"]: cd["reason"] for cd in decision.status["conditions"]}["DryRun"] == c.Reason.WOULD_DELETE
-
-
-def test_a_pin_that_would_shorten_retention_has_no_effect_and_says_so() -> None:
-    # pin-for=0 (settled into pin-until=now) and a mistyped year: the window stands, nothing is deleted.
-    ctx = Context(Policy(retention=2 * HOUR, max_pin=timedelta(days=1)))
-    for pin in (format_instant(NOW), "2025-06-01T12:00:00Z"):
-        decision = decide(_obj(**{c.ANN_PIN_UNTIL: pin, c.ANN_PINNED_AT: format_instant(NOW)}), ctx, NOW)
-        assert decision.phase is c.Phase.RETAINED and not decision.delete
-        assert decision.status["deadline"] == format_instant(NOW + HOUR) and "pinnedUntil" not in decision.status
-        pinned = {cd["type"]: cd for cd in decision.status["conditions"]}["Pinned"]
-        assert (pinned["status"], pinned["reason"]) == ("False", c.Reason.PIN_NO_EFFECT)
-        assert "no effect" in pinned["message"] and "write a later time" in pinned["message"]
-
-
-def test_an_out_of_range_pin_is_invalid_and_the_sandbox_still_expires() -> None:
-    # issue 12, item 4: decide() raised OverflowError on this pin on every reconcile, so it was never deleted.
-    obj = _obj(**{c.ANN_PIN_UNTIL: "0001-01-01T00:00:00+01:00"})
-    decision = decide(obj, Context(Policy(retention=HOUR / 2, max_pin=HOUR)), NOW)
-    assert decision.delete and decision.phase is c.Phase.EXPIRED
-    valid = {cd["type"]: cd for cd in decision.status["conditions"]}["PinValid"]
-    assert valid["reason"] == c.Reason.INVALID_PIN and "out of range" in valid["message"]
 
 
 # --- against the API server -------------------------------------------------------------------------------
@@ -420,97 +278,6 @@ def test_the_controller_exports_controller_runtimes_reconcile_and_workqueue_seri
         assert f'{c.M_WORKQUEUE_DEPTH}{{controller="controller",name="controller",priority="{priority}"}} 0.0' in text
     assert metric_value(text, c.M_WORKQUEUE_LONGEST, **queue) == 0
     assert f'{c.M_WORKQUEUE_DEPTH}{{controller="quota",name="quota",priority="0"}}' in text, "every queue is named"
-
-
-def test_a_shortened_policy_applies_to_existing_sandboxes(
-    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
-) -> None:
-    start("--retention=1h")
-    # 30 s between the apply and the new deadline: a loaded machine must still show the new deadline first.
-    kube.create_sandbox(namespace, sandbox("old", created=-timedelta(seconds=30)))
-    first = wait_for("status", lambda: status_of(kube, namespace, "old").get("deadline"))
-    policy = {
-        "apiVersion": c.API_VERSION,
-        "kind": c.POLICY_KIND,
-        "metadata": {"name": "short", "namespace": namespace},
-        "spec": {"retention": "60s"},
-    }
-    cluster.apply(policy)
-    moved = wait_for(
-        "the new deadline", lambda: (d := status_of(kube, namespace, "old").get("deadline")) != first and d
-    )
-    created = parse_instant(get(kube, namespace, "old")["spec"]["createdAt"])  # type: ignore[index]
-    assert moved == format_instant(created + timedelta(seconds=60))  # type: ignore[operator]
-    wait_for("the sandbox to be deleted under the new window", lambda: gone(kube, namespace, "old"), timeout=60)
-
-
-def test_each_outcome_is_kept_for_its_own_window_by_the_settings_and_by_a_policy(
-    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
-) -> None:
-    # Issue 28: a success goes after the cluster's 3 s, a failure and one without an outcome keep the 1h window
-    # until a SandboxPolicy gives failures 2 s; the one without an outcome still takes retention.
-    start("--retention=1h", "--retention-succeeded=3s")
-    for name, outcome in (("fine", c.Outcome.SUCCEEDED), ("broke", c.Outcome.FAILED), ("plain", None)):
-        origin = {} if outcome is None else {"origin": {"pod": f"{name}-pod", "outcome": outcome.value}}
-        kube.create_sandbox(namespace, sandbox(name, **origin))
-    wait_for("the success to be deleted", lambda: gone(kube, namespace, "fine"), timeout=30)
-    for name in ("broke", "plain"):
-        status = wait_for(
-            "status", lambda n=name: status_of(kube, namespace, n).get("deadline") and status_of(kube, namespace, n)
-        )
-        created = parse_instant(get(kube, namespace, name)["spec"]["createdAt"])  # type: ignore[index]
-        assert (
-            status["deadline"] == format_instant(created + HOUR) and status["deadlineSource"] == c.DeadlineSource.WINDOW
-        )  # type: ignore[operator]
-    cluster.apply(
-        {
-            "apiVersion": c.API_VERSION,
-            "kind": c.POLICY_KIND,
-            "metadata": {"name": "failures-briefly", "namespace": namespace},
-            "spec": {c.RETENTION_BY_OUTCOME: {"failed": "2s"}},
-        }
-    )
-    wait_for("the failure to be deleted under the policy", lambda: gone(kube, namespace, "broke"), timeout=30)
-    assert status_of(kube, namespace, "plain")["phase"] == c.Phase.RETAINED
-
-
-def test_a_second_policy_is_superseded_and_the_oldest_applies(
-    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
-) -> None:
-    """Two SandboxPolicies in one namespace: the older applies (not the first by name), the newer is marked
-    Active=False Superseded by the controller, and deleting the older hands the namespace to the other."""
-
-    def policy(name: str, retention: str) -> dict[str, Any]:
-        meta = {"name": name, "namespace": namespace}
-        return {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": meta, "spec": {"retention": retention}}
-
-    def active(name: str) -> dict[str, Any] | None:
-        return condition(get_policy(kube, namespace, name), c.PolicyCondition.ACTIVE)
-
-    def deadline_is(retention: timedelta) -> bool:
-        obj = get(kube, namespace, "run") or {}
-        created = instant_or_none(obj.get("spec", {}).get("createdAt"))
-        return created is not None and (obj.get("status") or {}).get("deadline") == format_instant(created + retention)
-
-    start("--retention=1h")
-    cluster.apply(policy("zz-older", "2h"))
-    older = wait_for("the only policy to be Active", lambda: active("zz-older"))
-    assert older["status"] == "True" and older["reason"] == c.Reason.IN_FORCE, older
-    time.sleep(1.1)  # creationTimestamp counts seconds: the second policy is younger, not tied
-    cluster.apply(policy("aa-newer", "3h"))  # first by name, so only its age keeps it from applying
-    newer = wait_for(
-        "the newer policy to be marked", lambda: (cd := active("aa-newer")) and cd["status"] == "False" and cd
-    )
-    assert newer["reason"] == c.Reason.SUPERSEDED and f"{namespace}/zz-older applies instead" in newer["message"]
-    wait_for(
-        "the older to name the superseded one", lambda: "aa-newer" in (active("zz-older") or {}).get("message", "")
-    )
-    assert active("zz-older")["status"] == "True"  # type: ignore[index]
-    kube.create_sandbox(namespace, sandbox("run"))
-    wait_for("the older policy's window on the sandbox", lambda: deadline_is(timedelta(hours=2)))
-    cluster.kubectl("delete", "sbp", "zz-older", "-n", namespace)
-    wait_for("the newer policy to apply", lambda: (cd := active("aa-newer")) and cd["status"] == "True")
-    wait_for("its window on the sandbox", lambda: deadline_is(timedelta(hours=3)))
 
 
 @pytest.mark.parametrize("where", ["flag", "namespace-policy"])
@@ -761,257 +528,3 @@ def test_past_its_hard_end_no_pin_or_session_keeps_a_sandbox_and_only_a_live_use
     kube.apply_status(busy, {"inUse": False}, AGENT_MANAGER)
     wait_for("the released sandbox to be deleted", lambda: gone(kube, namespace, "busy"))
     wait_for("the gauge back to 0", lambda: metric_value(ctl.metrics(), c.M_PAST_MAX_AGE, namespace=namespace) == 0)
-
-
-def test_history_limits_release_the_oldest_of_a_group_keep_the_newest_failure_and_never_a_pinned_one(
-    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
-) -> None:
-    # Issue 28, item 2: one success per job-name group, and the newest failure kept past its 1h window.
-    ctl = start("--retention=1h")
-    limits = {"groupBy": "job-name", "succeeded": 1, "keepLastFailed": 1}
-    cluster.apply(
-        {
-            "apiVersion": c.API_VERSION,
-            "kind": c.POLICY_KIND,
-            "metadata": {"name": "history", "namespace": namespace},
-            "spec": {c.HISTORY_LIMITS: limits},
-        }
-    )
-    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "history"), "Active"))
-
-    def run(name: str, outcome: c.Outcome, minutes: int, group: str = "nightly", **meta: Any) -> None:
-        origin = {"pod": f"{name}-pod", "outcome": outcome.value, "labels": {"job-name": group}}
-        body = sandbox(name, created=-timedelta(minutes=minutes), origin=origin)
-        body["metadata"] |= meta
-        kube.create_sandbox(namespace, body)
-
-    pin = {c.ANN_PIN_UNTIL: instant(2 * HOUR), c.ANN_PINNED_AT: instant()}
-    run("s-old", c.Outcome.SUCCEEDED, 3)
-    run("s-pinned", c.Outcome.SUCCEEDED, 2, annotations=pin)
-    run("s-new", c.Outcome.SUCCEEDED, 1)
-    run("s-other", c.Outcome.SUCCEEDED, 5, group="weekly")
-    run("f-old", c.Outcome.FAILED, 120)
-    run("f-new", c.Outcome.FAILED, 90)
-    for name in ("s-old", "f-old"):
-        wait_for(f"{name} to be deleted", lambda n=name: gone(kube, namespace, n), timeout=30)
-    kept = phase_is(kube, namespace, "f-new", c.Phase.RETAINED)
-    assert kept["deadlineSource"] == c.DeadlineSource.HISTORY and "deadline" not in kept
-    assert phase_is(kube, namespace, "s-pinned", c.Phase.PINNED)
-    assert phase_is(kube, namespace, "s-new", c.Phase.RETAINED) and phase_is(
-        kube, namespace, "s-other", c.Phase.RETAINED
-    )
-    run("s-newest", c.Outcome.SUCCEEDED, 0)  # s-new is now beyond the limit: decided again from the view alone
-    wait_for("s-new to be deleted", lambda: gone(kube, namespace, "s-new"), timeout=30)
-
-    def counted(reason: c.Reason) -> float:
-        return metric_value(ctl.metrics(), c.M_DELETIONS_REQUESTED, reason=reason)
-
-    # Counted once the DELETE's answer is back, which can be just after the object is gone.
-    wait_for("the two history releases counted", lambda: counted(c.Reason.HISTORY_LIMIT) == 2, timeout=10)
-    assert counted(c.Reason.WINDOW) == 1 and counted(c.Reason.HISTORY_LIMIT) == 2
-    for name in ("s-pinned", "s-newest", "s-other", "f-new"):
-        assert not gone(kube, namespace, name), name
-
-
-def test_history_limits_by_cronjob_keep_the_newest_run_of_each_cronjob(
-    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
-) -> None:
-    # Issue 28, item 2: groupBy cronjob (the CRD takes it) groups the runs whose Jobs the CronJob controller named.
-    start("--retention=1h")
-    body = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": {"name": "cron", "namespace": namespace}}
-    cluster.apply(body | {"spec": {c.HISTORY_LIMITS: {"groupBy": c.GROUP_BY_CRONJOB, "succeeded": 1}}})
-    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "cron"), "Active"))
-
-    def run(name: str, job: str, minutes: int) -> None:
-        origin = {"pod": f"{name}-pod", "outcome": "Succeeded", "owner": {"kind": "Job", "name": job}}
-        kube.create_sandbox(namespace, sandbox(name, created=-timedelta(minutes=minutes), origin=origin))
-
-    minute = int(time.time()) // 60
-    run("older", f"nightly-{minute - 30}", 20)
-    run("newer", f"nightly-{minute - 10}", 5)
-    run("by-hand", "nightly-build-7", 30)  # not a name the CronJob controller gives: in no group
-    wait_for("the older run to be deleted", lambda: gone(kube, namespace, "older"), timeout=30)
-    for name in ("newer", "by-hand"):
-        assert phase_is(kube, namespace, name, c.Phase.RETAINED), name
-
-
-def test_warn_before_gives_a_condition_and_one_event_before_the_deadline(
-    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
-) -> None:
-    # Issue 28, item 3: 10 s before its 20 s deadline the sandbox says ExpiringSoon, in a condition and an Event.
-    start("--retention=1h")
-    spec = {"retention": "20s", c.WARN_BEFORE: "10s"}
-    cluster.apply(
-        {
-            "apiVersion": c.API_VERSION,
-            "kind": c.POLICY_KIND,
-            "metadata": {"name": "warn", "namespace": namespace},
-            "spec": spec,
-        }
-    )
-    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "warn"), "Active"))
-    kube.create_sandbox(namespace, sandbox("soon"))
-    soon = wait_for(
-        "ExpiringSoon", lambda: condition(get(kube, namespace, "soon"), c.Condition.EXPIRING_SOON), timeout=30
-    )
-    assert soon["status"] == "True" and soon["reason"] == c.Reason.EXPIRING_SOON
-    assert get(kube, namespace, "soon")["status"]["phase"] == c.Phase.RETAINED  # type: ignore[index]
-    wait_for("the Event", lambda: c.Reason.EXPIRING_SOON in reasons_for(kube, namespace, "soon"))
-    wait_for("the sandbox to be deleted", lambda: gone(kube, namespace, "soon"), timeout=30)
-    assert reasons_for(kube, namespace, "soon").count(c.Reason.EXPIRING_SOON) == 1
-
-
-class Receiver:
-    """A warnWebhook receiver on loopback: answers 500 to its first `failures` notices, then 200; with `hang`
-    it never answers. Keeps every request's path and JSON body."""
-
-    def __init__(self, failures: int = 0, hang: bool = False) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        self.requests: list[tuple[str, dict[str, Any]]] = []
-        self.released = threading.Event()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                receiver.requests.append((self.path, body))
-                if hang:
-                    receiver.released.wait(60)
-                    return
-                self.send_response(500 if len(receiver.requests) <= failures else 200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *_args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks/sandkeep?token=s3cret"
-
-    def close(self) -> None:
-        self.released.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _warn_policy(cluster: LocalCluster, kube: Kube, namespace: str, url: str, retention: str) -> None:
-    spec = {"retention": retention, c.WARN_BEFORE: "4s", c.WARN_WEBHOOK: {"url": url}}
-    body = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": {"name": "warn", "namespace": namespace}}
-    cluster.apply(body | {"spec": spec})
-    wait_for("the policy to be in force", lambda: condition(get_policy(kube, namespace, "warn"), "Active"))
-
-
-def _due(kube: Kube, namespace: str, name: str) -> datetime:
-    due = parse_instant(phase_is(kube, namespace, name, c.Phase.RETAINED)["deadline"])
-    assert not isinstance(due, Invalid)
-    return due
-
-
-def _lateness(kube: Kube, namespace: str, name: str, due: datetime) -> float:
-    """Wait for the sandbox to go; return how late it went after its deadline `due`, in seconds."""
-    wait_for(f"{name} to be deleted", lambda: gone(kube, namespace, name), timeout=30, interval=0.05)
-    return (datetime.now(UTC) - due).total_seconds()
-
-
-def test_a_warn_webhook_gets_one_notice_retried_past_two_failures(
-    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
-) -> None:
-    # Issue 28, item 3: at ExpiringSoon the policy's webhook gets one JSON notice; a receiver that fails twice
-    # gets it on the third attempt (1 s and 2 s later), and the logs name its host, never its path or query.
-    receiver = Receiver(failures=2)
-    try:
-        ctl = start("--retention=1h")
-        _warn_policy(cluster, kube, namespace, receiver.url, retention="12s")
-        kube.create_sandbox(
-            namespace, sandbox("soon", origin={"pod": "p", "outcome": "Succeeded", "labels": {"job-name": "nightly"}})
-        )
-        due = _due(kube, namespace, "soon")
-        wait_for("the notice to be accepted", lambda: len(receiver.requests) >= 3, timeout=30)
-        assert _lateness(kube, namespace, "soon", due) < 3
-        paths = {path for path, _ in receiver.requests}
-        assert paths == {"/hooks/sandkeep?token=s3cret"} and len(receiver.requests) == 3
-        notice = receiver.requests[-1][1]
-        assert notice["kind"] == c.WARN_NOTICE_KIND == c.Reason.EXPIRING_SOON
-        assert (notice["namespace"], notice["name"], notice["node"]) == (namespace, "soon", "node-a")
-        assert notice["deadlineSource"] == c.DeadlineSource.WINDOW and notice["deadline"] == format_instant(due)
-        assert "within warnBefore" in notice["message"] and notice["origin"]["labels"] == {"job-name": "nightly"}
-        text = ctl.metrics()
-        assert metric_value(text, c.M_WARN_NOTICES, result=c.NoticeResult.SENT) == 1
-        assert metric_value(text, c.M_WARN_NOTICES, result=c.NoticeResult.RETRIED) == 2
-        log = ctl.log()
-        assert f"host=127.0.0.1:{receiver.server.server_port}" in log and "warn_notice_sent" in log
-        assert "s3cret" not in log and "/hooks" not in log
-    finally:
-        receiver.close()
-
-
-def test_a_warn_webhook_that_is_down_never_delays_the_deletion(
-    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
-) -> None:
-    # Nothing listens at the webhook's port: the notice is retried in the background and the sandbox still goes
-    # at its deadline.
-    receiver = Receiver()
-    url = receiver.url
-    receiver.close()  # its port now refuses connections
-    ctl = start("--retention=1h")
-    _warn_policy(cluster, kube, namespace, url, retention="8s")
-    kube.create_sandbox(namespace, sandbox("soon"))
-    assert _lateness(kube, namespace, "soon", _due(kube, namespace, "soon")) < 3
-    assert metric_value(ctl.metrics(), c.M_WARN_NOTICES, result=c.NoticeResult.RETRIED) >= 2
-    assert metric_value(ctl.metrics(), c.M_WARN_NOTICES, result=c.NoticeResult.SENT) == 0
-    assert "warn_notice_retried" in ctl.log() and "s3cret" not in ctl.log()
-
-
-def test_a_warn_webhook_that_hangs_is_cut_off_by_the_timeout_and_delays_nothing(
-    kube: Kube, cluster: LocalCluster, namespace: str, start: Any
-) -> None:
-    # A receiver that takes the request and never answers: each attempt ends at --warn-webhook-timeout, and
-    # the deletion is on time meanwhile.
-    receiver = Receiver(hang=True)
-    try:
-        ctl = start("--retention=1h", "--warn-webhook-timeout=1s")
-        _warn_policy(cluster, kube, namespace, receiver.url, retention="8s")
-        kube.create_sandbox(namespace, sandbox("soon"))
-        due = _due(kube, namespace, "soon")
-        wait_for("the first attempt", lambda: receiver.requests, timeout=20)
-        asked = time.monotonic()
-        wait_for("the second attempt", lambda: len(receiver.requests) >= 2, timeout=10)
-        assert time.monotonic() - asked < 1 + 1 + 4  # the timeout, the first backoff, slack (unbounded: 60 s)
-        assert _lateness(kube, namespace, "soon", due) < 3
-        assert "timed out" in ctl.log() and metric_value(ctl.metrics(), c.M_WARN_NOTICES, result="retried") >= 1
-    finally:
-        receiver.close()
-
-
-def test_the_events_backlog_is_bounded_and_what_is_dropped_is_counted() -> None:
-    # A mass expiry against a slow API server: Events wait in a backlog of at most EVENTS_BACKLOG; past it
-    # a new Event is dropped and counted, so memory does not grow with the wave (client-go bounds its own).
-    from kubernetes import client as k8s
-
-    from controller.cluster.controller import Controller
-    from controller.cluster.events import EVENTS_BACKLOG
-    from controller.cluster.settings import ControllerSettings
-    from controller.observe.metrics import ControllerMetrics
-
-    answered = threading.Event()
-
-    class SlowServer(Kube):
-        def post_event(self, *_args: Any, **_kwargs: Any) -> None:
-            answered.wait(30)
-
-    rec = Controller(SlowServer(k8s.Configuration()), ControllerSettings(), ControllerMetrics())
-    obj = _obj()
-
-    async def wave() -> None:
-        for _ in range(EVENTS_BACKLOG + 250):
-            rec.events.post(obj, c.Reason.EXPIRED, "expired", "Normal")
-        assert len(rec.events.backlog) == EVENTS_BACKLOG
-        answered.set()
-        while rec.events.backlog:
-            await asyncio.sleep(0.01)
-
-    asyncio.run(wave())
-    assert rec.metrics.events_dropped._value.get() == 250

@@ -26,13 +26,13 @@ from controller.api.leases import lease_path
 from controller.observe import metrics
 from controller.rules import contracts as c
 from controller.rules.pressure import Disk, percent
-from tests.apiserver import test_agent
-from tests.apiserver.test_agent import REPO, Node, adopted, get, wait_for
+from tests.bed.agentkit import Node, adopted, get, wait_for
 from tests.bed.procs import IGNORE
+
+REPO = Path(__file__).resolve().parents[2]
 
 MiB = 1 << 20
 pytestmark = pytest.mark.cluster
-crd, agents, procs = test_agent.crd, test_agent.agents, test_agent.procs  # the agent tests' own fixtures
 
 
 @pytest.fixture

@@ -4,12 +4,10 @@ real API server, with the expiry's own guarded DELETE (fresh read, the checks ag
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +19,7 @@ from controller.rules.policy import Ceiling, Policy, Quota, effective_policy
 from controller.rules.pressure import Candidate, Disk, Watermarks, choose
 from controller.rules.quota import choose as quota_choose
 from hack.localcluster import LocalCluster
-from tests.bed.controller_harness import Controller, condition, instant, metric_value, reasons_for, sandbox, wait_for
+from tests.bed.controller_harness import condition, instant, metric_value, reasons_for, sandbox, wait_for
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 MiB = 1 << 20
@@ -148,22 +146,6 @@ def test_a_node_releases_first_the_namespaces_marked_first_and_last_those_marked
 
 
 # --- the controller, against the real API server ---------------------------------------------------------
-@pytest.fixture
-def start(cluster: LocalCluster, namespace: str, tmp_path: Path) -> Iterator[Any]:
-    started: list[Controller] = []
-
-    def run(*flags: str, env: dict[str, str] | None = None) -> Controller:
-        ctl = Controller(cluster, namespace, tmp_path / f"controller-{len(started)}.log", *flags, env=env)
-        started.append(ctl)
-        ctl.wait_leader()
-        return ctl
-
-    yield run
-    for ctl in started:
-        ctl.stop()
-        print(f"----- {ctl.log_path.name} (last 60 lines) -----\n" + "\n".join(ctl.log().splitlines()[-60:]))
-
-
 def policy(cluster: LocalCluster, namespace: str, spec: dict[str, Any]) -> None:
     body = {"apiVersion": c.API_VERSION, "kind": c.POLICY_KIND, "metadata": {"name": "p"}, "spec": spec}
     cluster.apply(body | {"metadata": {"name": "p", "namespace": namespace}})

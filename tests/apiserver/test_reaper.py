@@ -25,24 +25,12 @@ from controller.rules import contracts as c
 from controller.rules.contracts import Reason
 from controller.rules.durations import parse_duration
 from controller.rules.policy import Policy
-from tests.apiserver.test_agent import (  # the agent's fixtures and helpers, shared rather than copied
-    IGNORE,
-    Node,
-    _running,
-    adopted,
-    agents,
-    cond,
-    crd,
-    delete,
-    get,
-    nodes,
-    orphans_of_a_killed_exec,
-    wait_for,
-)
+from tests.bed.agentkit import Node, adopted, cond, delete, get, orphans_of_a_killed_exec, wait_for
 from tests.bed.diskkit import make_immutable
+from tests.bed.procs import IGNORE
+from tests.bed.procs import alive as _running
 
 pytest_plugins = ["tests.bed.diskkit"]  # fixtures: immutable
-__all__ = ["agents", "crd", "nodes"]  # fixtures used through request.getfixturevalue
 
 D = timedelta(days=1)
 

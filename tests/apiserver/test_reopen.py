@@ -21,12 +21,12 @@ from controller.csi.proto import csi_pb2
 from controller.node.capture import Volumes
 from controller.rules import contracts as c
 from controller.rules.contracts import CSI_DRIVER, VOLUME_READ_WRITE, VOLUME_SANDBOX
-from tests.apiserver.test_agent import REPO, Node, adopted, agents, crd, delete, get, make_object, nodes, wait_for
+from tests.bed.agentkit import Node, adopted, delete, get, make_object, wait_for
 from tests.bed.csikit import node_stub, publish_request, socket_dir
 from tests.disk.test_capture import mounts_at, unmount_under
 from tests.disk.test_csi_node import wait_for_socket
 
-__all__ = ["agents", "crd", "nodes"]  # fixtures of test_agent, used here
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Plugin:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.apiserver.test_agent import AgentProcess, Node, adopted, delete, get, orphans_of_a_killed_exec, wait_for
+from tests.bed.agentkit import AgentProcess, Node, adopted, delete, get, orphans_of_a_killed_exec, wait_for
 from tests.bed.controller_harness import install_crds
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,6 +5,8 @@
 - `own_cluster`: a control plane of a test module's own, for questions about the whole cluster.
 - `diskkit`: real directories for the node side: jobs, immutable files, bind mounts, a throwaway user.
 - `procs`: whether a pid still runs, and the pids no agent may inspect.
+- `agentkit`: the node agent's bed: simulated nodes with roots of their own, `sandkeep agent` as a real process.
+- `rbackit`: the chart's RBAC installed on the API server, and the components run as its ServiceAccounts.
 - `e2e_bed`: the end-to-end bed: the local control plane with one real node, or kind.
 
 The local control plane and the real node themselves are `hack.localcluster` and `hack.localnode`, which the

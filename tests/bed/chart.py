@@ -1,5 +1,6 @@
 """The Helm chart as the tests run it: the built helm, `helm template` for the local control plane's version,
-the rendered objects, and the values the chart tests share (everything turned on; no CRDs, no hooks).
+the rendered objects, the values the chart tests share (everything turned on; no CRDs, no hooks), the
+values' `# --` documentation and a workload's first container.
 
 Used by the chart's own tests (tests/chart/) and by those that install it on the API server (tests/apiserver/).
 """
@@ -15,6 +16,7 @@ import pytest
 import yaml
 
 from controller.cluster.settings import ControllerSettings
+from hack.chart_values_table import documented_keys
 from hack.localcluster import REPO, kube_version
 
 CHART = REPO / "charts" / "sandkeep"
@@ -106,3 +108,13 @@ def controller_settings(manifest: str) -> ControllerSettings:
         for name, value in env.items():
             patch.setenv(name, value)
         return ControllerSettings()
+
+
+def values_docs() -> dict[tuple[str, ...], str]:
+    """The `# --` documentation of each value, as hack/chart_values_table.py reads it."""
+    return documented_keys((CHART / "values.yaml").read_text())
+
+
+def container_of(doc: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = doc["spec"]["template"]["spec"]["containers"][0]
+    return container

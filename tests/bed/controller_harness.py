@@ -5,6 +5,8 @@
 - `only_in(namespace)`: the chart value that binds the pin admission policy to that namespace alone.
 - `Controller`: a real `sandkeep controller` subprocess (stopped by pid), its log and metrics.
 - `sandbox(...)`, `events_for(...)`, `wait_for(...)`: small builders and a polling wait.
+- `get`, `get_policy`, `status_of`, `phase_is(...)`, `gone`: a sandbox or policy as the API server has it now,
+  and waits on it. The `start` fixture (tests/apiserver/conftest.py) runs a leading `Controller` per test.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from controller.api.kube import Kube, load_config
+from controller.api.kube import Kube, load_config, policy_path
 from controller.rules import contracts as c
 from controller.rules.durations import format_instant
 from hack.localcluster import kube_version, tools_bin
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO / "crds"
 CHART = REPO / "charts" / "sandkeep"
 T = TypeVar("T")
+HOUR = timedelta(hours=1)
 
 
 _INSTALLED: set[str] = set()  # the clusters (by their admin kubeconfig, unique to each) with the CRDs served
@@ -188,3 +191,30 @@ def metric_value(text: str, name: str, /, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             return float(value)
     return 0.0
+
+
+def get(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    return kube.get_sandbox(namespace, name)
+
+
+def get_policy(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
+    policy: dict[str, Any] = kube.request("GET", policy_path(namespace, name))
+    return policy
+
+
+def status_of(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
+    return (get(kube, namespace, name) or {}).get("status") or {}
+
+
+def phase_is(kube: Kube, namespace: str, name: str, phase: c.Phase, timeout: float = 20) -> dict[str, Any]:
+    """Wait until the sandbox shows `phase`; return its status."""
+
+    def probe() -> dict[str, Any] | None:
+        status = status_of(kube, namespace, name)
+        return status if status.get("phase") == phase else None
+
+    return wait_for(f"{namespace}/{name} to be {phase}", probe, timeout)
+
+
+def gone(kube: Kube, namespace: str, name: str) -> bool:
+    return get(kube, namespace, name) is None

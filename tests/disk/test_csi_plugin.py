@@ -23,7 +23,7 @@ from controller.csi import server as csi_server
 from controller.csi import sockets
 from controller.csi.proto import csi_pb2, csi_pb2_grpc
 from controller.rules.contracts import CSI_DRIVER, POD_INFO_UID, VOLUME_KEEP, Keep
-from tests.apiserver.test_agent import wait_for
+from tests.bed.agentkit import wait_for
 from tests.bed.csikit import RecordingVolumes, channel, node_stub, publish_request, socket_dir
 from tests.unit.test_volume import POD, TARGET, UID, VOLUME_ID
 

@@ -25,7 +25,7 @@ from controller.csi import server as csi_server
 from controller.csi import sockets
 from controller.csi.proto import csi_pb2, csi_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
 from controller.rules.contracts import CSI_DRIVER
-from tests.apiserver.test_agent import wait_for
+from tests.bed.agentkit import wait_for
 from tests.bed.csikit import REGISTRATION_PATH, RecordingVolumes, channel, socket_dir
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,7 @@
 """Quarantine's bookkeeping (pure) and `Reaper.reap_unadoptable` on a real root, real links and processes.
 
-The agent's end-to-end behaviour (a real API server, a real `sandkeep agent`) is in tests/apiserver/test_agent.py.
+The agent's end-to-end behaviour (a real API server, a real `sandkeep agent`) is in
+tests/apiserver/test_agent_adoption.py.
 """
 
 from __future__ import annotations

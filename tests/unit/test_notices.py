@@ -1,7 +1,7 @@
 """warnWebhook notices (issue 28, item 3): the policy's URL, the notice, and the bounded backlog.
 
 The notices against a real receiver, one that fails, one that is down and one that hangs, are in
-tests/apiserver/test_controller.py (with a real controller and API server).
+tests/apiserver/test_controller_warnings.py (with a real controller and API server).
 """
 
 from __future__ import annotations
