@@ -468,8 +468,25 @@ class LocalBed(Bed):
         self.job_on(namespace, on, job, script, timeout=600, wait=wait)
 
     def wait_job(self, namespace: str, job: str, timeout: int = 180) -> None:
-        wait = ("wait", "-n", namespace, f"job/{job}", "--for=condition=Complete", f"--timeout={timeout}s")
-        self.kubectl(*wait, timeout=timeout + 10)
+        """Until the Job completes; one that failed, or is not done in `timeout` seconds, fails the test with its
+        Pod's last lines (what the command said) and the Job's conditions."""
+
+        def ended() -> str | None:
+            got = self.kubectl("get", "job", job, "-n", namespace, "-o", "json")
+            status = json.loads(got.stdout).get("status") or {}
+            done = [c["type"] for c in status.get("conditions") or [] if c.get("status") == "True"]
+            return next((t for t in done if t in ("Complete", "Failed")), None)
+
+        try:
+            outcome = eventually(ended, f"the Job {namespace}/{job} to end", timeout=timeout, every=1.0)
+        except AssertionError:
+            outcome = "not done"
+        if outcome != "Complete":
+            logs = self.kubectl("logs", f"job/{job}", "-n", namespace, "--tail=40", check=False)
+            conditions = self.kubectl("get", "job", job, "-n", namespace, "-o", "jsonpath={.status}", check=False)
+            raise AssertionError(
+                f"the Job {namespace}/{job}: {outcome}\n{conditions.stdout}\n{logs.stdout}{logs.stderr}"
+            )
 
     @property
     def nodes(self) -> list[LocalNode]:
