@@ -3,7 +3,7 @@
 Each test runs a real `sandkeep controller` process watching only its own namespace, with windows of a
 few seconds. No agent runs here, so no finalizer is on the objects and a DELETE removes them at once.
 SandboxPolicies and history limits are in test_controller_policies.py, warnings before a deadline in
-test_controller_warnings.py, the decision without a server in test_controller_decide.py; the `start`
+test_controller_warnings.py, the decision without a server in tests/unit/test_controller_decide.py; the `start`
 fixture is this folder's conftest.py, the helpers tests/bed/controller_harness.py.
 """
 

@@ -1,6 +1,6 @@
 """The controller's decision without a server: the phase from the verdict and the agent's observations, a status
 write only on change, a session's reopen volume, in use, dry run, pins that would shorten or are out of range;
-and the bounded backlog of Events. The same against the real API server is in test_controller.py.
+and the bounded backlog of Events. The same against the real API server is in tests/apiserver/test_controller.py.
 """
 
 from __future__ import annotations
