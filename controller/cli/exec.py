@@ -141,11 +141,11 @@ def run(command: str, args: argparse.Namespace) -> int:
         A manifest read just before a sweep renamed the sandbox away, and then no workspace at its path, is a
         look that straddled the rename: it is read again, so the sweep is told as what it was (`Tombstoned`),
         not as a replacement."""
-        fresh = read if held is None else root.read(ns, name)
-        found = _identity(root.path, [ns, name, *_parts(fresh)]) if held is not None else None
-        if held is not None and found is None and isinstance(fresh, Present):
-            fresh = root.read(ns, name)
-            found = _identity(root.path, [ns, name, *_parts(fresh)])
+        fresh, found = read, None
+        if held is not None:
+            fresh, found = _look(root, ns, name)
+            if found is None and isinstance(fresh, Present):
+                fresh, found = _look(root, ns, name)
         opening = _opening(root, ref, fresh, held, found)
         return refusal(opening, policy, utcnow(), stuck_after=settings.stuck_after)
 
@@ -223,6 +223,12 @@ def _open_workspace(root: Path, parts: list[str]) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _look(root: Root, ns: str, name: str) -> tuple[Read, tuple[int, int] | None]:
+    """The sandbox's manifest now, and the identity of the workspace it names at its path now."""
+    fresh = root.read(ns, name)
+    return fresh, _identity(root.path, [ns, name, *_parts(fresh)])
 
 
 def _identity(root: Path, parts: list[str]) -> tuple[int, int] | None:
