@@ -19,7 +19,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -30,6 +29,7 @@ from controller.api import kube
 from controller.node.store import Root
 from controller.rules import contracts as c
 from controller.rules import objects
+from tests.bed import controller_harness
 from tests.bed.procs import IGNORE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,15 +37,9 @@ CRD = REPO / "crds" / "sandkeep.io_retainedsandboxes.yaml"
 T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T], timeout: float = 30.0, what: str = "condition") -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s (last: {value!r})")
-        time.sleep(0.1)
+def wait_for(check: Callable[[], T | None], timeout: float = 30.0, what: str = "condition") -> T:
+    """`controller_harness.wait_for` in the argument order the agent's tests use (the check first)."""
+    return controller_harness.wait_for(what, check, timeout)
 
 
 class Node:
