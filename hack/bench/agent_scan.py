@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from controller.node.inuse import scan_usage  # noqa: E402
 from controller.node.store import Root  # noqa: E402
 from controller.rules.models import Manifest  # noqa: E402
+from hack.bench.plane import rss_mib  # noqa: E402
 
 
 def build_root(root: Path, count: int, namespaces: int = 10) -> None:
@@ -73,13 +74,6 @@ def measure_scan(root: Root) -> dict[str, float]:
     in_use = best_of(3, lambda: scan_usage(paths, (), Path("/proc"), {os.getpid()}))
     reads = best_of(3, lambda: [root.read(e.namespace, e.name) for e in entries])
     return {"listing": listing, "in_use": in_use, "reads": reads, "entries": len(entries)}
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def measure_agent(root: Root, count: int, workdir: Path, kube_qps: float | None) -> dict[str, float]:

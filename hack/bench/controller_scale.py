@@ -38,6 +38,7 @@ from controller.api.kube import Kube, KubeError, load_config, sandbox_path  # no
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.durations import format_instant, parse_instant  # noqa: E402
 from hack.apimetrics import settled_writes, writes_by_resource  # noqa: E402
+from hack.bench.plane import rss_mib  # noqa: E402
 from hack.localcluster import LocalCluster, tools_bin  # noqa: E402
 
 TARGET_LAG_P99 = 2.0
@@ -181,15 +182,8 @@ def server_cost(cluster: LocalCluster) -> dict[str, float]:
         cost["etcd db MiB"] = metric_sum(etcd, "etcd_mvcc_db_total_size_in_bytes") / 2**20
     for component in getattr(cluster, "components", []):
         if component.name in ("etcd", "kube-apiserver") and component.proc.poll() is None:
-            cost[f"{component.name} RSS MiB"] = rss_now_mib(component.proc.pid)
+            cost[f"{component.name} RSS MiB"] = rss_mib(component.proc.pid)
     return cost
-
-
-def rss_now_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return math.nan
 
 
 def run(args: argparse.Namespace, cluster: LocalCluster) -> int:

@@ -50,7 +50,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "hack"))
 
 import grpc  # noqa: E402
-from agent_scan import rss_mib  # noqa: E402
 from localcluster import CLUSTER_TOOLS, LocalCluster, tools_bin  # noqa: E402
 from processes import spawn  # noqa: E402
 
@@ -63,6 +62,7 @@ from controller.node.store import Root, write_atomic  # noqa: E402
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.contracts import Outcome  # noqa: E402
 from controller.rules.models import Origin  # noqa: E402
+from hack.bench.plane import rss_mib  # noqa: E402
 
 NAMESPACE = "bench"
 PUBLISH_TARGET_MS = 100.0

@@ -1,6 +1,7 @@
-"""What the local control plane's processes cost, for the fleet benchmark (hack/bench/fleet_model.py): CPU
-time and memory from /proc, sums of the components' own metrics, and etcd's metrics and v3 HTTP gateway
-(its db size, compaction and defragmentation, the keys and bytes it stores under a prefix)."""
+"""What the local control plane's processes cost, for the benchmarks (hack/bench/fleet_model.py; the RSS reader
+also for agent_scan.py, controller_scale.py and csi.py): CPU time and memory from /proc, sums of the components'
+own metrics, and etcd's metrics and v3 HTTP gateway (its db size, compaction and defragmentation, the keys and
+bytes it stores under a prefix)."""
 
 from __future__ import annotations
 
