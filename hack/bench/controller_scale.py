@@ -38,7 +38,7 @@ from controller.api.kube import Kube, KubeError, load_config, sandbox_path  # no
 from controller.rules import contracts as c  # noqa: E402
 from controller.rules.durations import format_instant, parse_instant  # noqa: E402
 from hack.apimetrics import settled_writes, writes_by_resource  # noqa: E402
-from hack.bench.plane import rss_mib  # noqa: E402
+from hack.bench.plane import percentile, rss_mib  # noqa: E402
 from hack.localcluster import LocalCluster, tools_bin  # noqa: E402
 
 TARGET_LAG_P99 = 2.0
@@ -84,13 +84,6 @@ def histogram_quantile(text: str, name: str, q: float) -> float:
             return lower_bound + (bound - lower_bound) * (rank - lower_count) / max(count - lower_count, 1e-9)
         lower_bound, lower_count = bound, count
     return math.nan
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Watcher(threading.Thread):

@@ -9,7 +9,9 @@
 Each round builds one tree per tool from the same seed (so every tool deletes the same shape, names and sizes),
 syncs them to disk BEFORE timing (an unsynced tree deletes from the page cache several times faster and the
 ratio then means nothing; `--drop-caches`, as root, also drops the clean caches so every tool starts cold),
-then deletes them in an order rotated every round. Shapes:
+then deletes them in an order rotated every round. Each tool's time ends when its delete is on disk: the
+delete, then a `syncfs` of the trees' filesystem, timed as part of it (without it, the journal and metadata
+writes a tool leaves behind are paid by whichever tool runs next). Shapes:
 
 - `repo`: the issue's 40,000-file repository (30% in a `.git/objects/xx/` fan-out, the rest 25 per directory
   three levels deep);
@@ -40,6 +42,7 @@ shape).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
@@ -312,6 +315,21 @@ def sandkeep_delete(tree: Path, workers: int | None, impl: str) -> dict[str, obj
     return data
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def syncfs(where: Path) -> float:
+    """Write the filesystem holding `where` to disk (what a delete left in memory); its wall time in seconds."""
+    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        start = time.perf_counter()
+        if _LIBC.syncfs(fd) != 0:
+            raise OSError(ctypes.get_errno(), "syncfs")
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+
+
 def settle(drop_caches: bool) -> None:
     """Write everything to disk; as root with --drop-caches, also drop the clean page, dentry and inode caches."""
     os.sync()
@@ -391,8 +409,9 @@ def main() -> int:
                     if tree.exists():
                         print(f"{tool.name} left {tree} behind", file=sys.stderr)
                         return 1
-                    tool.times.setdefault(shape, []).append(seconds)
-                    line.append(f"{tool.name} {seconds:.2f}s")
+                    synced = syncfs(base)
+                    tool.times.setdefault(shape, []).append(seconds + synced)
+                    line.append(f"{tool.name} {seconds + synced:.2f}s ({synced:.2f} sync)")
                 print(f"round {r + 1} {shape}: " + ", ".join(line) + f"  (load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)

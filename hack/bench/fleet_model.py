@@ -62,7 +62,7 @@ from controller.rules.objects import Obj, condition  # noqa: E402
 from controller.rules.policy import Policy  # noqa: E402
 from controller.rules.sizes import human_size  # noqa: E402
 from hack.apimetrics import requests_by  # noqa: E402
-from hack.bench.plane import Plane, b64, cpu_seconds, rss_mib  # noqa: E402
+from hack.bench.plane import Plane, b64, cpu_seconds, percentile, rss_mib  # noqa: E402
 from hack.localcluster import LocalCluster  # noqa: E402
 
 ROOT = "/var/lib/sandkeep"
@@ -324,13 +324,6 @@ class Watches:
         size = ((event.get("object") or {}).get("status") or {}).get("sizeBytes", 0)
         if event.get("type") == "MODIFIED" and size >= SIZE_BASE:
             self.delivered.setdefault(size - SIZE_BASE, now)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def measure_watches(args: argparse.Namespace, plane: Plane, fleet: Fleet) -> None:

@@ -31,6 +31,14 @@ def rss_mib(pid: int) -> float:
     return math.nan
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The value at rank `int(q * n)` of the sorted values (NaN for none): the latency summaries' rule."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def metric(text: str, name: str, labels: str = "") -> float:
     total = 0.0
     for line in text.splitlines():
