@@ -172,9 +172,16 @@ def test_unadoptable_entries_are_quarantined_deleted_after_the_grace_held_in_use
     wait_for(lambda: quarantined(a) == want, what="every unadoptable entry quarantined by its cause")
     for entry in ("bare", "garbage", "undated", "link", "busy", "fixable"):
         assert re.search(rf"quarantined reason=Quarantined cause=\S+ entry={namespace}/{entry} ", a.log()), entry
-    lease = cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace, "-o", "json")
-    published = json.loads(json.loads(lease.stdout)["metadata"]["annotations"][c.ANN_QUARANTINE])
-    assert published["total"] == 8 and published["grace"] == 8
+
+    def published() -> dict[str, object]:
+        """The quarantine the heartbeat Lease says ({} until its next beat publishes one)."""
+        lease = cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace, "-o", "json")
+        text = json.loads(lease.stdout)["metadata"].get("annotations", {}).get(c.ANN_QUARANTINE) or "{}"
+        found: dict[str, object] = json.loads(text)
+        return found
+
+    wait_for(lambda: published().get("total") == 8, what="the quarantine on the heartbeat Lease")
+    assert published()["grace"] == 8
     only = ["--install-namespace", namespace, "--sandbox-namespace", namespace]
     doctor = subprocess.run(
         [*DOCTOR, "--kubeconfig", str(cluster.kubeconfig), *only],
