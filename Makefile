@@ -74,11 +74,10 @@ lint: venv
 types: venv
 	$(VENV)/bin/mypy
 
-## Everything: lint, types, the whole suite against real directories, processes and a real API server, then the
-## end-to-end suite on a real node.
+## Everything: lint, types, the whole suite against real directories, processes and a real API server, and
+## beside it the end-to-end suite on a real node (hack/test_all.sh: its output is printed when both are done).
 test: deps venv tools lint types
-	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m 'not e2e' $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory e2e
+	VENV=$(VENV) PYTEST_WORKERS=$(PYTEST_WORKERS) PYTEST_ARGS="$(PYTEST_ARGS)" E2E_ARGS="$(E2E_ARGS)" hack/test_all.sh
 
 ## The end-to-end suite alone: a real node (kubelet, containerd, kube-scheduler) joins the local control plane,
 ## the image built from the Dockerfile runs the chart's Pods, a real Prometheus scrapes them and pages.

@@ -39,8 +39,10 @@ from tests.node.test_e2e import phase, rsb
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("e2e"), pytest.mark.timeout(2400)]
-# A commit of main before this release work (issue 29): its chart and image are "the previous release".
-PREVIOUS = "5c1727b30f99e559f3e6b2264726f7a3c322d688"
+# The last commit of main that CI landed before this one (2026-12-05): its chart and image are "the previous
+# release". It has the PID-namespace fix (6bce8ed); 5c1727b, before it, took a Job's young retain stage for a
+# crashed one while the 600 late retains ran, and the Job failed (under load) with its stage swept.
+PREVIOUS = "20ad8e987bdb14e9c50c9a46ade4905fbe4bb647"
 PREVIOUS_VERSION = f"0.0.0-main.{PREVIOUS[:7]}"
 NS = "e2e"
 KEPT, PINNED = 180, 20
