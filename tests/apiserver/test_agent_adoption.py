@@ -173,15 +173,15 @@ def test_unadoptable_entries_are_quarantined_deleted_after_the_grace_held_in_use
     for entry in ("bare", "garbage", "undated", "link", "busy", "fixable"):
         assert re.search(rf"quarantined reason=Quarantined cause=\S+ entry={namespace}/{entry} ", a.log()), entry
 
-    def published() -> dict[str, object]:
-        """The quarantine the heartbeat Lease says ({} until its next beat publishes one)."""
-        lease = cluster.kubectl("get", "lease", f"{c.AGENT_LEASE_PREFIX}{n1.name}", "-n", namespace, "-o", "json")
-        text = json.loads(lease.stdout)["metadata"].get("annotations", {}).get(c.ANN_QUARANTINE) or "{}"
-        found: dict[str, object] = json.loads(text)
-        return found
+    def published() -> dict[str, Any] | None:
+        """The quarantine the heartbeat Lease says, once a beat has published all 8 entries (None before)."""
+        lease = cluster.read(lease_path(namespace, f"{c.AGENT_LEASE_PREFIX}{n1.name}")) or {}
+        annotations = lease.get("metadata", {}).get("annotations", {})
+        found: dict[str, Any] = json.loads(annotations.get(c.ANN_QUARANTINE) or "{}")
+        return found if found.get("total") == 8 else None
 
-    wait_for(lambda: published().get("total") == 8, what="the quarantine on the heartbeat Lease")
-    assert published()["grace"] == 8
+    shown = wait_for(published, what="the quarantine on the heartbeat Lease")
+    assert shown["grace"] == 8
     only = ["--install-namespace", namespace, "--sandbox-namespace", namespace]
     doctor = subprocess.run(
         [*DOCTOR, "--kubeconfig", str(cluster.kubeconfig), *only],
