@@ -12,7 +12,7 @@ TOOLS_BIN := $(SANDKEEP_TOOLS_DIR)/bin
 export PATH := $(CURDIR)/$(VENV)/bin:$(TOOLS_BIN):$(PATH)
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv protos deps demo-deps tools demo-tools lint types test test-fast e2e e2e-nodes demo demo-node node cluster bench clean image \
+.PHONY: all venv protos rmtree deps demo-deps tools demo-tools lint types test test-fast e2e e2e-nodes demo demo-node node cluster bench clean image \
 	release registry
 # What the demo runs; `make tools` adds kubelet, kube-scheduler, helm, promtool, prometheus, the OCI registry and
 # crane for the tests and `make release`, and krew (tests/apiserver/test_krew.py).
@@ -32,7 +32,11 @@ $(STAMP): pyproject.toml constraints.txt
 protos: $(STAMP)
 	bash hack/protos.sh $(PY)
 
-venv: $(STAMP) protos
+## The compiled walker (rmtree/), beside the venv's interpreter where fsdelete.py looks for it; instant when built.
+rmtree: $(STAMP)
+	bash hack/rmtree.sh $(VENV)/bin/sandkeep-rmtree
+
+venv: $(STAMP) protos rmtree
 
 ## The Debian packages the tests (and the real node, and the image build) need; installed when missing (as root).
 deps:

@@ -10,6 +10,12 @@ Public API:
 - `DeleteResult(ok, reason, errno, path, files)`: on failure `reason` is DELETE_FAILED or CROSS_DEVICE and
   `path`/`errno` name the first entry that would not go; everything else that could go is gone.
 
+A directory goes to the compiled walker (`sandkeep-rmtree`, rmtree/main.go) where it is built beside the
+interpreter (`make venv`, the image) or named by `SANDKEEP_RMTREE` (empty: never): the same rules as below, step
+for step, with its unlinks in flight in goroutines that share no interpreter lock (measured in
+docs/benchmarks.md). It inherits the parent's fd, answers one JSON line, and dies with its caller
+(PDEATHSIG); what it cannot answer is a failure of the whole tree. Without it, this module's threads delete.
+
 Every directory is opened with O_DIRECTORY|O_NOFOLLOW relative to its parent's fd (`nofollow.py`) and read with
 scandir (whose d_type spares an lstat per file); links are unlinked like files, never traversed. A directory on
 another device or another mount (its mount id differs from the parent's: a bind mount keeps st_dev but not the
@@ -40,8 +46,12 @@ import asyncio
 import contextlib
 import errno as E
 import itertools
+import json
+import logging
 import os
 import stat
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +69,10 @@ _HELPER_OPEN = 4  # levels a helper's walk holds open (the caller's walk holds M
 _MAX_FAILED_DIRS = 1 << 16  # directories that would not go, remembered to skip on a re-read; beyond: stop
 _FIRST = 4  # names of non-directories taken from a level at first (a level of fewer is never shared)
 _BATCH = 32  # most names of non-directories taken from a level at once, by its walk or a helper
+COMPILED = "sandkeep-rmtree"  # the compiled walker (rmtree/), beside the interpreter: `make venv`, the image
+_OUTPUT_LIMIT = 1 << 16  # bytes of the compiled walker's answer read at most (one JSON line)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -466,6 +480,8 @@ def delete_tree_at(parent_fd: int, name: str, where: str | None = None, *, worke
         return DeleteResult(True, Reason.DELETED)
     except OSError as err:
         return DeleteResult(False, Reason.DELETE_FAILED, err.errno, f"{where.rstrip('/')}/{name}")
+    if stat.S_ISDIR(st.st_mode) and (binary := compiled_walker()) is not None:
+        return _delete_compiled(binary, parent_fd, name, where, workers)
     delete = _Delete(parent_fd, where, max(workers - 1, 0))
     walk = _Walk(delete)
     if not stat.S_ISDIR(st.st_mode):
@@ -474,6 +490,52 @@ def delete_tree_at(parent_fd: int, name: str, where: str | None = None, *, worke
     else:
         walk.run(name)
     return delete.result()
+
+
+def compiled_walker() -> str | None:
+    """The compiled walker to delete directories with, or None for this module's threads.
+
+    `SANDKEEP_RMTREE` names it (empty: none); unset, it is `sandkeep-rmtree` beside the interpreter, where
+    `make venv` and the image put it, when it is there.
+    """
+    chosen = os.environ.get("SANDKEEP_RMTREE")
+    if chosen is not None:
+        return chosen or None
+    beside = Path(sys.executable).parent / COMPILED
+    return str(beside) if os.access(beside, os.X_OK) else None
+
+
+def _delete_compiled(binary: str, parent_fd: int, name: str, where: str, workers: int) -> DeleteResult:
+    """Delete the directory `name` below `parent_fd` with the compiled walker (rmtree/main.go says how it keeps
+    this module's rules). What it cannot answer is a failure of the whole tree, never a success."""
+    top = f"{where.rstrip('/')}/{name}"
+    command = [binary, str(parent_fd), name, str(max(workers, 1))]
+    try:
+        proc = subprocess.run(command, pass_fds=(parent_fd,), stdin=subprocess.DEVNULL, capture_output=True)
+    except OSError as err:
+        log.error("delete of %s: the compiled walker %s did not start: %s", top, binary, err)
+        return DeleteResult(False, Reason.DELETE_FAILED, err.errno, top)
+    answer = _answer(proc)
+    if answer is None:
+        why = proc.stderr[-2000:].decode(errors="replace").strip()
+        log.error("delete of %s: the compiled walker %s exited %d, no answer: %s", top, binary, proc.returncode, why)
+        return DeleteResult(False, Reason.DELETE_FAILED, None, top)
+    files, errno, path, mount = answer
+    if path is None:
+        return DeleteResult(True, Reason.DELETED, files=files)
+    reason = Reason.CROSS_DEVICE if mount else Reason.DELETE_FAILED
+    return DeleteResult(False, reason, errno, f"{where.rstrip('/')}/{path}", files)
+
+
+def _answer(proc: subprocess.CompletedProcess[bytes]) -> tuple[int, int | None, str | None, bool] | None:
+    """(files, errno, path, mount) from the compiled walker's one JSON line; None when it gave none."""
+    if proc.returncode != 0:
+        return None
+    try:
+        answer = json.loads(proc.stdout[:_OUTPUT_LIMIT])
+        return int(answer["files"]), answer["errno"], answer["path"], bool(answer["mount"])
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def _unlink_names(dir_fd: int, names: list[str]) -> tuple[int, list[str]]:

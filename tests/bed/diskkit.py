@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.node import fsdelete
 from controller.node.store import Root
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,6 +27,21 @@ def require_root() -> None:
     """Root-only tests run, never skip: as anyone else they fail saying why."""
     if os.geteuid() != 0:
         pytest.fail("this test needs root (chattr +i, chown to another uid, mounts); the suite runs as root in CI")
+
+
+@pytest.fixture(params=["threads", "compiled"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which walker deletes directories: fsdelete's threads, or the compiled one (rmtree/) that `make venv` puts
+    beside the interpreter. Set through SANDKEEP_RMTREE, so a child process run by the test uses the same."""
+    binary = Path(sys.executable).parent / fsdelete.COMPILED
+    if request.param == "compiled" and not os.access(binary, os.X_OK):
+        pytest.fail(f"{binary} is missing: `make venv` builds it from rmtree/")
+    monkeypatch.setenv("SANDKEEP_RMTREE", str(binary) if request.param == "compiled" else "")
+    return str(request.param)
+
+
+# A test that reaches into fsdelete's threads, or that no choice of walker changes.
+THREADS_ONLY = pytest.mark.parametrize("engine", ["threads"], indirect=True)
 
 
 def make_job(parent: Path, name: str = "job", files: int = 5) -> Path:

@@ -404,7 +404,8 @@ def run_step(
     root: Path, entry: str, verb: str, origin_json: str, strace: list[str]
 ) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, "-B", "-c", STEP, str(root), entry, verb, origin_json]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
+    # SANDKEEP_RMTREE="": the delete in this process's threads, not the compiled walker's process (see STEP)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1", "SANDKEEP_RMTREE": ""}
     return subprocess.run(["strace", "-f", "-qq", *strace, *args], cwd=REPO, env=env, capture_output=True, text=True)
 
 

@@ -12,9 +12,10 @@ import pytest
 
 from controller.node import fsdelete, nofollow, treesize, walker
 from controller.rules.contracts import Reason
-from tests.bed.diskkit import User, listing, make_immutable, open_fds, outside_bait, require_root
+from tests.bed.diskkit import THREADS_ONLY, User, listing, make_immutable, open_fds, outside_bait, require_root
 
 pytest_plugins = ["tests.bed.diskkit"]  # fixtures: throwaway_user, shared_tmp, immutable, mounts
+pytestmark = pytest.mark.usefixtures("engine")  # every test with both walkers but those marked THREADS_ONLY
 
 
 def tree(top: Path, dirs: int = 6, files: int = 20) -> int:
@@ -198,6 +199,7 @@ def test_the_event_loop_keeps_running_while_a_tree_is_deleted(tmp_path: Path) ->
     assert ticks > 10  # the loop ran beside the delete; the stall itself is measured by hack/bench/delete.py
 
 
+@THREADS_ONLY
 def test_disk_usage_counts_blocks_without_following_links(tmp_path: Path) -> None:
     top = tmp_path / "t"
     top.mkdir()
@@ -243,6 +245,7 @@ def test_a_directory_that_stays_is_not_entered_again_when_its_parent_is_read_aga
     assert fsdelete.delete_tree(tmp_path, "t", workers=workers).ok
 
 
+@THREADS_ONLY
 def test_tree_size_counts_blocks_and_files_of_a_chain_deeper_than_recursion_allows(tmp_path: Path) -> None:
     _deep(tmp_path / "t", 2500)  # os.fwalk (the agent's measure) died with RecursionError at ~1,500 levels
     (tmp_path / "t" / "link").symlink_to("/usr")
@@ -258,6 +261,7 @@ def test_tree_size_counts_blocks_and_files_of_a_chain_deeper_than_recursion_allo
     assert open_fds() - before == set()  # every descriptor it opened is closed
 
 
+@THREADS_ONLY
 @pytest.mark.root
 def test_tree_size_does_not_enter_a_mount(tmp_path: Path, mounts: list[Path]) -> None:
     require_root()
@@ -277,6 +281,7 @@ def test_tree_size_does_not_enter_a_mount(tmp_path: Path, mounts: list[Path]) ->
     assert size.files == 1 and size.bytes < 100_000
 
 
+@THREADS_ONLY
 @pytest.mark.root
 @pytest.mark.parametrize("source", ["statx", "fdinfo"])
 def test_a_bind_mount_is_found_by_its_mount_id_without_reading_mountinfo(
@@ -300,6 +305,7 @@ def test_a_bind_mount_is_found_by_its_mount_id_without_reading_mountinfo(
     assert listing(bait_dir) == ["keep.txt"]
 
 
+@THREADS_ONLY
 @pytest.mark.parametrize("workers", [1, 4])
 def test_a_directory_whose_mount_cannot_be_known_is_treated_as_a_mount(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
@@ -314,6 +320,7 @@ def test_a_directory_whose_mount_cannot_be_known_is_treated_as_a_mount(
     assert all(len(listing(tmp_path / "t" / f"d{d}" / "inner")) == 20 for d in range(6))
 
 
+@THREADS_ONLY
 def test_mount_id_reads_the_same_from_statx_and_fdinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -17,9 +17,10 @@ import pytest
 
 from controller.node import fsdelete, walker
 from controller.rules.contracts import Reason
-from tests.bed.diskkit import User, listing, make_immutable, open_fds, outside_bait, require_root
+from tests.bed.diskkit import THREADS_ONLY, User, listing, make_immutable, open_fds, outside_bait, require_root
 
 pytest_plugins = ["tests.bed.diskkit"]
+pytestmark = pytest.mark.usefixtures("engine")  # every test with both walkers but those marked THREADS_ONLY
 
 WIDE = 3 * fsdelete._BATCH + 5  # several full batches and a short one
 
@@ -57,6 +58,7 @@ def test_a_wide_tree_is_deleted_and_every_file_counted_once(tmp_path: Path, work
     assert listing(tmp_path) == []
 
 
+@THREADS_ONLY
 def test_helpers_really_unlink_beside_the_walk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     n = wide(tmp_path / "t")
     seen: set[str] = set()
@@ -74,6 +76,7 @@ def test_helpers_really_unlink_beside_the_walk(tmp_path: Path, monkeypatch: pyte
     assert "fsdelete" in seen  # the shared path ran, not only the walk's own batches
 
 
+@THREADS_ONLY
 def test_a_file_swapped_for_a_directory_while_a_helper_unlinks_it_is_descended_into(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -105,6 +108,7 @@ def test_a_file_swapped_for_a_directory_while_a_helper_unlinks_it_is_descended_i
     assert listing(bait_dir) == ["keep.txt"] and bait_file.read_text() == "must survive too\n"
 
 
+@THREADS_ONLY
 def test_a_directory_swapped_for_a_link_inside_a_worker_is_unlinked_never_followed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -213,6 +217,7 @@ def test_a_10000_level_chain_with_a_wide_level_on_top_is_deleted_with_every_desc
     assert open_fds() - before == set()
 
 
+@THREADS_ONLY
 def test_a_helper_that_fails_unexpectedly_fails_the_delete_and_the_next_one_finishes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
