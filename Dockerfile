@@ -3,7 +3,7 @@
 # the chart's agent DaemonSet alone overrides that (uid 0 with four capabilities, see
 # charts/sandkeep/templates/agent-daemonset.yaml).
 #
-#   docker build -t sandkeep:dev .
+#   hack/rmtree.sh build/sandkeep-rmtree && docker build -t sandkeep:dev .
 #   make image     # the same file with buildah, with no Docker engine and no registry (docs/image.md)
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -28,6 +28,9 @@ LABEL org.opencontainers.image.title="sandkeep" \
 RUN groupadd --system --gid 65532 nonroot \
  && useradd --system --no-log-init --uid 65532 --gid 65532 --home-dir /nonexistent --shell /usr/sbin/nologin nonroot
 COPY --from=build /opt/sandkeep /opt/sandkeep
+# The compiled walker the agent deletes directories with (rmtree/; docs/benchmarks.md), static, built on the host
+# before the build: `hack/rmtree.sh build/sandkeep-rmtree` (make image does it).
+COPY build/sandkeep-rmtree /opt/sandkeep/bin/sandkeep-rmtree
 ENV PATH=/opt/sandkeep/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 # 65532: the conventional "nonroot" uid; the pods also set it and forbid root (runAsNonRoot).
 USER 65532:65532

@@ -39,7 +39,8 @@ base_recipe=(
 )
 base_sources=("deb $mirror $suite main" "deb $mirror $suite-updates main" "deb $security_mirror $suite-security main")
 # The build context, as .dockerignore selects it (keep the two in step).
-context=(Dockerfile .dockerignore pyproject.toml constraints.txt README.md controller)
+# build/sandkeep-rmtree: the compiled walker, built on the host first (hack/rmtree.sh; the base has no Go).
+context=(Dockerfile .dockerignore pyproject.toml constraints.txt README.md controller build/sandkeep-rmtree)
 
 log() { printf '[image %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() {
@@ -123,6 +124,9 @@ check() {
 		run 65532:65532 sandkeep --log-level=INFO controller --help
 		run 0:0 sandkeep --log-level=INFO agent --help
 		run 0:0 sandkeep --log-level=INFO csi-registrar --help
+		# the agent deletes with the compiled walker beside its interpreter, which runs (and refuses no arguments)
+		run 0:0 python -c "from controller.node import fsdelete; assert fsdelete.compiled_walker(), fsdelete.COMPILED"
+		run 0:0 sh -c "sandkeep-rmtree 2>/dev/null; test \$? -eq 2"
 		# kopf names its identity after the user: a uid /etc/passwd does not know stops the controller.
 		run 65532:65532 python -c "import getpass; getpass.getuser()"
 		run 0:0 python -c "import getpass; getpass.getuser()"
@@ -139,6 +143,7 @@ main() {
 	((EUID == 0)) || die "needs root (buildah's storage and mmdebstrap's chroot)"
 	need_tools
 	bash "$repo/hack/protos.sh" || die "hack/protos.sh could not generate controller/csi/proto/ (run \`make venv\` first)"
+	bash "$repo/hack/rmtree.sh" "$repo/build/sandkeep-rmtree" || die "hack/rmtree.sh could not build the compiled walker"
 	local base_key key version ref archive
 	base_key=$(printf '%s\n' "${base_recipe[@]}" "${base_sources[@]}" | sha)
 	key=$(printf '%s\n' "$base_key" "$(context_hash)" "$(sha <"${BASH_SOURCE[0]}")" | sha)

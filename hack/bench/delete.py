@@ -24,7 +24,9 @@ writes a tool leaves behind are paid by whichever tool runs next). Shapes:
 
 sandkeep's delete runs in a child process the way the agent runs it: `delete_tree_async` (an executor thread)
 beside an asyncio loop whose ticking coroutine records the longest gap between ticks (the event-loop stall),
-and the child reports its peak RSS (`ru_maxrss`) and its peak thread count. The peers run as subprocesses:
+and the child reports its peak RSS (`ru_maxrss`) and its peak thread count, and those of the compiled walker it
+runs (`fsdelete.compiled_walker`; its `VmHWM` and `Threads` sampled every 20 ms). The peers run as
+subprocesses:
 
 - `rm -rf T`; `find T -delete`; `rsync -a --delete empty/ T/` then `rmdir T`;
 - `xargs -PN rm -rf` for each N of `--parallel`: `find T -mindepth D -maxdepth D -print0 | xargs -0 -r -n K -P N
@@ -64,7 +66,7 @@ SEED = 15
 
 # The child that runs sandkeep's delete as the agent does: in an executor thread beside a ticking event loop.
 CHILD = r"""
-import asyncio, importlib.util, json, resource, sys, threading, time
+import asyncio, importlib.util, json, os, resource, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2]:
     spec = importlib.util.spec_from_file_location("fsdelete_under_test", sys.argv[2])
@@ -77,17 +79,36 @@ parent, name = sys.argv[3], sys.argv[4]
 workers = int(sys.argv[5]) if sys.argv[5] else fsdelete.WORKERS  # each implementation's own default
 TICK = 0.005
 
+def walker_status():  # (VmHWM KiB, Threads) of the compiled walker's process, if one runs (a child of a thread here)
+    most = (0, 0)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids = f.read().split()
+            for pid in pids:
+                with open(f"/proc/{pid}/status") as f:
+                    got = dict(l.split(":", 1) for l in f if l.startswith(("VmHWM:", "Threads:")))
+                hwm, threads = int(got["VmHWM"].split()[0]), int(got["Threads"])
+                most = (max(most[0], hwm), max(most[1], threads))
+        except (OSError, ValueError, KeyError):
+            continue
+    return most
+
 async def ticking(work):
-    stall, threads, done = 0.0, 0, asyncio.Event()
+    stall, threads, walker, done = 0.0, 0, (0, 0), asyncio.Event()
     async def ticker():
-        nonlocal stall, threads
-        last = time.perf_counter()
+        nonlocal stall, threads, walker
+        last, ticks = time.perf_counter(), 0
         while not done.is_set():
             await asyncio.sleep(TICK)
             now = time.perf_counter()
             stall = max(stall, now - last - TICK)
             threads = max(threads, threading.active_count())
-            last = now
+            ticks += 1
+            if ticks % 4 == 0:
+                now_walker = walker_status()
+                walker = (max(walker[0], now_walker[0]), max(walker[1], now_walker[1]))
+            last = time.perf_counter()
     tick = asyncio.create_task(ticker())
     await asyncio.sleep(0)
     start = time.perf_counter()
@@ -95,7 +116,7 @@ async def ticking(work):
     seconds = time.perf_counter() - start
     done.set()
     await tick
-    return seconds, stall, threads, result
+    return seconds, stall, (threads, walker), result
 
 async def main():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -103,7 +124,8 @@ async def main():
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     _, idle, _, _ = await ticking(asyncio.sleep(min(seconds, 10.0)))  # as long: a fair maximum
     return {"seconds": seconds, "stall": stall, "idle_stall": idle, "rss_before_kib": before, "rss_peak_kib": peak,
-            "threads": threads, "ok": result.ok, "files": result.files, "describe": result.describe()}
+            "threads": threads[0], "walker_rss_kib": threads[1][0], "walker_threads": threads[1][1],
+            "ok": result.ok, "files": result.files, "describe": result.describe()}
 
 print(json.dumps(asyncio.run(main())))
 """
@@ -245,12 +267,14 @@ class Child:
     idles: list[float] = field(default_factory=list)
     rss: list[tuple[int, int]] = field(default_factory=list)
     threads: list[int] = field(default_factory=list)
+    walker: list[tuple[int, int]] = field(default_factory=list)  # the compiled walker's (peak RSS KiB, threads)
 
     def add(self, got: dict[str, object]) -> None:
         self.stalls.append(float(got["stall"]))  # type: ignore[arg-type]
         self.idles.append(float(got["idle_stall"]))  # type: ignore[arg-type]
         self.rss.append((int(got["rss_before_kib"]), int(got["rss_peak_kib"])))  # type: ignore[call-overload]
         self.threads.append(int(got["threads"]))  # type: ignore[call-overload]
+        self.walker.append((int(got["walker_rss_kib"]), int(got["walker_threads"])))  # type: ignore[call-overload]
 
 
 @dataclass
@@ -448,6 +472,9 @@ def report(tools: list[Tool], shapes: list[str], files: int) -> int:
         before, peak = max(child.rss, key=lambda p: p[1])
         print(f"sandkeep peak RSS: {peak / 1024:.1f} MiB (interpreter before the delete {before / 1024:.1f} MiB){who}")
         print(f"sandkeep peak threads: {max(child.threads)} (the event loop's and the executor's included){who}")
+        rss, threads = max(r for r, _ in child.walker), max(t for _, t in child.walker)
+        if rss:
+            print(f"compiled walker peak RSS: {rss / 1024:.1f} MiB, peak threads: {threads} (sampled every 20 ms){who}")
         stall, idle = max(child.stalls) * 1000, max(child.idles) * 1000
         median = statistics.median(child.stalls) * 1000
         print(f"longest event-loop stall: {stall:.1f} ms (median {median:.1f}, ticker alone {idle:.1f} ms){who}")

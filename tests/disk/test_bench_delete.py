@@ -32,6 +32,7 @@ def test_the_delete_benchmark_runs_quick_and_prints_every_peer_and_the_ratio(tmp
         assert re.search(rf"^{shape}: best peer .+ ratio \d+\.\d\d$", out, re.M), out
     assert re.search(r"^sandkeep peak RSS: \d+\.\d MiB", out, re.M), out
     assert re.search(r"^sandkeep peak threads: \d+", out, re.M), out
+    assert re.search(r"^compiled walker peak RSS: \d+\.\d MiB, peak threads: \d+", out, re.M), out  # make venv's
     assert re.search(r"^longest event-loop stall: \d+\.\d ms", out, re.M), out
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"ratio_vs_best \d+\.\d\d", last), last

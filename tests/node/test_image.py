@@ -41,6 +41,7 @@ def snapshot(into: Path) -> Path:
     for name in (
         *("Dockerfile", ".dockerignore", "pyproject.toml", "constraints.txt", "README.md", "hack/image.sh"),
         *("hack/protos.sh", "hack/tools/kube/go.mod", "hack/tools/kube/go.sum"),  # image.sh runs protos.sh first
+        *("hack/rmtree.sh", "rmtree/go.mod", "rmtree/go.sum", "rmtree/main.go"),  # and builds the compiled walker
     ):
         (into / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, into / name)
