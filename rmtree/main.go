@@ -53,15 +53,16 @@ var errStop = errors.New("stop")
 
 // level is one directory of the tree: open (fd >= 0) while a walk reads it.
 type level struct {
-	name     string
-	parent   *level // nil: the top, whose parent is the inherited FD
-	fd       int
-	dev, ino uint64
-	buf      []byte
-	pos, end int
-	taken    int
-	inflight atomic.Int32   // jobs handed out that still use fd
-	jobs     sync.WaitGroup // the same jobs, to wait for
+	name      string
+	parent    *level // nil: the top, whose parent is the inherited FD
+	fd        int
+	dev, ino  uint64
+	buf       []byte
+	pos, end  int
+	taken     int
+	descended bool           // its walk went down into one of its subdirectories: the next ones may be handed out
+	inflight  atomic.Int32   // jobs handed out that still use fd
+	jobs      sync.WaitGroup // the same jobs, to wait for
 }
 
 func (lv *level) close() {
@@ -467,9 +468,12 @@ func (w *walk) drain(top *level) (err error) {
 			if sub == nil {
 				continue
 			}
-			if w.hand(lv, job{lv: lv, sub: sub}) {
+			// a level's first subdirectory stays with its walk (a chain stays with the walk that holds it open,
+			// whose files go out in batches); the next ones go to a goroutine that waits, if one does
+			if lv.descended && w.hand(lv, job{lv: lv, sub: sub}) {
 				continue
 			}
+			lv.descended = true
 			w.push(sub)
 			lv = sub
 			continue

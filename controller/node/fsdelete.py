@@ -14,7 +14,10 @@ A directory goes to the compiled walker (`sandkeep-rmtree`, rmtree/main.go) wher
 interpreter (`make venv`, the image) or named by `SANDKEEP_RMTREE` (empty: never): the same rules as below, step
 for step, with its unlinks in flight in goroutines that share no interpreter lock (measured in
 docs/benchmarks.md). It inherits the parent's fd, answers one JSON line, and dies with its caller
-(PDEATHSIG); what it cannot answer is a failure of the whole tree. Without it, this module's threads delete.
+(PDEATHSIG); what it cannot answer is a failure of the whole tree. The walkers of one process share `WORKERS`
+goroutines (`_Slots`; a delete that finds none left still walks with one); a walker holds at most 16 levels
+open per goroutine, an 8 KiB read buffer per open level and 32 names per job in hand. Without it, this
+module's threads delete.
 
 Every directory is opened with O_DIRECTORY|O_NOFOLLOW relative to its parent's fd (`nofollow.py`) and read with
 scandir (whose d_type spares an lstat per file); links are unlinked like files, never traversed. A directory on
@@ -53,6 +56,7 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -509,9 +513,10 @@ def _delete_compiled(binary: str, parent_fd: int, name: str, where: str, workers
     """Delete the directory `name` below `parent_fd` with the compiled walker (rmtree/main.go says how it keeps
     this module's rules). What it cannot answer is a failure of the whole tree, never a success."""
     top = f"{where.rstrip('/')}/{name}"
-    command = [binary, str(parent_fd), name, str(max(workers, 1))]
     try:
-        proc = subprocess.run(command, pass_fds=(parent_fd,), stdin=subprocess.DEVNULL, capture_output=True)
+        with _SLOTS.take(workers) as goroutines:
+            command = [binary, str(parent_fd), name, str(goroutines)]
+            proc = subprocess.run(command, pass_fds=(parent_fd,), stdin=subprocess.DEVNULL, capture_output=True)
     except OSError as err:
         log.error("delete of %s: the compiled walker %s did not start: %s", top, binary, err)
         return DeleteResult(False, Reason.DELETE_FAILED, err.errno, top)
@@ -525,6 +530,28 @@ def _delete_compiled(binary: str, parent_fd: int, name: str, where: str, workers
         return DeleteResult(True, Reason.DELETED, files=files)
     reason = Reason.CROSS_DEVICE if mount else Reason.DELETE_FAILED
     return DeleteResult(False, reason, errno, f"{where.rstrip('/')}/{path}", files)
+
+
+class _Slots:
+    """The goroutines the compiled walkers of this process may run, all deletes together: `WORKERS`, as the
+    threads' helpers are capped in the process; a delete that finds none left still gets one (its own walk)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used, self.lock = total, 0, threading.Lock()
+
+    @contextlib.contextmanager
+    def take(self, workers: int) -> Iterator[int]:
+        with self.lock:
+            got = max(1, min(workers, self.total - self.used))
+            self.used += got
+        try:
+            yield got
+        finally:
+            with self.lock:
+                self.used -= got
+
+
+_SLOTS = _Slots(WORKERS)
 
 
 def _answer(proc: subprocess.CompletedProcess[bytes]) -> tuple[int, int | None, str | None, bool] | None:

@@ -63,3 +63,12 @@ def test_the_walker_beside_the_interpreter_is_the_default(monkeypatch: pytest.Mo
     assert fsdelete.compiled_walker() == str(COMPILED), "`make venv` builds it beside the interpreter"
     monkeypatch.setenv("SANDKEEP_RMTREE", "")
     assert fsdelete.compiled_walker() is None
+
+
+def test_the_walkers_of_one_process_share_its_goroutines() -> None:
+    slots = fsdelete._Slots(32)
+    with slots.take(32) as first, slots.take(8) as second:
+        assert (first, second) == (32, 1)  # none left: the second still gets its own walk
+    with slots.take(8) as first, slots.take(32) as second, slots.take(32) as third:
+        assert (first, second, third) == (8, 24, 1)
+    assert slots.used == 0
