@@ -70,8 +70,14 @@ func (lv *level) close() {
 		unix.Close(lv.fd)
 		lv.fd = -1
 	}
+	if buf := lv.buf; buf != nil {
+		buffers.Put(&buf)
+	}
 	lv.buf, lv.pos, lv.end = nil, 0, 0
 }
+
+// buffers are the open levels' getdents buffers, reused: a deep chain opens and closes a level per step.
+var buffers = sync.Pool{New: func() any { buf := make([]byte, bufSize); return &buf }}
 
 func (lv *level) path() string {
 	var names []string
@@ -304,7 +310,7 @@ func (w *walk) next(lv *level) (name string, isDir bool, ino uint64, ok bool, er
 	for {
 		if lv.pos >= lv.end {
 			if lv.buf == nil {
-				lv.buf = make([]byte, bufSize)
+				lv.buf = *buffers.Get().(*[]byte)
 			}
 			n, err := unix.Getdents(lv.fd, lv.buf)
 			if err != nil {

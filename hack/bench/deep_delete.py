@@ -4,7 +4,8 @@
 
 Builds each tree fd-relative (deeper than PATH_MAX allows by path), then runs `delete_tree` (one plain walk and
 the 4-worker split) and `tree_size` in a fresh child process and prints that child's peak RSS (`ru_maxrss`)
-before and after the walk. `--fsdelete FILE` loads another implementation (e.g. the one before the fix:
+before and after the walk, and the compiled walker's own (`VmHWM`, sampled: hack/bench/walker_peak.py) when
+`delete_tree` ran it. `--fsdelete FILE` loads another implementation (e.g. the one before the fix:
 `git show <commit>:controller/node/fsdelete.py > /tmp/old.py`), so before/after run on the same machine: its
 `delete_tree`, and its `tree_size` (from before the size walk moved to treesize.py); with a module that has no
 `tree_size`, the size walk measured is `os.fwalk`, which the agent's `measure` used.
@@ -40,17 +41,21 @@ if sys.argv[2]:
 else:
     from controller.node import fsdelete
     from controller.node.treesize import tree_size
+from hack.bench.walker_peak import Sampler
 parent, name, what = sys.argv[3], sys.argv[4], sys.argv[5]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+walker = (0, 0)
 if what == "size" and tree_size is not None:
     result = repr(tree_size(os.open(parent, os.O_RDONLY | os.O_DIRECTORY), name))
 elif what == "size":  # before tree_size: the agent's `measure` walked with os.fwalk
     total = sum(len(f) for _, _, f, _ in os.fwalk(os.path.join(parent, name), follow_symlinks=False))
     result = f"os.fwalk: {total} files"
 else:
-    result = fsdelete.delete_tree(parent, name, workers=int(what)).describe()
+    with Sampler() as sampler:
+        result = fsdelete.delete_tree(parent, name, workers=int(what)).describe()
+    walker = sampler.peak
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"before_kib": before, "peak_kib": after, "result": result}))
+print(json.dumps({"before_kib": before, "peak_kib": after, "walker_kib": walker[0], "result": result}))
 """
 
 
@@ -107,7 +112,10 @@ def main() -> None:
                 got = run_child(base, "t", what, args.fsdelete)
                 walk = "tree_size" if what == "size" else f"delete_tree(workers={what})"
                 peak, before = int(got["peak_kib"]) / 1024, int(got["before_kib"]) / 1024  # type: ignore[call-overload]
-                print(f"{label:18} {walk:24} peak {peak:7.1f} MiB (interpreter {before:5.1f} MiB)  {got['result']}")
+                walker = int(got.get("walker_kib", 0)) / 1024  # type: ignore[call-overload]
+                beside = f", compiled walker {walker:5.1f} MiB" if walker else ""
+                memory = f"peak {peak:7.1f} MiB (interpreter {before:5.1f} MiB{beside})"
+                print(f"{label:18} {walk:24} {memory}  {got['result']}")
                 subprocess.run(["rm", "-rf", str(base / "t")], check=False)
 
 

@@ -66,8 +66,9 @@ SEED = 15
 
 # The child that runs sandkeep's delete as the agent does: in an executor thread beside a ticking event loop.
 CHILD = r"""
-import asyncio, importlib.util, json, os, resource, sys, threading, time
+import asyncio, importlib.util, json, resource, sys, threading, time
 sys.path.insert(0, sys.argv[1])
+from hack.bench.walker_peak import children_status
 if sys.argv[2]:
     spec = importlib.util.spec_from_file_location("fsdelete_under_test", sys.argv[2])
     fsdelete = importlib.util.module_from_spec(spec)
@@ -78,21 +79,6 @@ else:
 parent, name = sys.argv[3], sys.argv[4]
 workers = int(sys.argv[5]) if sys.argv[5] else fsdelete.WORKERS  # each implementation's own default
 TICK = 0.005
-
-def walker_status():  # (VmHWM KiB, Threads) of the compiled walker's process, if one runs (a child of a thread here)
-    most = (0, 0)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids = f.read().split()
-            for pid in pids:
-                with open(f"/proc/{pid}/status") as f:
-                    got = dict(l.split(":", 1) for l in f if l.startswith(("VmHWM:", "Threads:")))
-                hwm, threads = int(got["VmHWM"].split()[0]), int(got["Threads"])
-                most = (max(most[0], hwm), max(most[1], threads))
-        except (OSError, ValueError, KeyError):
-            continue
-    return most
 
 async def ticking(work):
     stall, threads, walker, done = 0.0, 0, (0, 0), asyncio.Event()
@@ -106,7 +92,7 @@ async def ticking(work):
             threads = max(threads, threading.active_count())
             ticks += 1
             if ticks % 4 == 0:
-                now_walker = walker_status()
+                now_walker = children_status()
                 walker = (max(walker[0], now_walker[0]), max(walker[1], now_walker[1]))
             last = time.perf_counter()
     tick = asyncio.create_task(ticker())
