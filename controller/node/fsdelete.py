@@ -74,7 +74,7 @@ _MAX_FAILED_DIRS = 1 << 16  # directories that would not go, remembered to skip 
 _FIRST = 4  # names of non-directories taken from a level at first (a level of fewer is never shared)
 _BATCH = 32  # most names of non-directories taken from a level at once, by its walk or a helper
 COMPILED = "sandkeep-rmtree"  # the compiled walker (rmtree/), beside the interpreter: `make venv`, the image
-_OUTPUT_LIMIT = 1 << 16  # bytes of the compiled walker's answer read at most (one JSON line)
+_OUTPUT_LIMIT = 1 << 16  # bytes of the walker's answer parsed at most: a longer one (a path past 64 KiB) is no answer
 
 log = logging.getLogger(__name__)
 
