@@ -47,6 +47,7 @@ const (
 	bufSize       = 8192    // getdents buffer of an open level
 	maxFailedDirs = 1 << 16 // directories that stay, remembered to skip on a re-read; beyond: stop
 	maxWorkers    = 256
+	maxPath       = 4096 // bytes of a failure's path in the answer: its deepest names past that
 )
 
 var errStop = errors.New("stop")
@@ -118,8 +119,21 @@ func (d *deletion) fail(code unix.Errno, where string, mount bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if !d.failed {
-		d.failed, d.errno, d.where, d.mount = true, int(code), where, mount
+		d.failed, d.errno, d.where, d.mount = true, int(code), shorten(where), mount
 	}
+}
+
+// shorten keeps a failure's path within maxPath bytes: ".../" and its deepest names (the answer stays one short
+// line, however deep the tree).
+func shorten(path string) string {
+	if len(path) <= maxPath {
+		return path
+	}
+	tail := path[len(path)-maxPath+3:]
+	if i := strings.IndexByte(tail, '/'); i >= 0 {
+		tail = tail[i:]
+	}
+	return "..." + tail
 }
 
 // stay remembers a directory that will not go, so a re-read of its parent does not enter it again.

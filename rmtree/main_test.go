@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 
@@ -208,4 +209,18 @@ func deref[T any](p *T) any {
 		return nil
 	}
 	return *p
+}
+
+func TestAFailuresPathIsShortenedToItsDeepestNames(t *testing.T) {
+	if got := shorten("t/a/b"); got != "t/a/b" {
+		t.Fatal(got)
+	}
+	long := "t" + strings.Repeat("/"+strings.Repeat("d", 255), 40) + "/last"
+	got := shorten(long)
+	if len(got) > maxPath || !strings.HasPrefix(got, ".../") || !strings.HasSuffix(got, "/last") {
+		t.Fatalf("%d bytes: %.40s...%s", len(got), got, got[len(got)-20:])
+	}
+	if !strings.HasSuffix(long, got[3:]) {
+		t.Fatal("not the path's own tail")
+	}
 }

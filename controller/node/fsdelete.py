@@ -14,7 +14,8 @@ A directory goes to the compiled walker (`sandkeep-rmtree`, rmtree/main.go) wher
 interpreter (`make venv`, the image) or named by `SANDKEEP_RMTREE` (empty: never): the same rules as below, step
 for step, with its unlinks in flight in goroutines that share no interpreter lock (measured in
 docs/benchmarks.md). It inherits the parent's fd, answers one JSON line, and dies with its caller
-(PDEATHSIG); what it cannot answer is a failure of the whole tree. The walkers of one process share `WORKERS`
+(PDEATHSIG); what it cannot answer is a failure of the whole tree. A failure's path past 4 KiB comes back as
+`.../` and its deepest names. The walkers of one process share `WORKERS`
 goroutines (`_Slots`; a delete that finds none left still walks with one); a walker holds at most 16 levels
 open per goroutine, an 8 KiB read buffer per open level and 32 names per job in hand. Without it, this
 module's threads delete.
@@ -74,7 +75,7 @@ _MAX_FAILED_DIRS = 1 << 16  # directories that would not go, remembered to skip 
 _FIRST = 4  # names of non-directories taken from a level at first (a level of fewer is never shared)
 _BATCH = 32  # most names of non-directories taken from a level at once, by its walk or a helper
 COMPILED = "sandkeep-rmtree"  # the compiled walker (rmtree/), beside the interpreter: `make venv`, the image
-_OUTPUT_LIMIT = 1 << 16  # bytes of the walker's answer parsed at most: a longer one (a path past 64 KiB) is no answer
+_OUTPUT_LIMIT = 1 << 16  # bytes of the walker's answer parsed at most (it shortens a path past 4 KiB itself)
 
 log = logging.getLogger(__name__)
 
