@@ -260,11 +260,8 @@ func (w *walk) makeSearchable(dir int, name string) bool {
 		return false
 	}
 	defer unix.Close(fd)
-	var st unix.Stat_t
-	if unix.Fstat(fd, &st) != nil || int(st.Uid) != w.d.euid || st.Mode&0o700 == 0o700 {
-		return false
-	}
-	return unix.Chmod("/proc/self/fd/"+strconv.Itoa(fd), st.Mode&0o7777|0o700) == nil
+	mode, ok := w.repaired(fd)
+	return ok && unix.Chmod("/proc/self/fd/"+strconv.Itoa(fd), mode) == nil
 }
 
 // makeWritable gives u+rwx to an open directory this uid owns and cannot write.
@@ -272,11 +269,18 @@ func (w *walk) makeWritable(lv *level) bool {
 	if lv == nil || lv.fd < 0 {
 		return false
 	}
+	mode, ok := w.repaired(lv.fd)
+	return ok && unix.Fchmod(lv.fd, mode) == nil
+}
+
+// repaired is the mode with u+rwx for a directory this uid owns and lacks some of it; false for any other
+// (another uid's is never changed).
+func (w *walk) repaired(fd int) (uint32, bool) {
 	var st unix.Stat_t
-	if unix.Fstat(lv.fd, &st) != nil || int(st.Uid) != w.d.euid || st.Mode&0o700 == 0o700 {
-		return false
+	if unix.Fstat(fd, &st) != nil || int(st.Uid) != w.d.euid || st.Mode&0o700 == 0o700 {
+		return 0, false
 	}
-	return unix.Fchmod(lv.fd, st.Mode&0o7777|0o700) == nil
+	return st.Mode&0o7777 | 0o700, true
 }
 
 // unlink removes one non-directory; false when it is a directory (the caller descends).
