@@ -68,7 +68,7 @@ SEED = 15
 CHILD = r"""
 import asyncio, importlib.util, json, resource, sys, threading, time
 sys.path.insert(0, sys.argv[1])
-from hack.bench.walker_peak import children_status
+from hack.bench.walker_peak import Sampler
 if sys.argv[2]:
     spec = importlib.util.spec_from_file_location("fsdelete_under_test", sys.argv[2])
     fsdelete = importlib.util.module_from_spec(spec)
@@ -81,9 +81,9 @@ workers = int(sys.argv[5]) if sys.argv[5] else fsdelete.WORKERS  # each implemen
 TICK = 0.005
 
 async def ticking(work):
-    stall, threads, walker, done = 0.0, 0, (0, 0), asyncio.Event()
+    stall, threads, walker, done = 0.0, 0, Sampler(), asyncio.Event()
     async def ticker():
-        nonlocal stall, threads, walker
+        nonlocal stall, threads
         last, ticks = time.perf_counter(), 0
         while not done.is_set():
             await asyncio.sleep(TICK)
@@ -92,8 +92,7 @@ async def ticking(work):
             threads = max(threads, threading.active_count())
             ticks += 1
             if ticks % 4 == 0:
-                now_walker = children_status()
-                walker = (max(walker[0], now_walker[0]), max(walker[1], now_walker[1]))
+                walker.sample()
             last = time.perf_counter()
     tick = asyncio.create_task(ticker())
     await asyncio.sleep(0)
@@ -102,7 +101,7 @@ async def ticking(work):
     seconds = time.perf_counter() - start
     done.set()
     await tick
-    return seconds, stall, (threads, walker), result
+    return seconds, stall, (threads, walker.peak), result
 
 async def main():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

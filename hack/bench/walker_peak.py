@@ -27,17 +27,21 @@ def children_status() -> tuple[int, int]:
 
 
 class Sampler:
-    """`with Sampler() as s: ...` reads `children_status` every `every` seconds in a thread; `s.peak` after."""
+    """The highest `children_status` seen, in `peak`: `sample()` takes one reading (delete.py's event-loop ticker
+    calls it), and `with Sampler() as s: ...` takes one every `every` seconds in a thread meanwhile."""
 
     def __init__(self, every: float = 0.01) -> None:
         self.every, self.peak = every, (0, 0)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
+    def sample(self) -> None:
+        now = children_status()
+        self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
+
     def run(self) -> None:
         while not self.done.wait(self.every):
-            now = children_status()
-            self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
+            self.sample()
 
     def __enter__(self) -> Sampler:
         self.thread.start()
